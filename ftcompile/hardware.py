@@ -1,0 +1,123 @@
+"""Hardware specs: what the analytic cost model needs to know about a device.
+
+Presets hold public datasheet figures (dense, no sparsity). The analytic model
+multiplies peaks by ``efficiency`` because no real kernel mix reaches them.
+A user spec is a JSON file with the same fields (see ``HardwareSpec``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+GB = 1e9
+TFLOPS = 1e12
+
+
+class HardwareError(ValueError):
+    """An unknown preset or a bad spec file."""
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One accelerator (or CPU) as the cost model sees it.
+
+    ``peak_flops`` maps a dtype name to dense peak FLOP/s for matrix work;
+    elementwise work is bound by ``memory_bandwidth`` (bytes/s).
+    ``link_bandwidth`` is the device-to-device bandwidth (bytes/s) used for
+    activations between stages; ``host_bandwidth`` the host link used for
+    swapping. ``kernel_overhead_s`` is the fixed cost of launching one operator.
+    """
+
+    name: str
+    peak_flops: dict[str, float]
+    memory_bandwidth: float
+    memory_bytes: int
+    link_bandwidth: float
+    host_bandwidth: float
+    kernel_overhead_s: float = 5e-6
+    matmul_efficiency: float = 0.6
+    memory_efficiency: float = 0.7
+    description: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def flops_per_s(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype``, falling back to float32's when the dtype is not listed."""
+        return self.peak_flops.get(dtype, self.peak_flops.get("float32", min(self.peak_flops.values())))
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict) -> "HardwareSpec":
+        required = ("name", "peak_flops", "memory_bandwidth", "memory_bytes", "link_bandwidth", "host_bandwidth")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise HardwareError(f"hardware spec lacks field(s) {missing}; required: {list(required)}")
+        known = set(HardwareSpec.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise HardwareError(f"hardware spec has unknown field(s) {unknown}; known fields: {sorted(known)}")
+        try:
+            spec = HardwareSpec(**{**d, "peak_flops": {str(k): float(v) for k, v in d["peak_flops"].items()}})
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise HardwareError(f"bad hardware spec: {exc}") from None
+        for k in ("memory_bandwidth", "memory_bytes", "link_bandwidth", "host_bandwidth"):
+            if not float(getattr(spec, k)) > 0:
+                raise HardwareError(f"hardware spec field {k} must be positive, got {getattr(spec, k)!r}")
+        return spec
+
+
+PRESETS: dict[str, HardwareSpec] = {
+    "rtx2080ti": HardwareSpec(
+        name="rtx2080ti",
+        # GeForce Turing: fp16 tensor cores with fp32 accumulate run at half rate (26.9 TF).
+        peak_flops={"float32": 13.4 * TFLOPS, "float16": 26.9 * TFLOPS, "bfloat16": 13.4 * TFLOPS},
+        memory_bandwidth=616 * GB, memory_bytes=11 * 1024**3,
+        link_bandwidth=12 * GB, host_bandwidth=12 * GB, kernel_overhead_s=6e-6,
+        description="NVIDIA GeForce RTX 2080 Ti, 11 GB, PCIe 3.0 x16 (the FTPipe paper's server)"),
+    "v100-32gb": HardwareSpec(
+        name="v100-32gb",
+        peak_flops={"float32": 15.7 * TFLOPS, "float16": 125 * TFLOPS, "bfloat16": 15.7 * TFLOPS},
+        memory_bandwidth=900 * GB, memory_bytes=32 * 1024**3,
+        link_bandwidth=150 * GB, host_bandwidth=12 * GB, kernel_overhead_s=5e-6,
+        description="NVIDIA V100 SXM2 32 GB, NVLink 2"),
+    "a100-80gb": HardwareSpec(
+        name="a100-80gb",
+        # float32 matmuls use TF32 tensor cores by default in most frameworks' training setups.
+        peak_flops={"float32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS, "float16": 312 * TFLOPS,
+                    "bfloat16": 312 * TFLOPS},
+        memory_bandwidth=2039 * GB, memory_bytes=80 * 1024**3,
+        link_bandwidth=300 * GB, host_bandwidth=25 * GB, kernel_overhead_s=4e-6,
+        description="NVIDIA A100 SXM4 80 GB, NVLink 3"),
+    "h100-80gb": HardwareSpec(
+        name="h100-80gb",
+        peak_flops={"float32": 67 * TFLOPS, "tf32": 494 * TFLOPS, "float16": 989 * TFLOPS,
+                    "bfloat16": 989 * TFLOPS, "float8_e4m3fn": 1979 * TFLOPS},
+        memory_bandwidth=3350 * GB, memory_bytes=80 * 1024**3,
+        link_bandwidth=450 * GB, host_bandwidth=55 * GB, kernel_overhead_s=4e-6,
+        description="NVIDIA H100 SXM5 80 GB, NVLink 4"),
+    "cpu": HardwareSpec(
+        name="cpu",
+        peak_flops={"float32": 100e9, "float16": 25e9, "bfloat16": 50e9, "float64": 50e9},
+        memory_bandwidth=20 * GB, memory_bytes=16 * 1024**3,
+        link_bandwidth=5 * GB, host_bandwidth=20 * GB, kernel_overhead_s=5e-6,
+        matmul_efficiency=0.5, memory_efficiency=0.5,
+        description="a small multi-core x86 server CPU (for tests and CPU runs)"),
+}
+
+
+def load_hardware(name_or_path: str) -> HardwareSpec:
+    """A preset by name, or a spec from a JSON file."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    if os.path.exists(name_or_path):
+        try:
+            with open(name_or_path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise HardwareError(f"cannot read hardware spec {name_or_path}: {exc}") from None
+        return HardwareSpec.from_json(data)
+    raise HardwareError(f"unknown hardware {name_or_path!r}: use one of {', '.join(PRESETS)} "
+                        "or a JSON spec file with the fields of ftcompile.hardware.HardwareSpec")

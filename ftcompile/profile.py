@@ -1,0 +1,674 @@
+"""Per-node costs of an OpGraph (FTPipe §4 "Profiling", §4.3).
+
+Two sources stand behind one artifact, :class:`Profile`:
+
+* :func:`analytic_profile` runs every node once on the ``meta`` device under a
+  dispatch mode that counts the FLOPs and bytes of each ATen kernel, forward and
+  backward, and prices them on a :class:`~ftcompile.hardware.HardwareSpec` with a
+  roofline (``max(flops / peak, bytes / bandwidth) + launch overhead``). It needs
+  no weights and gives the same numbers on any machine.
+* :func:`measured_profile` runs every node for real on a device, timing forward
+  and backward (CUDA events on GPU, ``perf_counter`` on CPU; warm-up, repeats,
+  median). Weights and activations live in host memory and are moved to the
+  device node by node (host swapping), so a model larger than the device still
+  profiles.
+
+Both record, per node, the bytes of activations kept for backward (from
+autograd's saved-tensor hooks, each tensor counted once however many consumers
+save it), the memory of the parameters it is first to use (weights, gradients,
+optimizer state for the chosen optimizer) and the bytes it sends to each consumer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .execute import run_instrs
+from .hardware import HardwareSpec
+from .ir import Node, OpGraph, TensorMeta, atomic_write_text, iter_refs
+
+PROFILE_VERSION = 1
+PROFILE_FORMAT = "ftcompile.profile"
+OPTIMIZERS = ("sgd", "momentum", "adam", "adafactor")
+
+
+class ProfileError(ValueError):
+    """A profile cannot be made or read; the message says why and what to do."""
+
+
+# --------------------------------------------------------------------------- artifact
+
+@dataclass
+class NodeCost:
+    """Costs of one node for one micro-batch."""
+
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    recompute_ms: float = 0.0
+    flops_forward: float = 0.0
+    flops_backward: float = 0.0
+    bytes_forward: float = 0.0          # memory traffic of the forward kernels
+    bytes_backward: float = 0.0
+    activation_bytes: int = 0           # kept from forward to backward
+    param_bytes: int = 0                # parameters this node is first to use
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    output_bytes: dict[int, int] = field(default_factory=dict)   # consumer node id -> bytes sent
+
+    @property
+    def compute_ms(self) -> float:
+        return self.forward_ms + self.backward_ms
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["output_bytes"] = {str(k): v for k, v in self.output_bytes.items()}
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> "NodeCost":
+        d = dict(d)
+        d["output_bytes"] = {int(k): int(v) for k, v in d.get("output_bytes", {}).items()}
+        return NodeCost(**d)
+
+
+@dataclass
+class ParamCost:
+    """Memory one parameter (or buffer) needs on every GPU that hosts a user of it."""
+
+    bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass
+class Profile:
+    """Costs of every node of one graph, for one hardware, dtype, batch size and optimizer."""
+
+    graph_hash: str
+    method: str                      # "analytic" | "measured"
+    hardware: dict                   # the HardwareSpec (analytic) or the device description (measured)
+    dtype: str
+    batch_size: int | None
+    optimizer: str
+    nodes: dict[int, NodeCost]
+    params: dict[str, ParamCost]
+    info: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return profile_key(self.graph_hash, self.hardware.get("name", "?"), self.dtype, self.batch_size,
+                           self.optimizer, self.method)
+
+    def totals(self) -> dict:
+        ns = self.nodes.values()
+        return {
+            "forward_ms": sum(c.forward_ms for c in ns),
+            "backward_ms": sum(c.backward_ms for c in ns),
+            "recompute_ms": sum(c.recompute_ms for c in ns),
+            "flops_forward": sum(c.flops_forward for c in ns),
+            "flops_backward": sum(c.flops_backward for c in ns),
+            "activation_bytes": sum(c.activation_bytes for c in ns),
+            "param_bytes": sum(p.bytes for p in self.params.values()),
+            "grad_bytes": sum(p.grad_bytes for p in self.params.values()),
+            "optimizer_bytes": sum(p.optimizer_bytes for p in self.params.values()),
+        }
+
+    def summary(self, graph: OpGraph | None = None, top: int = 5) -> dict:
+        heavy = sorted(self.nodes.items(), key=lambda kv: -kv[1].compute_ms)[:top]
+        return {
+            "method": self.method, "hardware": self.hardware.get("name"), "dtype": self.dtype,
+            "batch_size": self.batch_size, "optimizer": self.optimizer, "key": self.key,
+            **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.totals().items()},
+            "heaviest": [{"node": nid, "name": graph.node(nid).name if graph else None,
+                          "op": graph.node(nid).op if graph else None,
+                          "forward_ms": round(c.forward_ms, 4), "backward_ms": round(c.backward_ms, 4)}
+                         for nid, c in heavy],
+        }
+
+    def to_json(self) -> dict:
+        return {
+            "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "graph_hash": self.graph_hash,
+            "method": self.method, "hardware": self.hardware, "dtype": self.dtype,
+            "batch_size": self.batch_size, "optimizer": self.optimizer, "info": self.info,
+            "params": {k: asdict(v) for k, v in self.params.items()},
+            "nodes": {str(k): v.to_json() for k, v in self.nodes.items()},
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> "Profile":
+        if not isinstance(d, dict) or d.get("format") != PROFILE_FORMAT:
+            raise ProfileError("not an ftcompile profile file; make one with `ftcompile profile MODEL -o profile.json`")
+        if d.get("version") != PROFILE_VERSION:
+            raise ProfileError(f"profile has version {d.get('version')!r}, this ftcompile reads {PROFILE_VERSION}; "
+                               "re-run `ftcompile profile`")
+        try:
+            return Profile(
+                graph_hash=d["graph_hash"], method=d["method"], hardware=d["hardware"], dtype=d["dtype"],
+                batch_size=d.get("batch_size"), optimizer=d["optimizer"], info=d.get("info", {}),
+                params={k: ParamCost(**v) for k, v in d["params"].items()},
+                nodes={int(k): NodeCost.from_json(v) for k, v in d["nodes"].items()},
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProfileError(f"profile file is corrupt ({type(exc).__name__}: {exc}); re-run `ftcompile profile`") from None
+
+    def save(self, path: str | os.PathLike) -> None:
+        atomic_write_text(path, json.dumps(self.to_json(), separators=(",", ":")))
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> "Profile":
+        try:
+            with open(path, encoding="utf-8") as f:
+                return Profile.from_json(json.load(f))
+        except FileNotFoundError:
+            raise ProfileError(f"no such profile file: {path}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ProfileError(f"{path} is not valid JSON ({exc}); re-run `ftcompile profile`") from None
+
+    def check_graph(self, graph: OpGraph) -> None:
+        """Refuse a profile made for another graph."""
+        if self.graph_hash != graph.content_hash():
+            raise ProfileError(f"profile was made for graph {self.graph_hash}, not {graph.content_hash()}; "
+                               "re-run `ftcompile profile` on this graph")
+
+
+def profile_key(graph_hash: str, hardware: str, dtype: str, batch_size: int | None, optimizer: str,
+                method: str) -> str:
+    """File-name-safe key under which a profile is cached."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in hardware)
+    return f"{graph_hash}-{method}-{safe}-{dtype}-b{batch_size}-{optimizer}"
+
+
+# --------------------------------------------------------------------------- memory of parameters
+
+def optimizer_state_bytes(meta: TensorMeta, optimizer: str) -> int:
+    """Bytes of optimizer state for one parameter (states kept in float32, as torch and HF do)."""
+    if optimizer not in OPTIMIZERS:
+        raise ProfileError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    n = meta.numel
+    if optimizer == "sgd":
+        return 0
+    if optimizer == "momentum":
+        return 4 * n
+    if optimizer == "adam":
+        return 8 * n
+    # Adafactor (no first moment, as in its default): a factored second moment for
+    # matrices (one row and one column vector per trailing 2-D slice), a full one otherwise.
+    if len(meta.shape) >= 2:
+        lead = math.prod(meta.shape[:-2])
+        return 4 * lead * (meta.shape[-2] + meta.shape[-1])
+    return 4 * n
+
+
+def param_costs(graph: OpGraph, optimizer: str) -> dict[str, ParamCost]:
+    out = {}
+    for name, p in graph.params.items():
+        trainable = p.trainable
+        out[name] = ParamCost(
+            bytes=p.bytes,
+            grad_bytes=p.bytes if trainable else 0,
+            optimizer_bytes=optimizer_state_bytes(p.meta, optimizer) if trainable else 0,
+        )
+    return out
+
+
+def _first_users(graph: OpGraph) -> dict[int, list[str]]:
+    owned: dict[int, list[str]] = {}
+    for name, p in graph.params.items():
+        if p.users:
+            owned.setdefault(min(p.users), []).append(name)
+    return owned
+
+
+# --------------------------------------------------------------------------- running one node
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+
+
+class _KernelCounter(TorchDispatchMode):
+    """Records, for every ATen kernel dispatched, its FLOPs and the bytes it reads and writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+
+        self.registry = flop_registry
+        self.kernels: list[tuple[float, float, bool]] = []   # (flops, bytes, is_view)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flops = 0.0
+        counter = self.registry.get(func._overloadpacket)
+        if counter is not None:
+            try:
+                flops = float(counter(*args, **kwargs, out_val=out))
+            except Exception:  # noqa: BLE001 - a counter that cannot read these shapes counts nothing
+                flops = 0.0
+        is_view = bool(getattr(func, "is_view", False))
+        nbytes = 0.0
+        if not is_view:
+            for t in tree_flatten((args, kwargs, out))[0]:
+                if isinstance(t, torch.Tensor):
+                    nbytes += t.numel() * t.element_size()
+        self.kernels.append((flops, nbytes, is_view))
+        return out
+
+
+@dataclass
+class _NodeRun:
+    """What running one node once taught us."""
+
+    fwd_kernels: list
+    bwd_kernels: list
+    saved_internal_bytes: int
+    saved_inputs: frozenset        # positions (in the node's input list) of inputs saved for backward
+    outputs: dict                  # value name -> tensor
+
+
+def _make_leaf(meta: TensorMeta, device, requires_grad: bool) -> torch.Tensor:
+    dtype = getattr(torch, meta.dtype)
+    t = torch.empty(meta.shape, dtype=dtype, device=device)
+    if requires_grad and t.is_floating_point():
+        t.requires_grad_(True)
+    return t
+
+
+def _run_node_once(node: Node, inputs: dict[str, Any], params: Mapping[str, torch.Tensor], device,
+                   count: bool, grad_seed: Callable[[torch.Tensor], torch.Tensor]) -> _NodeRun:
+    """Run ``node`` forward then backward, counting kernels (optionally) and saved tensors."""
+    input_names = list(inputs)
+    input_keys = {_storage_key(t): i for i, t in enumerate(inputs.values()) if isinstance(t, torch.Tensor)}
+    param_keys = {_storage_key(params[p]) for p in node.params if isinstance(params.get(p), torch.Tensor)}
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    fwd = _KernelCounter() if count else None
+    env: dict[str, Any] = dict(inputs)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if fwd is not None:
+            with fwd:
+                run_instrs(node.instrs, env, params, device)
+        else:
+            run_instrs(node.instrs, env, params, device)
+    outputs = {v: env[v] for v in node.outputs if v in env}
+
+    saved_inputs = set()
+    internal = 0
+    seen: set[int] = set()
+    for t in saved:
+        k = _storage_key(t)
+        if k in seen or k in param_keys:
+            continue
+        seen.add(k)
+        if k in input_keys:
+            saved_inputs.add(input_keys[k])
+        else:
+            internal += t.numel() * t.element_size()
+
+    bwd = _KernelCounter() if count else None
+    diff_out = [t for t in outputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+    wrt = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+    wrt += [params[p] for p in node.params if isinstance(params.get(p), torch.Tensor) and params[p].requires_grad]
+    if diff_out and wrt:
+        seeds = [grad_seed(t) for t in diff_out]
+        if bwd is not None:
+            with bwd:
+                torch.autograd.grad(diff_out, wrt, seeds, allow_unused=True)
+        else:
+            torch.autograd.grad(diff_out, wrt, seeds, allow_unused=True)
+    return _NodeRun(fwd.kernels if fwd else [], bwd.kernels if bwd else [], internal,
+                    frozenset(saved_inputs), outputs)
+
+
+def _node_inputs(graph: OpGraph, node: Node) -> list[tuple[str, Any]]:
+    """The node's inputs as (value name, metadata), in first-read order."""
+    seen: dict[str, Any] = {}
+    metas = {e.value: e.meta for e in graph.in_edges(node.id)}
+    for ins in node.instrs:
+        for r in iter_refs(ins.args, ins.kwargs):
+            if r in metas and r not in seen:
+                seen[r] = metas[r]
+    return list(seen.items())
+
+
+def _signature(graph: OpGraph, node: Node) -> str:
+    """A key equal for nodes that compute the same thing on the same shapes (repeated layers)."""
+    rename: dict[str, str] = {}
+
+    def canon(tree):
+        if isinstance(tree, list):
+            return [canon(t) for t in tree]
+        if isinstance(tree, dict):
+            if len(tree) == 1 and "ref" in tree:
+                return {"ref": rename.setdefault(tree["ref"], f"v{len(rename)}")}
+            if len(tree) == 1 and "param" in tree:
+                p = graph.params[tree["param"]]
+                return {"param": [list(p.meta.shape), p.meta.dtype, p.trainable]}
+            return {k: canon(v) for k, v in tree.items()}
+        return tree
+
+    metas = {e.value: e.meta.to_json() for e in graph.in_edges(node.id)}
+    body = []
+    for ins in node.instrs:
+        args, kwargs = canon(ins.args), canon(ins.kwargs)
+        body.append([ins.target, args, kwargs])
+        for v in [ins.name, *ins.unpack.values()]:
+            rename.setdefault(v, f"v{len(rename)}")
+    ins_meta = {rename[k]: m for k, m in metas.items() if k in rename}
+    outs = sorted(rename[v] for v in node.outputs if v in rename)
+    return json.dumps([body, ins_meta, outs], sort_keys=True, default=str)
+
+
+def _roofline_ms(kernels: Iterable[tuple[float, float, bool]], hw: HardwareSpec, dtype: str) -> float:
+    peak = hw.flops_per_s(dtype) * hw.matmul_efficiency
+    bw = hw.memory_bandwidth * hw.memory_efficiency
+    total = 0.0
+    for flops, nbytes, is_view in kernels:
+        if is_view:
+            continue
+        total += max(flops / peak, nbytes / bw) + hw.kernel_overhead_s
+    return total * 1e3
+
+
+def _graph_dtype(graph: OpGraph) -> str:
+    counts: dict[str, int] = {}
+    for p in graph.params.values():
+        if p.meta.is_floating:
+            counts[p.meta.dtype] = counts.get(p.meta.dtype, 0) + p.bytes
+    return max(counts, key=counts.get) if counts else "float32"
+
+
+def _fill_memory(graph: OpGraph, costs: dict[int, NodeCost], saved_by_consumers: dict[str, bool],
+                 optimizer: str) -> dict[str, ParamCost]:
+    pcosts = param_costs(graph, optimizer)
+    for nid, names in _first_users(graph).items():
+        c = costs[nid]
+        c.param_bytes = sum(pcosts[n].bytes for n in names)
+        c.grad_bytes = sum(pcosts[n].grad_bytes for n in names)
+        c.optimizer_bytes = sum(pcosts[n].optimizer_bytes for n in names)
+    for node in graph.nodes:
+        c = costs.setdefault(node.id, NodeCost())
+        for v, meta in node.outputs.items():
+            if saved_by_consumers.get(v):
+                c.activation_bytes += meta.bytes
+        per_dst: dict[int, int] = {}
+        for e in graph.out_edges(node.id):
+            per_dst[e.dst] = per_dst.get(e.dst, 0) + e.bytes
+        c.output_bytes = per_dst
+    return pcosts
+
+
+# --------------------------------------------------------------------------- analytic
+
+def analytic_profile(graph: OpGraph, hardware: HardwareSpec, *, optimizer: str = "adam",
+                     dtype: str | None = None, progress: Callable[[int, int], None] | None = None) -> Profile:
+    """Costs from FLOP and byte counts of every kernel, priced on ``hardware`` (no weights needed)."""
+    dtype = dtype or _graph_dtype(graph)
+    if optimizer not in OPTIMIZERS:
+        raise ProfileError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    meta_params = {name: _make_leaf(p.meta, "meta", p.trainable) for name, p in graph.params.items()}
+    cache: dict[str, tuple[NodeCost, frozenset, int]] = {}
+    costs: dict[int, NodeCost] = {}
+    saved_by_consumers: dict[str, bool] = {}
+    op_nodes = [n for n in graph.nodes if n.kind == "op"]
+    t0 = time.perf_counter()
+    for i, node in enumerate(op_nodes):
+        ins = _node_inputs(graph, node)
+        sig = _signature(graph, node)
+        hit = cache.get(sig)
+        if hit is None:
+            inputs = {name: (_make_leaf(m.tensor, "meta", True) if m.tensor is not None
+                             else _literal_value(m.literal)) for name, m in ins}
+            try:
+                run = _run_node_once(node, inputs, meta_params, "meta", True, torch.ones_like)
+            except Exception as exc:  # noqa: BLE001
+                raise ProfileError(f"cannot cost node {node.id} ({node.name}, {node.op}) on meta: "
+                                   f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from exc
+            fwd_ms = _roofline_ms(run.fwd_kernels, hardware, dtype)
+            cost = NodeCost(
+                forward_ms=fwd_ms, recompute_ms=fwd_ms,
+                backward_ms=_roofline_ms(run.bwd_kernels, hardware, dtype),
+                flops_forward=sum(k[0] for k in run.fwd_kernels),
+                flops_backward=sum(k[0] for k in run.bwd_kernels),
+                bytes_forward=sum(k[1] for k in run.fwd_kernels),
+                bytes_backward=sum(k[1] for k in run.bwd_kernels),
+            )
+            hit = (cost, run.saved_inputs, run.saved_internal_bytes)
+            cache[sig] = hit
+        cost, saved_pos, internal = hit
+        costs[node.id] = NodeCost(**{**asdict(cost), "activation_bytes": internal, "output_bytes": {}})
+        for pos in saved_pos:
+            saved_by_consumers[ins[pos][0]] = True
+        if progress:
+            progress(i + 1, len(op_nodes))
+    pcosts = _fill_memory(graph, costs, saved_by_consumers, optimizer)
+    return Profile(graph_hash=graph.content_hash(), method="analytic", hardware=hardware.to_json(),
+                   dtype=dtype, batch_size=graph.source.get("options", {}).get("batch_size"),
+                   optimizer=optimizer, nodes=costs, params=pcosts,
+                   info={"seconds": round(time.perf_counter() - t0, 3), "distinct_nodes": len(cache)})
+
+
+def _literal_value(lit: Any) -> Any:
+    from .ir import decode_literal
+
+    return decode_literal(lit)
+
+
+# --------------------------------------------------------------------------- measured
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Timer:
+    """Times a callable: CUDA events on a GPU, perf_counter elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, fn: Callable[[], Any]) -> float:
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+
+def graph_input_values(graph: OpGraph, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+    """Match a call's (args, kwargs) to the graph's input values by their paths."""
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    leaves, _ = tree_flatten_with_path((tuple(args), dict(kwargs)))
+    by_path = {}
+    for path, leaf in leaves:
+        s = keystr(path)
+        s = ("args" + s[3:]) if s.startswith("[0]") else ("kwargs" + s[3:]) if s.startswith("[1]") else s
+        by_path[s] = leaf
+    out = {}
+    for inp in graph.inputs:
+        if inp.get("node") is None:
+            continue
+        if inp["path"] not in by_path:
+            raise ProfileError(f"the inputs given lack {inp['path']}, which the graph was traced with")
+        out[inp["value"]] = by_path[inp["path"]]
+    return out
+
+
+def host_params(graph: OpGraph, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors for every graph parameter, buffer and constant, kept in host memory."""
+    state: dict[str, torch.Tensor] = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        state[name] = t
+    for name, t in model.named_buffers(remove_duplicate=False):
+        state[name] = t
+    out = {}
+    for name, p in graph.params.items():
+        t = state.get(name)
+        if t is None:
+            t = next((state[a] for a in p.aliases if a in state), None)
+        if t is None and p.value is not None:
+            t = torch.tensor(p.value, dtype=getattr(torch, p.meta.dtype)).reshape(p.meta.shape)
+        if t is None:
+            raise ProfileError(f"the model has no tensor for graph parameter {name!r}")
+        if t.is_meta:
+            raise ProfileError("measured profiling needs real weights, but the model was built on the meta "
+                               "device; build it with --device cpu (weights stay in host memory and move to "
+                               "the GPU node by node), or use --method analytic")
+        out[name] = t.detach().cpu()
+    return out
+
+
+def measured_profile(graph: OpGraph, params: Mapping[str, torch.Tensor], inputs: Mapping[str, torch.Tensor], *,
+                     device: str | torch.device = "cpu", optimizer: str = "adam", warmup: int = 1,
+                     repeats: int = 5, progress: Callable[[int, int], None] | None = None) -> Profile:
+    """Time every node on ``device`` with host swapping.
+
+    ``params`` and ``inputs`` are host (CPU) tensors: parameters by canonical graph
+    name, inputs by graph input value name (see :func:`host_params` and
+    :func:`graph_input_values`). Only one node's inputs and parameters are on the
+    device at a time; its outputs return to host memory and are freed after their
+    last consumer has run.
+    """
+    device = torch.device(device)
+    if optimizer not in OPTIMIZERS:
+        raise ProfileError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ProfileError("device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    if repeats < 1 or warmup < 0:
+        raise ProfileError("repeats must be at least 1 and warmup at least 0")
+    timer = _Timer(device)
+    pin = device.type == "cuda"
+    host: dict[str, Any] = {}
+    for v, t in inputs.items():
+        host[v] = t.detach().cpu().pin_memory() if pin else t.detach().cpu()
+    hparams = {k: (v.pin_memory() if pin and not v.is_pinned() else v) for k, v in params.items()}
+    last_use: dict[str, int] = {}
+    for e in graph.edges:
+        last_use[e.value] = max(last_use.get(e.value, -1), e.dst)
+
+    costs: dict[int, NodeCost] = {}
+    saved_by_consumers: dict[str, bool] = {}
+    op_nodes = [n for n in graph.nodes if n.kind == "op"]
+    peak_device = 0
+    t0 = time.perf_counter()
+    for i, node in enumerate(op_nodes):
+        names = [name for name, _m in _node_inputs(graph, node)]
+
+        def stage_in():
+            # Swap in: this node's inputs and parameters, fresh leaves each time.
+            ins = {}
+            for n in names:
+                v = host[n]
+                if isinstance(v, torch.Tensor):
+                    v = v.to(device, non_blocking=True).detach()
+                    if v.is_floating_point():
+                        v.requires_grad_(True)
+                ins[n] = v
+            ps = {}
+            for p in node.params:
+                t = hparams[p].to(device, non_blocking=True).detach()
+                if graph.params[p].trainable and t.is_floating_point():
+                    t.requires_grad_(True)
+                ps[p] = t
+            return ins, ps
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        ins, ps = stage_in()
+        _sync(device)
+        try:
+            run = _run_node_once(node, ins, ps, device, False, torch.randn_like)
+        except Exception as exc:  # noqa: BLE001
+            raise ProfileError(f"node {node.id} ({node.name}, {node.op}) failed on {device}: "
+                               f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from exc
+        outputs = run.outputs
+        fwd_times, bwd_times = [], []
+        for r in range(warmup + repeats):
+            env = dict(ins)
+            f_ms = timer(lambda: run_instrs(node.instrs, env, ps, device))
+            outs = [env[v] for v in node.outputs if isinstance(env.get(v), torch.Tensor) and env[v].requires_grad]
+            wrt = [t for t in list(ins.values()) + list(ps.values())
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+            b_ms = 0.0
+            if outs and wrt:
+                seeds = [torch.randn_like(t) for t in outs]
+                b_ms = timer(lambda: torch.autograd.grad(outs, wrt, seeds, allow_unused=True))
+            if r >= warmup:
+                fwd_times.append(f_ms)
+                bwd_times.append(b_ms)
+        if device.type == "cuda":
+            peak_device = max(peak_device, torch.cuda.max_memory_allocated(device))
+        f = statistics.median(fwd_times)
+        costs[node.id] = NodeCost(forward_ms=f, recompute_ms=f, backward_ms=statistics.median(bwd_times),
+                                  activation_bytes=run.saved_internal_bytes)
+        for pos in run.saved_inputs:
+            saved_by_consumers[names[pos]] = True
+        # Swap out: outputs back to host; free what no later node reads.
+        for v, t in outputs.items():
+            host[v] = t.detach().to("cpu") if isinstance(t, torch.Tensor) else t
+        for n in names:
+            if last_use.get(n, -1) <= node.id:
+                host.pop(n, None)
+        del ins, ps, run, outputs
+        if progress:
+            progress(i + 1, len(op_nodes))
+    pcosts = _fill_memory(graph, costs, saved_by_consumers, optimizer)
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{os.cpu_count()}cores"
+    return Profile(graph_hash=graph.content_hash(), method="measured",
+                   hardware={"name": dev_name, "device": str(device)}, dtype=_graph_dtype(graph),
+                   batch_size=graph.source.get("options", {}).get("batch_size"), optimizer=optimizer,
+                   nodes=costs, params=pcosts,
+                   info={"seconds": round(time.perf_counter() - t0, 3), "warmup": warmup, "repeats": repeats,
+                         "peak_device_bytes": peak_device, "torch": torch.__version__})
+
+
+# --------------------------------------------------------------------------- cache
+
+def cached(path_dir: str | os.PathLike, key: str) -> Profile | None:
+    """The profile saved under ``key`` in ``path_dir``, or None."""
+    p = os.path.join(os.fspath(path_dir), key + ".json")
+    if os.path.exists(p):
+        try:
+            return Profile.load(p)
+        except ProfileError:
+            return None
+    return None
+
+
+def store(path_dir: str | os.PathLike, profile: Profile) -> str:
+    p = os.path.join(os.fspath(path_dir), profile.key + ".json")
+    profile.save(p)
+    return p
+
+
+__all__ = [
+    "NodeCost", "ParamCost", "Profile", "ProfileError", "OPTIMIZERS", "analytic_profile", "measured_profile",
+    "graph_input_values", "host_params", "optimizer_state_bytes", "param_costs", "profile_key", "cached", "store",
+]

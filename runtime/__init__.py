@@ -1,0 +1,1 @@
+"""Run-time support for generated pipeline packages (nothing from the compiler)."""
