@@ -1,7 +1,7 @@
 """Public types of the model zoo: options, zoo entries, built models and the error type.
 
-These are plain dataclasses with no behaviour beyond validation-free storage; the
-logic that fills and checks them lives in :mod:`ftcompile.models.common`.
+These are plain data holders; the logic that fills and checks them lives in
+:mod:`ftcompile.models.common`.
 """
 
 from __future__ import annotations

@@ -311,6 +311,8 @@ def _new_config(family: HFFamily, size: HFSize):
 
 def _prepare_config(family: HFFamily, config) -> None:
     """Make any config (ours or a checkpoint's) traceable and loss-producing."""
+    # The private attribute is transformers' own switch (what attn_implementation= sets);
+    # a checkpoint's config cannot take the constructor argument after loading.
     config._attn_implementation = "eager"
     config.return_dict = True
     if hasattr(config, "use_cache"):

@@ -1,0 +1,196 @@
+"""The pipeline simulator against the known formulas, on hand-built graphs with exact costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftcompile.cluster import ClusterSpec
+from ftcompile.ir import Edge, Node, OpGraph, TensorMeta, ValueMeta
+from ftcompile.plan import Plan, Problem, Stage, evaluate
+from ftcompile.profile import NodeCost, Profile
+from ftcompile.simulate import simulate, stage_program
+
+FREE = 1e30          # bytes/s: communication takes no time
+
+
+def make_graph(n: int, edges: list[tuple[int, int]] | None = None, *, numel: int = 1,
+               dtype: str = "float32") -> OpGraph:
+    """Op nodes 0..n-1 (node i makes value v{i}); a chain unless ``edges`` says otherwise."""
+    edges = [(i, i + 1) for i in range(n - 1)] if edges is None else edges
+    meta = ValueMeta(tensor=TensorMeta((numel,), dtype))
+    nodes = [Node(id=i, name=f"n{i}", kind="op", instrs=[], outputs={f"v{i}": meta}, is_loss=(i == n - 1))
+             for i in range(n)]
+    return OpGraph(nodes=nodes, edges=[Edge(a, b, f"v{a}", meta) for a, b in edges], params={})
+
+
+def make_profile(costs: list[tuple[float, float, float]], activation_bytes: int = 100) -> Profile:
+    """``costs[i] = (forward, backward, recompute)`` ms of node i."""
+    nodes = {i: NodeCost(forward_ms=f, backward_ms=b, recompute_ms=r, activation_bytes=activation_bytes)
+             for i, (f, b, r) in enumerate(costs)}
+    return Profile(graph_hash="test", method="analytic", hardware={}, dtype="float32", batch_size=2,
+                   optimizer="sgd", nodes=nodes, params={})
+
+
+def make_cluster(gpus: int, bandwidth: float = FREE) -> ClusterSpec:
+    return ClusterSpec(name="test", nodes=1, gpus_per_node=gpus, gpu_memory=10**12,
+                       intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth,
+                       local_copy_bandwidth=FREE)
+
+
+def one_per_gpu(n: int) -> Plan:
+    return Plan("hand", n, [Stage(i, i, [i]) for i in range(n)])
+
+
+def problem(graph, costs, gpus, schedule, M, bandwidth=FREE, recompute=None):
+    return Problem(graph, make_profile(costs), make_cluster(gpus, bandwidth), schedule=schedule,
+                   micro_batches=M, recompute=recompute)
+
+
+@pytest.mark.parametrize("P,M", [(4, 8), (4, 4), (3, 1), (8, 16)])
+def test_gpipe_bubble_fraction(P, M):
+    pb = problem(make_graph(P), [(1.0, 1.0, 0.0)] * P, P, "gpipe", M)
+    res = simulate(pb, one_per_gpu(P))
+    assert res.bubble_fraction == pytest.approx((P - 1) / (M + P - 1), abs=1e-6)
+    assert res.minibatch_ms == pytest.approx((M + P - 1) * 2.0, abs=1e-6)
+    assert res.throughput_samples_per_s == pytest.approx(M * 2 / ((M + P - 1) * 2.0) * 1e3)
+
+
+@pytest.mark.parametrize("P,M", [(4, 8), (4, 2), (5, 5)])
+def test_in_flight_1f1b_vs_gpipe(P, M):
+    costs = [(1.0, 2.0, 0.0)] * P
+    r1 = simulate(problem(make_graph(P), costs, P, "1f1b", M), one_per_gpu(P))
+    rg = simulate(problem(make_graph(P), costs, P, "gpipe", M), one_per_gpu(P))
+    assert r1.stage_peak_in_flight == {i: min(M, P - i) for i in range(P)}
+    assert rg.stage_peak_in_flight == {i: M for i in range(P)}
+    # 100 activation bytes per micro-batch and stage, no weights: peak memory follows in-flight counts.
+    assert r1.gpu_peak_memory == [100 * min(M, P - i) for i in range(P)]
+    assert rg.gpu_peak_memory == [100 * M] * P
+
+
+def test_async_throughput_is_max_stage_period():
+    # Stages 0..2 recompute (F + R + B = 1 + 1 + 2); the last does not (F + B = 1 + 3): all periods 4.
+    P = 4
+    costs = [(1.0, 2.0, 1.0)] * (P - 1) + [(1.0, 3.0, 1.0)]
+    for M in (1, 4, 8):
+        pb = problem(make_graph(P), costs, P, "async", M)
+        res = simulate(pb, one_per_gpu(P), steps=3)
+        assert res.period_ms == pytest.approx(4.0, abs=1e-6)
+        assert res.period_ms == pytest.approx(evaluate(pb, one_per_gpu(P)).objective_ms, abs=1e-6)
+        assert res.throughput_samples_per_s == pytest.approx(2 / 4.0 * 1e3)
+        assert res.bubble_fraction == pytest.approx(0.0, abs=1e-6)
+        # FTPipe §4.3: every stage but the last recomputes.
+        assert {e.stage for e in res.events if e.kind == "R"} == set(range(P - 1))
+
+
+def test_async_unbalanced_bottleneck():
+    costs = [(1.0, 1.0, 0.0), (2.0, 3.0, 0.0), (1.0, 1.0, 0.0)]
+    pb = problem(make_graph(3), costs, 3, "pipedream", 4)
+    res = simulate(pb, one_per_gpu(3), steps=3)
+    assert res.period_ms == pytest.approx(5.0, abs=1e-6)
+    assert res.gpu_utilisation[1] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_mixed_pipe_serialises_stages_on_one_gpu():
+    # Stages 0 and 2 share GPU 0 (3 + 3 ms per micro-batch), stages 1 and 3 share GPU 1 (1.5 + 1.5).
+    costs = [(1.0, 2.0, 0.0), (0.5, 1.0, 0.0), (1.0, 2.0, 0.0), (0.5, 1.0, 0.0)]
+    plan = Plan("hand", 2, [Stage(0, 0, [0]), Stage(1, 1, [1]), Stage(2, 0, [2]), Stage(3, 1, [3])])
+    pb = problem(make_graph(4), costs, 2, "pipedream", 4)
+    res = simulate(pb, plan, steps=3)
+    assert res.period_ms == pytest.approx(6.0, abs=1e-6)
+    assert res.period_ms == pytest.approx(evaluate(pb, plan).objective_ms, abs=1e-6)
+    assert res.gpu_utilisation[0] == pytest.approx(1.0, abs=1e-6)
+    # Never two compute tasks at once on one GPU.
+    for g in (0, 1):
+        boxes = sorted((e.start, e.end) for e in res.events if e.gpu == g and e.kind != "send")
+        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(boxes, boxes[1:]))
+
+
+def test_dataflow_waits_for_every_producer():
+    # 0 -> {1, 2} -> 3; stage 2 is slow, so stage 3 waits for it, and stage 0's backward waits for both.
+    graph = make_graph(4, edges=[(0, 1), (0, 2), (1, 3), (2, 3)])
+    costs = [(1.0, 1.0, 0.0), (1.0, 1.0, 0.0), (5.0, 4.0, 0.0), (1.0, 1.0, 0.0)]
+    pb = problem(graph, costs, 4, "gpipe", 1)
+    res = simulate(pb, one_per_gpu(4), steps=1)
+    ev = {(e.stage, e.kind, e.micro_batch): e for e in res.events if e.kind != "send"}
+    assert ev[(3, "F", 0)].start == pytest.approx(ev[(2, "F", 0)].end)
+    assert ev[(3, "F", 0)].start > ev[(1, "F", 0)].end
+    assert ev[(0, "B", 0)].start == pytest.approx(max(ev[(1, "B", 0)].end, ev[(2, "B", 0)].end))
+    assert ev[(0, "B", 0)].start == pytest.approx(ev[(2, "B", 0)].end)
+
+
+def test_slow_communication_lowers_throughput_as_eq1():
+    # One int64 value per micro-batch (no gradient): forward transfer 4 ms > compute 2 ms.
+    graph = make_graph(2, numel=1000, dtype="int64")           # 8000 bytes
+    costs = [(1.0, 1.0, 0.0), (1.0, 1.0, 0.0)]
+    fast = simulate(problem(graph, costs, 2, "pipedream", 4), one_per_gpu(2), steps=3)
+    pb = problem(graph, costs, 2, "pipedream", 4, bandwidth=8000 / 4e-3)
+    slow = simulate(pb, one_per_gpu(2), steps=3)
+    assert fast.period_ms == pytest.approx(2.0, abs=1e-6)
+    assert slow.period_ms == pytest.approx(4.0, abs=1e-6)
+    assert slow.period_ms == pytest.approx(evaluate(pb, one_per_gpu(2)).objective_ms, abs=1e-6)
+    sends = [e for e in slow.events if e.kind == "send"]
+    assert sends and all(e.gpu == 0 and e.dst_gpu == 1 and e.end - e.start == pytest.approx(4.0) for e in sends)
+
+
+def test_float_values_send_gradients_back_on_the_other_link():
+    # Float value: its gradient returns on link 1 -> 0, beside link 0 -> 1 (8 ms each way). With
+    # depth + 1 = 2 micro-batches in flight on stage 0, the period is the round trip over 2:
+    # (F0 + 8 + F1 + B1 + 8 + B0) / 2 = 10 ms, above Eq. 1 (2 + 6 = 8 per stage), which ignores that latency.
+    graph = make_graph(2, numel=2000)                           # 8000 bytes of float32
+    costs = [(1.0, 1.0, 0.0), (1.0, 1.0, 0.0)]
+    pb = problem(graph, costs, 2, "pipedream", 4, bandwidth=8000 / 8e-3)
+    res = simulate(pb, one_per_gpu(2), steps=3)
+    assert res.period_ms == pytest.approx(10.0, abs=1e-6)
+    assert evaluate(pb, one_per_gpu(2)).objective_ms == pytest.approx(8.0)
+    assert {(e.gpu, e.dst_gpu) for e in res.events if e.kind == "send"} == {(0, 1), (1, 0)}
+
+
+def test_2gw_fills_g1_flush_bubbles():
+    # WPipe layout: GPU i hosts G0 stage i and G1 stage i + 2 (Fig. 4a).
+    costs = [(1.0, 1.0, 0.0)] * 4
+    plan = Plan("hand", 2, [Stage(0, 0, [0]), Stage(1, 1, [1]), Stage(2, 0, [2]), Stage(3, 1, [3])])
+    flush = simulate(problem(make_graph(4), costs, 2, "1f1b", 4), plan, steps=3)
+    wpipe = simulate(problem(make_graph(4), costs, 2, "2gw", 4), plan, steps=3)
+    assert wpipe.bubble_fraction == pytest.approx(0.0, abs=1e-6)
+    assert wpipe.period_ms == pytest.approx(4.0, abs=1e-6)
+    assert flush.bubble_fraction > 0.05
+    # G0 stages hold M + (depth within G0) micro-batches; G1 stages 1F1B's min(M, depth + 1).
+    assert wpipe.stage_peak_in_flight == {0: 5, 1: 4, 2: 2, 3: 1}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "async", "pipedream", "2bw", "2gw"])
+def test_every_schedule_runs_every_task_once(schedule):
+    P, M = 4, 4
+    costs = [(1.0, 2.0, 0.5)] * P
+    res = simulate(problem(make_graph(P), costs, P, schedule, M, recompute=True), one_per_gpu(P), steps=2)
+    total = M * (res.warmup_steps + res.steps + res.tail_steps)
+    for s in range(P):
+        for kind in ("F", "B"):
+            ks = sorted(e.micro_batch for e in res.events if e.stage == s and e.kind == kind)
+            assert ks == list(range(total))
+        # Within a stage, F(k) < R(k) < B(k).
+        ev = {(e.kind, e.micro_batch): e for e in res.events if e.stage == s and e.kind != "send"}
+        for k in range(total):
+            assert ev[("F", k)].end <= ev[("B", k)].start + 1e-9
+            if ("R", k) in ev:
+                assert ev[("F", k)].end <= ev[("R", k)].start <= ev[("B", k)].start + 1e-9
+    assert 0.0 <= res.bubble_fraction < 1.0
+    assert res.to_json()["schedule"] == schedule
+
+
+def test_stage_program_1f1b_shape():
+    assert stage_program("1f1b", 1, 4, 1, recompute=False) == [
+        ("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
+    assert stage_program("gpipe", 0, 2, 1, recompute=True) == [
+        ("F", 0), ("F", 1), ("R", 0), ("B", 0), ("R", 1), ("B", 1)]
+
+
+def test_pictures_are_written(tmp_path):
+    from ftcompile.timeline import draw_timeline
+
+    P = 8
+    res = simulate(problem(make_graph(P), [(1.0, 2.0, 1.0)] * P, P, "async", 16, bandwidth=4e5), one_per_gpu(P),
+                   steps=1)
+    out = draw_timeline(res, tmp_path / "timeline.png")
+    assert [p.suffix for p in out] == [".png", ".svg"]
+    assert all(p.exists() and p.stat().st_size > 1000 for p in out)
