@@ -1,0 +1,174 @@
+"""METIS partitioning repaired into an acyclic Mixed-pipe plan.
+
+METIS (via ``pymetis``) splits the *undirected* op-node graph into ``P`` parts
+of balanced compute with few bytes cut. It knows nothing of direction, so a
+part may both feed and be fed by another part; such parts cannot be pipeline
+stages. The repair walks the op nodes in topological order and puts each node
+into a stage of its part; a node joins an existing stage ``S`` of its part only
+if no stage it reads from is reachable from ``S`` (which would close a cycle
+``S -> ... -> T -> S``), otherwise it opens a new stage. Nodes are visited in
+topological order, so only the edges from already placed predecessors matter
+and the stage graph stays acyclic by construction. Every stage runs on the GPU
+of its part, so a GPU may host several stages (Mixed-pipe).
+"""
+
+from __future__ import annotations
+
+from ..plan import Plan, Problem, Stage, evaluate
+from .base import Infeasible
+
+__all__ = ["partition_metis", "acyclic_stages"]
+
+#: METIS adds integer weights in 32 bits; byte counts are scaled to at most this.
+_MAX_EDGE_WEIGHT = 1_000_000
+
+
+def _metis_parts(problem: Problem, ids: list[int], nparts: int, seed: int, with_memory: bool) -> list[int]:
+    """METIS parts of the undirected op graph; ``with_memory`` adds memory as a second balance constraint."""
+    try:
+        import pymetis
+    except ImportError:
+        raise Infeasible("pymetis is not installed: pip install pymetis") from None
+    g, prof = problem.graph, problem.profile
+    idx = {nid: i for i, nid in enumerate(ids)}
+    n = len(ids)
+    adj: list[dict[int, int]] = [dict() for _ in range(n)]
+    for e in g.edges:
+        a, b = idx.get(e.src), idx.get(e.dst)
+        if a is None or b is None or a == b:
+            continue
+        adj[a][b] = adj[a].get(b, 0) + e.bytes
+        adj[b][a] = adj[b].get(a, 0) + e.bytes
+    top = max((w for row in adj for w in row.values()), default=1) or 1
+    xadj, adjncy, eweights = [0], [], []
+    for row in adj:
+        for b, w in sorted(row.items()):
+            adjncy.append(b)
+            eweights.append(max(1, round(w * _MAX_EDGE_WEIGHT / top)))
+        xadj.append(len(adjncy))
+    # Microseconds of forward + backward (+ recomputation), as METIS wants integers.
+    costs = [prof.nodes[nid] for nid in ids]
+    vweights = [max(1, round(1e3 * (c.forward_ms + c.backward_ms + c.recompute_ms))) for c in costs]
+    if with_memory:
+        # Weights, grads and optimizer state of the parameters a node is first to use, plus its
+        # activations; scaled so the total stays well inside METIS's 32-bit integers.
+        mem = [c.param_bytes + c.grad_bytes + c.optimizer_bytes + c.activation_bytes for c in costs]
+        scale = 1e8 / max(1, sum(mem))
+        vweights = [w for pair in zip(vweights, (max(1, round(m * scale)) for m in mem)) for w in pair]
+    _, parts = pymetis.part_graph(nparts, adjacency=pymetis.CSRAdjacency(xadj, adjncy), vweights=vweights,
+                                  eweights=eweights, options=pymetis.Options(seed=seed))
+    return list(parts)
+
+
+def acyclic_stages(problem: Problem, parts: dict[int, int]) -> list[Stage]:
+    """Split parts (op node id -> GPU) into stages whose stage graph is acyclic.
+
+    Nodes are placed in the graph's (topological) order. A node joins the stage
+    of its part it exchanges most bytes with among those it may join without a
+    cycle; a stage ``S`` may take node ``v`` unless some stage ``T != S`` holding
+    a predecessor of ``v`` is reachable from ``S``. Reachability is kept as
+    ancestor bitsets and pushed to descendants when a new stage edge appears.
+    """
+    g = problem.graph
+    stage_of: dict[int, int] = {}
+    nodes: list[list[int]] = []
+    gpu: list[int] = []
+    anc: list[int] = []                  # bitset of stages that reach stage s (not s itself)
+    succ: list[set[int]] = []
+    by_part: dict[int, list[int]] = {}
+
+    def add_edge(t: int, s: int) -> None:
+        if s in succ[t]:
+            return
+        succ[t].add(s)
+        gained = anc[t] | (1 << t)
+        stack = [s]
+        while stack:                      # push new ancestors down to every descendant
+            x = stack.pop()
+            if gained & ~anc[x]:
+                anc[x] |= gained
+                stack.extend(succ[x])
+
+    for node in g.op_nodes():
+        v, part = node.id, parts[node.id]
+        feed: dict[int, int] = {}         # stage -> bytes it sends to v
+        for e in g.in_edges(v):
+            t = stage_of.get(e.src)
+            if t is not None:
+                feed[t] = feed.get(t, 0) + e.bytes
+        best = None
+        for s in by_part.get(part, []):
+            if any(t != s and anc[t] >> s & 1 for t in feed):
+                continue                  # s reaches a stage v reads from: v in s closes a cycle
+            key = (feed.get(s, 0), s)
+            if best is None or key > best[0]:
+                best = (key, s)
+        if best is None:
+            s = len(nodes)
+            nodes.append([])
+            gpu.append(part)
+            anc.append(0)
+            succ.append(set())
+            by_part.setdefault(part, []).append(s)
+        else:
+            s = best[1]
+        nodes[s].append(v)
+        stage_of[v] = s
+        for t in feed:
+            if t != s:
+                add_edge(t, s)
+    return [Stage(i, gpu[i], ns) for i, ns in enumerate(nodes)]
+
+
+def partition_metis(problem: Problem, *, seeds: int = 3) -> Plan:
+    """Partition with METIS on the undirected op graph, then repair into acyclic stages.
+
+    Parameters
+    ----------
+    problem : Problem
+        Graph, profile, cluster and schedule.
+    seeds : int
+        METIS runs with seeds ``0 .. seeds-1``, balancing compute only; if none
+        fits memory, as many runs balancing compute and memory. The best
+        feasible plan wins.
+
+    Returns
+    -------
+    Plan
+        A Mixed-pipe plan: every stage on the GPU of the METIS part it came from.
+        ``info`` holds ``objective_ms``, ``seed``, ``memory_constraint``
+        (whether METIS also balanced memory), ``metis_parts`` (non-empty METIS
+        parts) and ``stages``.
+
+    Raises
+    ------
+    Infeasible
+        When pymetis is missing or no run fits every GPU's memory.
+    """
+    ids = [n.id for n in problem.graph.op_nodes()]
+    if not ids:
+        raise Infeasible("the graph has no op nodes")
+    P = problem.num_gpus
+    best: tuple | None = None
+    reason = None
+    # Compute-balanced parts first; parts also balanced by memory in case those do not fit.
+    for with_memory in (False, True):
+        for seed in range(max(1, seeds)):
+            raw = [0] * len(ids) if P == 1 else _metis_parts(problem, ids, P, seed, with_memory)
+            parts = dict(zip(ids, raw))
+            plan = Plan("metis", P, acyclic_stages(problem, parts),
+                        {"seed": seed, "memory_constraint": with_memory, "metis_parts": len(set(raw))})
+            cost = evaluate(problem, plan)
+            if not cost.feasible:
+                reason = reason or cost.reason
+                continue
+            plan.info.update(objective_ms=cost.objective_ms, stages=len(plan.stages))
+            if best is None or cost.objective_ms < best[0]:
+                best = (cost.objective_ms, plan)
+            if P == 1:
+                break
+        if best is not None:
+            break
+    if best is None:
+        raise Infeasible(f"the METIS partition does not fit memory: {reason}")
+    return best[1]
