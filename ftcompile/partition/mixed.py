@@ -1,0 +1,567 @@
+"""Mixed-pipe partitioning (FTPipe §4.1): blocks anywhere in the graph may share a GPU.
+
+:func:`partition_mixed` runs, for several stage counts ``L`` and centre seeds:
+
+1. coarsening (:mod:`.coarsen`): clean-up merges, coarsening by module type,
+   then growth around ``L`` centres into ``L`` blocks under the memory limit;
+2. load balancing: Longest-Processing-Time-first — blocks by descending compute
+   go to the least-loaded GPU whose memory still has room;
+3. stages per GPU: blocks on one GPU are merged while that creates no cycle in
+   the stage graph (adjacent ones first), so a GPU may keep several
+   non-adjacent stages (one encoder and one decoder stage per GPU for T5);
+4. refinement: the plan is un-coarsened to op nodes and single nodes move to a
+   neighbouring stage on another GPU when that lowers the larger of the two GPU
+   loads, within memory and keeping the stage graph acyclic.
+
+Every candidate is priced with :func:`ftcompile.plan.evaluate`; the feasible
+plan with the lowest objective wins.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..plan import Plan, Problem, Stage, _extra_weight_versions, _in_flight, evaluate
+from .base import Infeasible
+from .coarsen import Quotient, coarsen, grow_around_centers, split_contiguous
+
+EPS_MS = 1e-9
+
+
+# --------------------------------------------------------------------------- step 2: LPT
+
+def _block_inputs(problem: Problem, nodes: list[int]) -> int:
+    """Bytes of the distinct values a block reads from outside itself (graph inputs included)."""
+    graph = problem.graph
+    inside = set(nodes)
+    seen: dict[str, int] = {}
+    for n in nodes:
+        for e in graph.in_edges(n):
+            if e.src not in inside:
+                seen[e.value] = e.bytes
+    return sum(seen.values())
+
+
+def _depths(succ: dict[int, set[int]], order: list[int]) -> dict[int, int]:
+    depth: dict[int, int] = {}
+    for b in reversed(order):
+        depth[b] = 1 + max((depth[s] for s in succ[b]), default=-1)
+    return depth
+
+
+def assign_lpt(problem: Problem, q: Quotient, *, balance_memory: bool = False) -> dict[int, int] | None:
+    """GPU of each block of ``q``: Longest-Processing-Time-first under an estimate of memory.
+
+    A GPU's memory is estimated as the weights, gradients and optimizer state of
+    the parameters its blocks read (each once), plus, per block, the inputs of
+    ``depth + 1`` micro-batches (the async/1F1B in-flight count, with the depth
+    taken in the block DAG), plus the largest block's full activations (what
+    recomputation rebuilds). Returns None when some block fits no GPU.
+
+    With ``balance_memory`` the blocks are sorted by the larger of their shares
+    of total compute and total memory, and each goes to the GPU that minimises
+    the larger of its compute and memory shares afterwards: memory-heavy,
+    compute-light blocks (T5's decoder) are then spread before the GPUs fill up.
+    """
+    blocks = q.blocks()
+    succ = {b: set(q.succ[b]) for b in blocks}
+    depth = _depths(succ, blocks)
+    P = problem.num_gpus
+    limit = problem.cluster.gpu_memory
+    held = {b: (depth[b] + 1) * _block_inputs(problem, q.members[b]) for b in blocks}
+    if problem.schedule == "gpipe":
+        held = {b: problem.micro_batches * _block_inputs(problem, q.members[b]) for b in blocks}
+    load = [0.0] * P
+    params: list[set[str]] = [set() for _ in range(P)]
+    act = [0] * P
+    peak = [0] * P
+    where: dict[int, int] = {}
+    total_work = sum(q.work[b] for b in blocks) or 1.0
+    bmem = {b: q.param_memory(q.params[b]) + held[b] for b in blocks}
+    total_mem = sum(bmem.values()) or 1
+    if balance_memory:
+        order = sorted(blocks, key=lambda b: (-max(q.work[b] / total_work, bmem[b] / total_mem), q.pos[b]))
+    else:
+        order = sorted(blocks, key=lambda b: (-q.work[b], q.pos[b]))
+    for b in order:
+        best = None
+        best_key = None
+        for g in sorted(range(P), key=lambda g: (load[g], g)):
+            mem = (q.param_memory(params[g] | q.params[b]) + act[g] + held[b] + max(peak[g], q.act[b]))
+            if mem > limit:
+                continue
+            if not balance_memory:
+                best = g
+                break
+            key = (max((load[g] + q.work[b]) / total_work, mem / (total_mem + P * max(peak))), g)
+            if best_key is None or key < best_key:
+                best, best_key = g, key
+        if best is None:
+            return None
+        where[b] = best
+        load[best] += q.work[b]
+        params[best] |= q.params[b]
+        act[best] += held[b]
+        peak[best] = max(peak[best], q.act[b])
+    return where
+
+
+# --------------------------------------------------------------------------- step 3: stages per GPU
+
+def stages_per_gpu(q: Quotient, where: dict[int, int]) -> list[tuple[int, list[int]]]:
+    """Merge blocks sharing a GPU while the quotient stays acyclic; returns (gpu, nodes) per stage.
+
+    Adjacent pairs are tried first (merging connected components, as FTPipe
+    does), then any pair on the same GPU, earliest blocks first.
+    """
+    q = q.copy()
+    gpu = dict(where)
+    changed = True
+    while changed:
+        changed = False
+        for adjacent_only in (True, False):
+            for b in q.blocks():
+                if b not in q.members:
+                    continue
+                if adjacent_only:
+                    cands = [n for n in q.neighbours(b) if gpu[n] == gpu[b]]
+                else:
+                    cands = [n for n in q.members if n != b and gpu[n] == gpu[b]]
+                for n in sorted(cands, key=q.pos.__getitem__):
+                    if n not in q.members or b not in q.members:
+                        continue
+                    g = gpu[b]
+                    keep = q.merge((b, n))
+                    if keep is not None:
+                        gpu[keep] = g
+                        changed = True
+                        break
+            if changed:
+                break
+    return [(gpu[b], sorted(q.members[b])) for b in q.blocks()]
+
+
+# --------------------------------------------------------------------------- step 4: refinement
+
+@dataclass
+class _Refiner:
+    """Op-level state of a plan for cheap what-if moves (loads in ms, memory in bytes)."""
+
+    problem: Problem
+    stage_of: dict[int, int]
+    gpu_of: dict[int, int]          # stage -> gpu
+
+    def __post_init__(self):
+        p = self.problem
+        g = p.graph
+        self.members: dict[int, set[int]] = {}
+        for n, s in self.stage_of.items():
+            self.members.setdefault(s, set()).add(n)
+        self.base = {n: p.profile.nodes[n].forward_ms + p.profile.nodes[n].backward_ms for n in self.stage_of}
+        self.rec = {n: p.profile.nodes[n].recompute_ms for n in self.stage_of}
+        self.loss = next((n.id for n in g.nodes if n.is_loss and n.id in self.stage_of), None)
+        self.cnt: dict[tuple[int, int], int] = {}
+        for e in g.edges:
+            a, b = self.stage_of.get(e.src), self.stage_of.get(e.dst)
+            if a is not None and b is not None and a != b:
+                self.cnt[(a, b)] = self.cnt.get((a, b), 0) + 1
+        self.pcount: dict[int, dict[str, int]] = {gg: {} for gg in range(p.num_gpus)}
+        for n, s in self.stage_of.items():
+            pc = self.pcount[self.gpu_of[s]]
+            for prm in g.node(n).params:
+                pc[prm] = pc.get(prm, 0) + 1
+        self.sbase = {s: sum(self.base[n] for n in m) for s, m in self.members.items()}
+        self.srec = {s: sum(self.rec[n] for n in m) for s, m in self.members.items()}
+        self.act = {n: p.profile.nodes[n].activation_bytes for n in self.stage_of}
+        self.sact = {s: sum(self.act[n] for n in m) for s, m in self.members.items()}
+        self.nin = {n: sorted({e.src for e in g.in_edges(n) if e.src in self.stage_of}) for n in self.stage_of}
+        self.nout = {n: sorted({e.dst for e in g.out_edges(n) if e.dst in self.stage_of}) for n in self.stage_of}
+        self._in_cache: dict[int, int] = {}
+        self._pm_cache: dict[int, int] = {}
+        self._refresh_structure()
+
+    # ------------------------------------------------------------- structure
+    def _succ(self) -> dict[int, set[int]]:
+        succ = {s: set() for s in self.members}
+        for (a, b) in self.cnt:
+            succ[a].add(b)
+        return succ
+
+    def _refresh_structure(self) -> None:
+        succ = self._succ()
+        order = _topo(succ)
+        self.depth = _depths(succ, order) if order is not None else {}
+        ls = self.stage_of.get(self.loss) if self.loss is not None else None
+        self.last = ls if ls is not None and not succ[ls] else None
+
+    def recomputes(self, s: int) -> bool:
+        return self.problem.recomputes(s == self.last)
+
+    def stage_load(self, s: int) -> float:
+        return self.sbase[s] + (self.srec[s] if self.recomputes(s) else 0.0)
+
+    def gpu_loads(self) -> list[float]:
+        load = [0.0] * self.problem.num_gpus
+        for s in self.members:
+            load[self.gpu_of[s]] += self.stage_load(s)
+        return load
+
+    # ------------------------------------------------------------- memory (mirrors plan.evaluate)
+    def _stage_inputs(self, s: int) -> int:
+        """Bytes a stage receives per micro-batch, counted as evaluate does (cached per stage)."""
+        got = self._in_cache.get(s)
+        if got is None:
+            graph = self.problem.graph
+            nodes = self.members[s]
+            vals: dict[str, int] = {}
+            from_inputs = 0
+            for n in nodes:
+                for e in graph.in_edges(n):
+                    if e.src in self.stage_of:
+                        if e.src not in nodes:
+                            vals[e.value] = e.bytes
+                    elif graph.node(e.src).kind == "input":
+                        from_inputs += e.bytes      # evaluate counts graph inputs once per edge
+            got = self._in_cache[s] = sum(vals.values()) + from_inputs
+        return got
+
+    def _param_memory(self, gpu: int) -> int:
+        got = self._pm_cache.get(gpu)
+        if got is None:
+            params = self.problem.profile.params
+            got = self._pm_cache[gpu] = sum(params[prm].total for prm in self.pcount[gpu])
+        return got
+
+    def gpu_memory(self, gpu: int) -> int:
+        """Memory of ``gpu`` as :func:`ftcompile.plan.evaluate` counts it (2GW: every stage as group 0)."""
+        p = self.problem
+        prof, graph = p.profile, p.graph
+        stages = [s for s in self.members if self.gpu_of[s] == gpu]
+        total = 0
+        transient = 0
+        extra: dict[str, int] = {}
+        for s in stages:
+            is_last = s == self.last
+            k = _in_flight(p.schedule, self.depth[s], p.micro_batches, True)
+            if p.recomputes(is_last):
+                total += k * self._stage_inputs(s)
+                transient = max(transient, self.sact[s])
+            else:
+                total += k * self.sact[s]
+            xv = _extra_weight_versions(p.schedule, self.depth[s], True)
+            if xv:
+                for n in self.members[s]:
+                    for prm in graph.node(n).params:
+                        extra[prm] = max(extra.get(prm, 0), xv)
+        total += sum(prof.params[prm].bytes * x for prm, x in extra.items())
+        return total + transient + self._param_memory(gpu)
+
+    # ------------------------------------------------------------- moves
+    def _apply(self, n: int, t: int) -> bool:
+        """Move node ``n`` to stage ``t``; returns whether the set of stage edges changed."""
+        graph = self.problem.graph
+        s = self.stage_of[n]
+        before = set(self.cnt)
+        for e in graph.in_edges(n):
+            a = self.stage_of.get(e.src)
+            if a is None:
+                continue
+            if a != s:
+                self._dec((a, s))
+            if a != t:
+                self.cnt[(a, t)] = self.cnt.get((a, t), 0) + 1
+        for e in graph.out_edges(n):
+            b = self.stage_of.get(e.dst)
+            if b is None:
+                continue
+            if b != s:
+                self._dec((s, b))
+            if b != t:
+                self.cnt[(t, b)] = self.cnt.get((t, b), 0) + 1
+        # Edges from n to itself cannot exist; edges between n and nodes of s/t were handled above
+        # with a == s / b == s meaning "internal before the move".
+        self.stage_of[n] = t
+        self.members[s].discard(n)
+        self.members[t].add(n)
+        self.sbase[s] -= self.base[n]
+        self.sbase[t] += self.base[n]
+        self.srec[s] -= self.rec[n]
+        self.srec[t] += self.rec[n]
+        self.sact[s] -= self.act[n]
+        self.sact[t] += self.act[n]
+        self._in_cache.pop(s, None)
+        self._in_cache.pop(t, None)
+        gs, gt = self.gpu_of[s], self.gpu_of[t]
+        if gs != gt:
+            self._pm_cache.pop(gs, None)
+            self._pm_cache.pop(gt, None)
+            for prm in graph.node(n).params:
+                self.pcount[gs][prm] -= 1
+                if not self.pcount[gs][prm]:
+                    del self.pcount[gs][prm]
+                self.pcount[gt][prm] = self.pcount[gt].get(prm, 0) + 1
+        return set(self.cnt) != before
+
+    def _dec(self, key: tuple[int, int]) -> None:
+        c = self.cnt[key] - 1
+        if c:
+            self.cnt[key] = c
+        else:
+            del self.cnt[key]
+
+    def try_move(self, n: int, t: int, limit: int) -> bool:
+        """Move ``n`` to ``t`` if the stage graph stays acyclic and memory fits; else leave all as it was."""
+        s = self.stage_of[n]
+        if len(self.members[s]) == 1:
+            return False
+        structural = self._apply(n, t)
+        ok = True
+        after = None
+        if structural:
+            succ = self._succ()
+            if _topo(succ) is None:
+                ok = False
+            else:
+                old_last = self.last
+                self._refresh_structure()
+                if old_last is not None and self.last is None:
+                    ok = False      # keep the loss stage a sink: it is the cheap, non-recomputing one
+        if ok:
+            gpus = range(self.problem.num_gpus) if structural else {self.gpu_of[s], self.gpu_of[t]}
+            after = {g: self.gpu_memory(g) for g in gpus}
+            ok = all(m <= limit for m in after.values())
+        if not ok:
+            self._apply(n, s)
+            if structural:
+                self._refresh_structure()
+            if not ok and after is not None:
+                # An over-full start may still move if no GPU gets fuller or crosses the limit.
+                before = {g: self.gpu_memory(g) for g in after}
+                ok = all(after[g] <= max(limit, before[g]) for g in after) and any(
+                    after[g] < before[g] for g in after if before[g] > limit)
+                if ok:
+                    self._apply(n, t)
+                    if structural:
+                        self._refresh_structure()
+        return ok
+
+    def run(self, max_moves: int = 20000, max_seconds: float = 5.0) -> int:
+        """Greedy balancing moves until none lowers a pair's larger load; returns moves made.
+
+        A move takes one node to a neighbouring stage on another GPU when that lowers
+        the larger of the two GPUs' loads (a free node may move to the lighter GPU
+        without lowering it). Stops after ``max_moves`` moves or ``max_seconds``.
+        """
+        limit = self.problem.cluster.gpu_memory
+        moves = 0
+        rejected: set[tuple[int, int]] = set()
+        deadline = time.perf_counter() + max_seconds
+        while moves < max_moves and time.perf_counter() < deadline:
+            load = self.gpu_loads()
+            done = False
+            for g in sorted(range(len(load)), key=lambda g: -load[g]):
+                cands = self._candidates(g, load, rejected)
+                # Try the best first; after each move re-check the rest against the new loads.
+                for _, n, t in cands:
+                    s = self.stage_of[n]
+                    h = self.gpu_of[t]
+                    out = self.base[n] + (self.rec[n] if self.recomputes(s) else 0.0)
+                    inn = self.base[n] + (self.rec[n] if self.recomputes(t) else 0.0)
+                    if not self._worth(load[g], load[h], out, inn):
+                        continue
+                    if self.try_move(n, t, limit):
+                        moves += 1
+                        done = True
+                        load = self.gpu_loads()
+                        if moves >= max_moves:
+                            break
+                    else:
+                        rejected.add((n, t))
+                if done:
+                    break
+            if not done:
+                break
+        return moves
+
+    @staticmethod
+    def _worth(lg: float, lh: float, out: float, inn: float) -> bool:
+        if max(lg - out, lh + inn) < max(lg, lh) - EPS_MS:
+            return True
+        # Free nodes (views) drift towards the lighter GPU: they often hide the next real
+        # operator of a stage's frontier.
+        return out == inn == 0.0 and lh < lg - EPS_MS
+
+    def _candidates(self, g: int, load: list[float], rejected: set) -> list[tuple[float, int, int]]:
+        """Moves of nodes on GPU ``g`` into neighbouring stages on other GPUs, best first."""
+        cands = []
+        for s in [s for s in self.members if self.gpu_of[s] == g]:
+            rs = self.recomputes(s)
+            for n in self.members[s]:
+                if n == self.loss:
+                    continue
+                ins = {self.stage_of[x] for x in self.nin[n]}
+                outs = {self.stage_of[x] for x in self.nout[n]}
+                for t in (ins | outs):
+                    if t == s:
+                        continue
+                    # Moving n downstream while it feeds s (or upstream while s feeds it)
+                    # would make s and t feed each other: skip without trying.
+                    if (s in outs and (s, t) in self.cnt) or (s in ins and (t, s) in self.cnt):
+                        continue
+                    h = self.gpu_of[t]
+                    if h == g or (n, t) in rejected:
+                        continue
+                    out = self.base[n] + (self.rec[n] if rs else 0.0)
+                    inn = self.base[n] + (self.rec[n] if self.recomputes(t) else 0.0)
+                    if self._worth(load[g], load[h], out, inn):
+                        cands.append((max(load[g] - out, load[h] + inn), n, t))
+        cands.sort()
+        return cands
+
+    def stages(self) -> list[tuple[int, list[int]]]:
+        return [(self.gpu_of[s], sorted(m)) for s, m in self.members.items() if m]
+
+
+def _topo(succ: dict[int, set[int]]) -> list[int] | None:
+    indeg = {s: 0 for s in succ}
+    for a in succ:
+        for b in succ[a]:
+            indeg[b] += 1
+    ready = [s for s, d in indeg.items() if d == 0]
+    order = []
+    while ready:
+        s = ready.pop()
+        order.append(s)
+        for b in succ[s]:
+            indeg[b] -= 1
+            if indeg[b] == 0:
+                ready.append(b)
+    return order if len(order) == len(succ) else None
+
+
+def refine_stages(problem: Problem, stages: list[tuple[int, list[int]]], max_moves: int = 20000,
+                  max_seconds: float = 5.0) -> list[tuple[int, list[int]]]:
+    """Step 3 of FTPipe §4.1: op-level greedy moves between neighbouring stages on different GPUs."""
+    stage_of = {n: i for i, (_, nodes) in enumerate(stages) for n in nodes}
+    r = _Refiner(problem, stage_of, {i: g for i, (g, _) in enumerate(stages)})
+    r.run(max_moves, max_seconds)
+    return r.stages()
+
+
+# --------------------------------------------------------------------------- driver
+
+def _plan(problem: Problem, stages: list[tuple[int, list[int]]], info: dict) -> Plan:
+    return Plan("mixed", problem.num_gpus, [Stage(i, g, nodes) for i, (g, nodes) in enumerate(stages)], info)
+
+
+def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None = None, seeds=(0, 1, 2),
+                    refine: bool = True, cap_ms: float | None = None, refine_top: int = 2,
+                    time_budget_s: float = 10.0) -> Plan:
+    """Mixed-pipe partitioning of ``problem`` (FTPipe §4.1); see the module docstring.
+
+    ``l_factors`` gives the candidate numbers of coarse blocks ``L = f * P`` (at
+    most ``max_l``); ``seeds`` the centre choices tried for each ``L`` (each with
+    and without per-region centres, plus one equal-compute contiguous split).
+    Each candidate is assigned by LPT twice (by compute, and by the larger of the
+    compute and memory shares). The ``refine_top`` best unrefined candidates of
+    each ``L`` and its contiguous one are refined, then further candidates, best
+    first, while the run is within ``time_budget_s`` (the best one is always
+    refined). Raises :class:`Infeasible`
+    when no candidate fits in GPU memory.
+    """
+    t0 = time.perf_counter()
+    P = problem.num_gpus
+    limit = problem.cluster.gpu_memory
+    base = coarsen(problem.graph, problem.profile, cap_ms=cap_ms)
+    n_blocks = len(base.members)
+    ls = sorted({min(max(1, int(f * P)), n_blocks) for f in l_factors})
+    if max_l is not None:
+        ls = [l for l in ls if l <= max_l] or [min(max_l, n_blocks)]
+    regions = _regions(problem, base)
+    best: tuple[float, Plan] | None = None
+    worst_reason = None
+    must: list[tuple] = []
+    extra: list[tuple] = []
+    seen: set = set()
+    for L in ls:
+        cands = []
+        # A block may take its fair share of the cluster's memory (and at least the largest
+        # coarse block), so that LPT can still pack L of them onto P GPUs.
+        block_limit = max(int(limit * min(1.0, 0.85 * P / L)), max(base.memory(b) for b in base.members))
+        variants = [(sd, r) for sd in seeds for r in ((False, True) if regions else (False,))]
+        variants.append(("contiguous", False))
+        for seed, by_region in variants:
+            if seed == "contiguous":
+                # Equal-compute runs of the topological order: the Seq-pipe-like start, which
+                # suits chain-shaped models (GPT-2, BERT) whose blocks LPT can hardly pack.
+                q = split_contiguous(base, L)
+            else:
+                q = grow_around_centers(base, L, block_limit, seed=seed, regions=regions if by_region else None)
+            for balance_memory in (False, True):
+                where = assign_lpt(problem, q, balance_memory=balance_memory)
+                if where is None:
+                    worst_reason = worst_reason or f"L={L}: a block fits no GPU's remaining memory"
+                    where = _assign_any(problem, q)
+                stages = stages_per_gpu(q, where)
+                key = tuple(sorted((g, tuple(ns)) for g, ns in stages))
+                if key in seen:
+                    continue
+                seen.add(key)
+                plan = _plan(problem, stages, {"L": L, "seed": seed, "refined": False, "blocks": len(q.members),
+                                               "balance_memory": balance_memory, "by_region": by_region})
+                cost = evaluate(problem, plan)
+                cands.append((cost.objective_ms if cost.feasible else float("inf"), cost.max_memory_bytes,
+                              str(seed), stages, plan, cost))
+        cands.sort(key=lambda c: (c[0], c[1]))
+        for obj, mem, seed, stages, plan, cost in cands:
+            if not cost.feasible:
+                worst_reason = cost.reason
+            elif best is None or obj < best[0]:
+                best = (obj, plan)
+        picked = cands[:refine_top] + [c for c in cands[refine_top:] if c[2] == "contiguous"]
+        must += picked
+        extra += [c for c in cands if not any(c is m for m in picked)]
+    if refine:
+        must.sort(key=lambda c: (c[0], c[1]))
+        extra.sort(key=lambda c: (c[0], c[1]))
+        for i, (obj, mem, seed, stages, plan, cost) in enumerate(must + extra):
+            left = time_budget_s - (time.perf_counter() - t0)
+            if i > 0 and left <= 0:
+                break
+            rstages = refine_stages(problem, stages, max_seconds=max(left, 1.0))
+            rplan = _plan(problem, rstages, {**plan.info, "refined": True})
+            rcost = evaluate(problem, rplan)
+            if rcost.feasible and (best is None or rcost.objective_ms < best[0]):
+                best = (rcost.objective_ms, rplan)
+            elif not rcost.feasible:
+                worst_reason = worst_reason or rcost.reason
+    if best is None:
+        need = sum(c.total for c in problem.profile.params.values())
+        raise Infeasible(f"mixed: no plan fits in memory for L in {ls} ({worst_reason}); weights, gradients "
+                         f"and optimizer state alone need {need / 1e9:.2f} GB against "
+                         f"{P} x {limit / 1e9:.2f} GB")
+    plan = best[1]
+    plan.info["seconds"] = round(time.perf_counter() - t0, 3)
+    return plan
+
+
+def _assign_any(problem: Problem, q: Quotient) -> dict[int, int]:
+    """Least-loaded assignment ignoring memory, so that evaluate can report what was needed."""
+    load = [0.0] * problem.num_gpus
+    where = {}
+    for b in sorted(q.blocks(), key=lambda b: -q.work[b]):
+        g = min(range(len(load)), key=lambda g: load[g])
+        where[b] = g
+        load[g] += q.work[b]
+    return where
+
+
+def _regions(problem: Problem, q: Quotient) -> dict[int, str] | None:
+    """Block -> top-level module holding its first node, if the model has two or more such modules."""
+    graph = problem.graph
+    out = {}
+    for b, members in q.members.items():
+        scopes = graph.node(min(members)).scopes
+        out[b] = next((path for path, _ in scopes if path), "")
+    return out if len(set(out.values())) > 1 else None
