@@ -27,8 +27,8 @@ def resolve_target(name: str) -> Callable:
         return getattr(getattr(getattr(torch.ops, ns), op), overload)
     if parts[0] == "operator":
         return getattr(operator, parts[1])
-    if parts[0] == "method":
-        method = ".".join(parts[1:])
+    if name.startswith("method:"):
+        method = name[len("method:"):]
         return lambda self, *a, **k: getattr(self, method)(*a, **k)
     for cut in range(len(parts) - 1, 0, -1):
         try:

@@ -563,6 +563,13 @@ def measured_profile(graph: OpGraph, params: Mapping[str, torch.Tensor], inputs:
         raise ProfileError("device cuda asked for, but torch sees no CUDA device; use --device cpu")
     if repeats < 1 or warmup < 0:
         raise ProfileError("repeats must be at least 1 and warmup at least 0")
+    missing = [p for n in graph.op_nodes() for p in n.params if p not in params]
+    if missing:
+        raise ProfileError(f"no tensor given for graph parameter(s) {sorted(set(missing))[:5]}; "
+                           "take them from the model with host_params(graph, model)")
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in [*params.values(), *inputs.values()]):
+        raise ProfileError("measured profiling needs real weights and inputs, but got tensors on the meta "
+                           "device; build the model with --device cpu, or use --method analytic")
     timer = _Timer(device)
     pin = device.type == "cuda"
     host: dict[str, Any] = {}

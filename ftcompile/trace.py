@@ -14,6 +14,7 @@ Granularity is the operator by default; ``basic_blocks`` names module classes
 from __future__ import annotations
 
 import operator
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -71,6 +72,13 @@ def target_name(target: Any) -> str:
         return "operator.getitem"
     mod = getattr(target, "__module__", None) or ""
     name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+    short = getattr(target, "__name__", None)
+    if "." in name and short and getattr(sys.modules.get(mod), short, None) is target:
+        # torch.cat's qualname is "_VariableFunctionsClass.cat", but it is importable as torch.cat
+        name = short
+    if mod.startswith("torch._C") and short and getattr(torch.nn.functional, short, None) is target:
+        # F.linear is the builtin torch._C._nn.linear; name it by its public path
+        return f"torch.nn.functional.{short}"
     if mod in ("_operator", "operator"):
         return f"operator.{name}"
     if mod.startswith("torch") or mod in ("math", "builtins"):
@@ -222,14 +230,42 @@ def _convert(ep: torch.export.ExportedProgram, model: torch.nn.Module, args: tup
     paths = _input_paths(args, kwargs)
     if len(paths) != len(user_inputs):
         paths = [f"input[{i}]" for i in range(len(user_inputs))]
+    user_outputs = [s.arg.name for s in ep.graph_signature.output_specs
+                    if s.kind == OutputKind.USER_OUTPUT and hasattr(s.arg, "name")]
+    return build_opgraph(list(ep.graph.nodes), placeholder_to_param, params,
+                         [(ph, const, paths[i]) for i, (ph, const) in enumerate(user_inputs)],
+                         user_outputs, basic_blocks)
 
-    fx_nodes = list(ep.graph.nodes)
+
+def instr_target(node: torch.fx.Node) -> str:
+    """The instruction target of a computing fx node (``call_function`` or ``call_method``)."""
+    if node.op == "call_method":
+        return f"method:{node.target}"
+    return target_name(node.target)
+
+
+def build_opgraph(fx_nodes: Sequence[torch.fx.Node], placeholder_to_param: dict[str, str],
+                  params: dict[str, ParamInfo], user_inputs: Sequence[tuple[str, Any, str]],
+                  user_outputs: Sequence[str], basic_blocks: Sequence[str]) -> OpGraph:
+    """Turn an fx graph whose nodes carry ``meta['val']`` into an OpGraph.
+
+    Shared by the torch.export path (:func:`_convert`) and the torch.fx fallback
+    (:mod:`ftcompile.trace_fx`). ``fx_nodes`` are in graph order; every
+    ``call_function``/``call_method`` node becomes an instruction. Nodes named in
+    ``placeholder_to_param`` (placeholders of lifted parameters, ``get_attr``
+    nodes) are read as ``{"param": canonical name}``; ``params`` is updated with
+    the users of each. ``user_inputs`` are ``(placeholder name, constant value or
+    None, call path)`` in call order, ``user_outputs`` the names of the flattened
+    outputs.
+    """
+    user_outputs = list(user_outputs)
     # A getitem on a multi-output operator is folded into that operator's instruction.
     folded: dict[str, tuple[str, int]] = {}
     for n in fx_nodes:
         if (n.op == "call_function" and n.target is operator.getitem
                 and isinstance(n.args[0], torch.fx.Node)
-                and isinstance(n.args[0].meta.get("val"), (tuple, list))):
+                and isinstance(n.args[0].meta.get("val"), (tuple, list))
+                and isinstance(n.args[1], int)):
             folded[n.name] = (n.args[0].name, int(n.args[1]))
 
     def enc(a: Any) -> Any:
@@ -252,9 +288,9 @@ def _convert(ep: torch.export.ExportedProgram, model: torch.nn.Module, args: tup
     found_blocks: set[str] = set()
     all_classes: set[str] = set()
     for n in fx_nodes:
-        if n.op != "call_function" or n.name in folded:
+        if n.op not in ("call_function", "call_method") or n.name in folded:
             continue
-        tname = target_name(n.target)
+        tname = instr_target(n)
         if tname in _DROPPED_TARGETS:
             continue
         val = n.meta.get("val")
@@ -296,7 +332,6 @@ def _convert(ep: torch.export.ExportedProgram, model: torch.nn.Module, args: tup
             made_by[v] = name
 
     # ---- groups (nodes) and their order: a quotient graph, sorted topologically
-    user_input_names = [ph for ph, const in user_inputs]
     groups: dict[tuple, list[str]] = {}
     for name in order:
         groups.setdefault(group_of[name], []).append(name)
@@ -326,24 +361,21 @@ def _convert(ep: torch.export.ExportedProgram, model: torch.nn.Module, args: tup
     # ---- build nodes
     nodes: list[Node] = []
     node_of_value: dict[str, int] = {}
-    out_specs = ep.graph_signature.output_specs
-    user_outputs = [s.arg.name for s in out_specs
-                    if s.kind == OutputKind.USER_OUTPUT and hasattr(s.arg, "name")]
     consumed_by_outputs = set(user_outputs)
 
     inputs_meta = []
     ph_nodes = {n.name: n for n in fx_nodes if n.op == "placeholder"}
-    for i, (ph, const) in enumerate(user_inputs):
-        val = ph_nodes[ph].meta.get("val")
+    for ph, const, path in user_inputs:
+        val = ph_nodes[ph].meta.get("val") if ph in ph_nodes else None
         if not isinstance(val, torch.Tensor):
             # A non-tensor input (use_cache=False) was specialised into the graph.
-            inputs_meta.append({"node": None, "value": ph, "path": paths[i],
+            inputs_meta.append({"node": None, "value": ph, "path": path,
                                 "constant": encode_literal(const) if const is not None else None})
             continue
         nid = len(nodes)
         nodes.append(Node(id=nid, name=ph, kind="input", outputs={ph: value_meta(val)}))
         node_of_value[ph] = nid
-        inputs_meta.append({"node": nid, "value": ph, "path": paths[i]})
+        inputs_meta.append({"node": nid, "value": ph, "path": path})
 
     # which values leave each group
     reads_outside: dict[str, set[tuple]] = defaultdict(set)

@@ -1,0 +1,414 @@
+"""Profiles: the analytic cost model, measured profiling with host swapping, hardware specs, files."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ftcompile.hardware import PRESETS, HardwareError, HardwareSpec, load_hardware
+from ftcompile.ir import TensorMeta
+from ftcompile.models import ModelOptions, build_model
+from ftcompile.profile import (
+    OPTIMIZERS, Profile, ProfileError, analytic_profile, cached, graph_input_values, host_params,
+    measured_profile, optimizer_state_bytes, param_costs, store,
+)
+from ftcompile.trace import trace
+
+
+@functools.lru_cache(maxsize=None)
+def zoo_graph(name: str, batch_size: int | None = None):
+    b = build_model(name, ModelOptions(device="cpu", batch_size=batch_size))
+    g = trace(b.model, b.args, b.kwargs, source={"model": name, "options": {"batch_size": b.options.batch_size}})
+    return b, g
+
+
+def without_info(p: Profile) -> dict:
+    d = p.to_json()
+    d.pop("info")   # wall-clock seconds of the profiling run itself
+    return d
+
+
+class LinearOnly(nn.Module):
+    """Linear layers without biases and a loss with no FLOPs of its own."""
+
+    def __init__(self, widths=(64, 128, 256, 32)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in zip(widths, widths[1:]))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+class SharedInput(nn.Module):
+    """``h`` is saved for backward by two consumers; it must be counted once."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc0 = nn.Linear(16, 32, bias=False)
+        self.fc1 = nn.Linear(32, 8, bias=False)
+        self.fc2 = nn.Linear(32, 8, bias=False)
+
+    def forward(self, x):
+        h = self.fc0(x)
+        return (self.fc1(h) + self.fc2(h)).sum()
+
+
+# --------------------------------------------------------------------------- analytic
+
+def test_analytic_profile_is_deterministic():
+    _b, g = zoo_graph("gpt2-tiny")
+    p1 = analytic_profile(g, PRESETS["a100-80gb"])
+    p2 = analytic_profile(g, PRESETS["a100-80gb"])
+    assert json.dumps(without_info(p1), sort_keys=True) == json.dumps(without_info(p2), sort_keys=True)
+    assert p1.key == p2.key
+    assert set(p1.nodes) == {n.id for n in g.nodes}
+    assert p1.batch_size == _b.options.batch_size
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", pytest.param("t5-tiny", marks=pytest.mark.slow)])
+def test_twice_the_batch_about_twice_the_flops(name):
+    hw = PRESETS["cpu"]
+    _b1, g1 = zoo_graph(name, 2)
+    _b2, g2 = zoo_graph(name, 4)
+    t1 = analytic_profile(g1, hw).totals()
+    t2 = analytic_profile(g2, hw).totals()
+    assert 1.8 <= t2["flops_forward"] / t1["flops_forward"] <= 2.2
+    assert 1.8 <= t2["flops_backward"] / t1["flops_backward"] <= 2.2
+    assert t2["forward_ms"] > t1["forward_ms"] and t2["backward_ms"] > t1["backward_ms"]
+    assert 1.5 <= t2["activation_bytes"] / t1["activation_bytes"] <= 2.2
+    assert t2["param_bytes"] == t1["param_bytes"]
+
+
+def test_backward_flops_twice_forward_for_linear_mlp():
+    m = LinearOnly()
+    x = torch.randn(8, 64)
+    g = trace(m, (x,))
+    p = analytic_profile(g, PRESETS["v100-32gb"])
+    t = p.totals()
+    assert t["flops_forward"] == 2 * 8 * (64 * 128 + 128 * 256 + 256 * 32)
+    assert 1.9 <= t["flops_backward"] / t["flops_forward"] <= 2.1
+    for n in g.op_nodes():
+        if n.op == "aten.linear.default":
+            c = p.nodes[n.id]
+            assert c.flops_backward == pytest.approx(2 * c.flops_forward)
+            assert c.forward_ms > 0 and c.backward_ms > c.forward_ms
+
+
+def test_analytic_uses_the_hardware_and_dtype():
+    _b, g = zoo_graph("gpt2-tiny")
+    slow = analytic_profile(g, PRESETS["rtx2080ti"]).totals()["forward_ms"]
+    fast = analytic_profile(g, PRESETS["h100-80gb"]).totals()["forward_ms"]
+    assert slow > fast > 0
+    half = analytic_profile(g, PRESETS["v100-32gb"], dtype="float16")
+    full = analytic_profile(g, PRESETS["v100-32gb"], dtype="float32")
+    assert half.dtype == "float16" and half.totals()["forward_ms"] <= full.totals()["forward_ms"]
+    assert half.key != full.key
+
+
+def test_analytic_on_meta_layer_graph():
+    """No weights needed; identical layers cost the same and are costed once."""
+    b = build_model("gpt2-tiny", ModelOptions(device="meta"))
+    g = trace(b.model, b.args, b.kwargs, basic_blocks=["GPT2Block"])
+    p = analytic_profile(g, PRESETS["a100-80gb"])
+    costs = [p.nodes[n.id] for n in g.nodes if n.op == "block:GPT2Block"]
+    assert len(costs) == b.model.config.n_layer >= 2
+    same = ("forward_ms", "backward_ms", "flops_forward", "flops_backward", "activation_bytes", "param_bytes")
+    assert all(getattr(c, f) == getattr(costs[0], f) for c in costs[1:] for f in same)
+    assert costs[0].flops_forward > 0 and costs[0].activation_bytes > 0
+    assert p.info["distinct_nodes"] < sum(1 for _ in g.op_nodes())
+
+
+# --------------------------------------------------------------------------- hardware
+
+def test_presets_all_load():
+    assert {"rtx2080ti", "v100-32gb", "a100-80gb", "h100-80gb", "cpu"} <= set(PRESETS)
+    for name, spec in PRESETS.items():
+        assert load_hardware(name) is spec
+        assert spec.name == name
+        assert spec.flops_per_s("float32") > 0 and spec.memory_bandwidth > 0 and spec.memory_bytes > 0
+        assert 0 < spec.matmul_efficiency <= 1 and 0 < spec.memory_efficiency <= 1
+        assert HardwareSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    # an unlisted dtype falls back to float32's peak
+    assert PRESETS["cpu"].flops_per_s("float8_e5m2") == PRESETS["cpu"].peak_flops["float32"]
+
+
+def test_user_json_spec_loads(tmp_path):
+    spec = {"name": "my-gpu", "peak_flops": {"float32": 10e12, "float16": 40e12},
+            "memory_bandwidth": 500e9, "memory_bytes": 16 * 1024**3,
+            "link_bandwidth": 10e9, "host_bandwidth": 10e9, "kernel_overhead_s": 1e-5}
+    p = tmp_path / "hw.json"
+    p.write_text(json.dumps(spec))
+    hw = load_hardware(str(p))
+    assert hw.name == "my-gpu" and hw.flops_per_s("float16") == 40e12 and hw.kernel_overhead_s == 1e-5
+    _b, g = zoo_graph("mlp")
+    prof = analytic_profile(g, hw)
+    assert prof.hardware["name"] == "my-gpu"
+    assert "my-gpu" in prof.key
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"memory_bandwidth": None}, "memory_bandwidth"),      # missing
+    ({"host_bandwidth": -1.0}, "host_bandwidth"),          # not positive
+    ({"link_bandwidth": 0}, "link_bandwidth"),
+    ({"peak_flops_fp32": 1e12}, "peak_flops_fp32"),        # unknown field (a typo)
+    ({"peak_flops": {"float32": "fast"}}, "fast"),         # not a number
+])
+def test_bad_spec_rejected_naming_field(tmp_path, change, field):
+    spec = PRESETS["a100-80gb"].to_json()
+    for k, v in change.items():
+        if v is None:
+            del spec[k]
+        else:
+            spec[k] = v
+    p = tmp_path / "hw.json"
+    p.write_text(json.dumps(spec))
+    with pytest.raises(HardwareError) as ei:
+        load_hardware(str(p))
+    assert field in str(ei.value)
+
+
+def test_bad_hardware_names_and_files(tmp_path):
+    with pytest.raises(HardwareError, match="rtx2080ti"):     # lists the presets
+        load_hardware("tpu-v9")
+    p = tmp_path / "hw.json"
+    p.write_text("{not json")
+    with pytest.raises(HardwareError, match="cannot read"):
+        load_hardware(str(p))
+
+
+# --------------------------------------------------------------------------- memory
+
+def test_optimizer_state_bytes():
+    mat = TensorMeta((64, 32), "float32")
+    vec = TensorMeta((32,), "float32")
+    stack = TensorMeta((3, 64, 32), "float32")
+    n = 64 * 32
+    assert optimizer_state_bytes(mat, "sgd") == 0
+    assert optimizer_state_bytes(mat, "momentum") == 4 * n
+    assert optimizer_state_bytes(mat, "adam") == 8 * n
+    assert optimizer_state_bytes(mat, "adafactor") == 4 * (64 + 32)        # factored row + column
+    assert optimizer_state_bytes(vec, "adafactor") == 4 * 32              # vectors unfactored
+    assert optimizer_state_bytes(stack, "adafactor") == 4 * 3 * (64 + 32)
+    # states are float32 whatever the parameter dtype
+    assert optimizer_state_bytes(TensorMeta((64, 32), "bfloat16"), "adam") == 8 * n
+    with pytest.raises(ProfileError, match="adam"):
+        optimizer_state_bytes(mat, "lamb")
+
+
+@pytest.mark.parametrize("optimizer,factor", [("sgd", 0), ("momentum", 1), ("adam", 2)])
+def test_optimizer_bytes_in_profile(optimizer, factor):
+    _b, g = zoo_graph("mlp")
+    p = analytic_profile(g, PRESETS["cpu"], optimizer=optimizer)
+    t = p.totals()
+    fp32_param_bytes = 4 * g.num_parameters
+    assert t["param_bytes"] == fp32_param_bytes == t["grad_bytes"]
+    assert t["optimizer_bytes"] == factor * fp32_param_bytes
+    # each parameter's memory is charged to the first node that reads it, once
+    assert sum(c.param_bytes for c in p.nodes.values()) == t["param_bytes"]
+    assert sum(c.optimizer_bytes for c in p.nodes.values()) == t["optimizer_bytes"]
+
+
+def test_adafactor_is_factored_in_profile():
+    _b, g = zoo_graph("mlp")
+    p = analytic_profile(g, PRESETS["cpu"], optimizer="adafactor")
+    expect = sum(4 * (sum(p_.meta.shape) if len(p_.meta.shape) == 2 else p_.numel)
+                 for p_ in g.params.values() if p_.trainable)
+    assert p.totals()["optimizer_bytes"] == expect < 2 * 4 * g.num_parameters
+    with pytest.raises(ProfileError, match="unknown optimizer"):
+        analytic_profile(g, PRESETS["cpu"], optimizer="rmsprop")
+
+
+def test_frozen_parameters_have_no_gradient_or_state():
+    m = LinearOnly()
+    m.layers[0].weight.requires_grad_(False)
+    g = trace(m, (torch.randn(4, 64),))
+    costs = param_costs(g, "adam")
+    assert costs["layers.0.weight"].grad_bytes == 0 and costs["layers.0.weight"].optimizer_bytes == 0
+    assert costs["layers.1.weight"].optimizer_bytes == 2 * costs["layers.1.weight"].bytes
+
+
+def test_activation_bytes_positive_and_each_tensor_counted_once():
+    _b, g = zoo_graph("gpt2-tiny")
+    assert analytic_profile(g, PRESETS["cpu"]).totals()["activation_bytes"] > 0
+
+    m = SharedInput()
+    x = torch.randn(4, 16)
+    g = trace(m, (x,))
+    h_node = next(n for n in g.op_nodes() if n.op == "aten.linear.default" and "fc0.weight" in n.params)
+    h_bytes = 4 * 32 * 4
+    assert len(g.successors(h_node.id)) == 2       # two consumers save h for backward
+    for p in (analytic_profile(g, PRESETS["cpu"]),
+              measured_profile(g, host_params(g, m), graph_input_values(g, (x,), {}), repeats=1)):
+        assert p.nodes[h_node.id].activation_bytes == h_bytes      # not 2 * h_bytes
+        # x (a graph input) is saved by fc0 and charged to the input node, once
+        assert p.nodes[g.inputs[0]["node"]].activation_bytes == 4 * 16 * 4
+        assert p.nodes[h_node.id].output_bytes == {s: h_bytes for s in g.successors(h_node.id)}
+
+
+# --------------------------------------------------------------------------- files
+
+def test_profile_save_load_round_trip(tmp_path):
+    _b, g = zoo_graph("skipnet")
+    p = analytic_profile(g, PRESETS["a100-80gb"], optimizer="momentum")
+    path = tmp_path / "p.json"
+    p.save(path)
+    q = Profile.load(path)
+    assert q.to_json() == p.to_json()
+    assert q.key == p.key
+    q.check_graph(g)
+    assert q.summary(g)["heaviest"][0]["name"] is not None
+    # the cache helpers store under the key
+    d = tmp_path / "cache"
+    stored = store(d, p)
+    assert stored.endswith(p.key + ".json")
+    assert cached(d, p.key).to_json() == p.to_json()
+    assert cached(d, "nope") is None
+
+
+def test_profile_for_another_graph_is_refused():
+    _b, g = zoo_graph("skipnet")
+    _b2, other = zoo_graph("mlp")
+    p = analytic_profile(g, PRESETS["cpu"])
+    with pytest.raises(ProfileError, match="re-run `ftcompile profile`"):
+        p.check_graph(other)
+
+
+def test_profile_load_refusals(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text("{broken")
+    with pytest.raises(ProfileError, match="not valid JSON"):
+        Profile.load(path)
+    path.write_text(json.dumps({"format": "ftcompile.opgraph"}))
+    with pytest.raises(ProfileError, match="not an ftcompile profile"):
+        Profile.load(path)
+    _b, g = zoo_graph("mlp")
+    d = analytic_profile(g, PRESETS["cpu"]).to_json()
+    d["version"] = 99
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match="version"):
+        Profile.load(path)
+    d["version"] = 1
+    del d["nodes"]
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match="corrupt"):
+        Profile.load(path)
+    with pytest.raises(ProfileError, match="no such profile"):
+        Profile.load(tmp_path / "missing.json")
+
+
+# --------------------------------------------------------------------------- measured
+
+def _heavy(graph):
+    return [n for n in graph.op_nodes() if n.op in ("aten.linear.default", "aten.addmm.default", "aten.mm.default",
+                                                      "aten.bmm.default", "aten.matmul.default")]
+
+
+def test_measured_profile_on_cpu_with_host_swapping():
+    b, g = zoo_graph("gpt2-tiny")
+    b.model.eval()
+    params = host_params(g, b.model)
+    assert all(t.device.type == "cpu" and not t.requires_grad for t in params.values())
+    inputs = graph_input_values(g, b.args, b.kwargs)
+    seen = []
+    p = measured_profile(g, params, inputs, device="cpu", warmup=1, repeats=2,
+                         progress=lambda i, n: seen.append((i, n)))
+    assert p.method == "measured" and p.hardware["device"] == "cpu"
+    assert seen[-1][0] == seen[-1][1] == sum(1 for _ in g.op_nodes())
+    heavy = _heavy(g)
+    assert len(heavy) >= 8
+    for n in heavy:
+        c = p.nodes[n.id]
+        assert c.forward_ms > 0 and c.backward_ms > 0
+    t = p.totals()
+    assert t["forward_ms"] > 0 and t["backward_ms"] > 0 and t["activation_bytes"] > 0
+    # memory figures do not depend on the timing method
+    a = analytic_profile(g, PRESETS["cpu"])
+    for nid, c in p.nodes.items():
+        assert c.param_bytes == a.nodes[nid].param_bytes
+        assert c.output_bytes == a.nodes[nid].output_bytes
+    assert t["activation_bytes"] == a.totals()["activation_bytes"]
+    # the profiler did not touch the model's weights
+    assert all(not t.requires_grad for t in params.values())
+
+
+@pytest.fixture
+def one_thread():
+    """Time with one intra-op thread.
+
+    On a busy 2-core machine a parallel kernel waits for its slowest thread, and a
+    descheduled worker stalls even tiny ops for a whole scheduler slice; with one
+    thread, noise only ever lengthens an op by the time it was preempted.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_measured_and_analytic_agree_on_heaviest_nodes(one_thread):
+    """A GPT-2 wide enough that its matrix products dominate: both methods must find them."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=1000, n_positions=128)
+    cfg._attn_implementation = "eager"
+    m = GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 1000, (8, 64))
+    kwargs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    g = trace(m, (), kwargs)
+    analytic = analytic_profile(g, PRESETS["cpu"])
+    measured = measured_profile(g, host_params(g, m), graph_input_values(g, (), kwargs), warmup=1, repeats=5)
+
+    def top(p, k):
+        return [nid for nid, _c in sorted(p.nodes.items(), key=lambda kv: -kv[1].forward_ms)[:k]]
+
+    matmuls = {"aten.linear.default", "aten.addmm.default", "aten.mm.default"}
+    assert {g.node(nid).op for nid in top(analytic, 8)} <= matmuls
+    # the measured top 3 are among the analytic top 8, and all of them are matrix products
+    assert set(top(measured, 3)) <= set(top(analytic, 8))
+    assert {g.node(nid).op for nid in top(measured, 3)} <= matmuls
+    # (no wall-clock shares or thresholds: only rankings of the measured times are compared)
+    assert sum(analytic.nodes[n].forward_ms for n in top(analytic, 8)) > 0.5 * analytic.totals()["forward_ms"]
+
+
+def test_measured_on_meta_model_says_build_on_cpu():
+    b = build_model("mlp", ModelOptions(device="meta"))
+    g = trace(b.model, b.args, b.kwargs)
+    with pytest.raises(ProfileError, match="--device cpu"):
+        host_params(g, b.model)
+    # meta tensors handed to the profiler directly are refused the same way
+    meta_params = {name: t.detach() for name, t in b.model.named_parameters()}
+    meta_inputs = graph_input_values(g, b.args, b.kwargs)
+    with pytest.raises(ProfileError, match="--device cpu"):
+        measured_profile(g, meta_params, meta_inputs)
+    with pytest.raises(ProfileError, match="host_params"):
+        measured_profile(g, {}, meta_inputs)
+    # analytic works without weights
+    assert analytic_profile(g, PRESETS["cpu"]).totals()["flops_forward"] > 0
+
+
+def test_measured_argument_checks():
+    b, g = zoo_graph("mlp")
+    params = host_params(g, b.model)
+    inputs = graph_input_values(g, b.args, b.kwargs)
+    with pytest.raises(ProfileError, match="repeats"):
+        measured_profile(g, params, inputs, repeats=0)
+    with pytest.raises(ProfileError, match="unknown optimizer"):
+        measured_profile(g, params, inputs, optimizer="nope")
+    if not torch.cuda.is_available():
+        with pytest.raises(ProfileError, match="--device cpu"):
+            measured_profile(g, params, inputs, device="cuda")
+    with pytest.raises(ProfileError, match="lack"):
+        graph_input_values(g, (), {})
+
+
+def test_all_optimizers_are_known():
+    assert OPTIMIZERS == ("sgd", "momentum", "adam", "adafactor")
+    assert math.isclose(optimizer_state_bytes(TensorMeta((10,), "float32"), "momentum"), 40)
