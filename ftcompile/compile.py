@@ -323,22 +323,25 @@ def draw_gpu_boxes(docs: list[tuple[str, dict]], path: str) -> None:
     rows = [(label, d) for label, d in docs if d.get("gpus")]
     fig, axes = plt.subplots(len(rows) or 1, 1, figsize=(12, 1.6 * max(len(rows), 1) + 0.6), squeeze=False)
     for ax, (label, d) in zip(axes[:, 0], rows):
-        limit = max(g["memory_limit"] for g in d["gpus"])
+        # Widths are relative to the fullest GPU so that small models stay visible; labels give
+        # the absolute figures and the share of the GPU's memory.
+        widest = max(max(g["memory_bytes"] for g in d["gpus"]), 1)
         x = 0.0
         for g in d["gpus"]:
-            w = g["memory_bytes"] / limit
+            w = max(g["memory_bytes"] / widest, 0.03)
             ax.add_patch(Rectangle((x, 0), w, 1, fill=False, lw=1.2, ec="black"))
             ax.add_patch(Rectangle((x, 0), w, min(g["utilisation"], 1.0), color="tab:blue", alpha=0.6))
-            ax.text(x + w / 2, 1.05, f"GPU {g['gpu']}\n{g['memory_bytes'] / 1e9:.1f} GB", ha="center",
-                    va="bottom", fontsize=7)
-            x += max(w, 0.02) + 0.08
+            ax.text(x + w / 2, 1.05, f"GPU {g['gpu']}\n{_fmt_bytes(g['memory_bytes'])} "
+                    f"({g['memory_bytes'] / g['memory_limit']:.0%})\n{g['utilisation']:.0%} busy",
+                    ha="center", va="bottom", fontsize=7)
+            x += w + 0.15
         ax.set_xlim(0, max(x, 1))
-        ax.set_ylim(0, 1.6)
+        ax.set_ylim(0, 1.9)
         ax.set_yticks([])
         ax.set_xticks([])
         eff = d.get("cost", {}).get("efficiency")
         ax.set_title(f"{label}: {d.get('chosen')} ({'' if eff is None else f'{eff:.1%} of lower bound'}); "
-                     "width = memory (share of the GPU), fill = utilisation", fontsize=9, loc="left")
+                     "width = memory used, fill = utilisation", fontsize=9, loc="left")
         for s in ax.spines.values():
             s.set_visible(False)
     fig.tight_layout()

@@ -1,0 +1,44 @@
+# ftcompile: `make demo` runs the guided tour, `make test` the test suite.
+# Both create .venv (if missing) and install the project into it first.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# Installed once per change of pyproject.toml; delete the stamp to force a reinstall.
+STAMP  := $(VENV)/.ftcompile-installed
+# Only this exact torch is served from the local package mirror as a CPU build;
+# an unpinned torch would pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+PYTEST_WORKERS ?= 2
+
+.PHONY: help setup demo test test-quick clean
+
+help:
+	@echo "make demo        set up .venv and run 'ftcompile demo' (trace + profile gpt2-tiny on the CPU)"
+	@echo "make test        set up .venv and run the whole test suite (pytest, $(PYTEST_WORKERS) workers)"
+	@echo "make test-quick  the same without tests marked slow"
+	@echo "make setup       only create .venv and install ftcompile into it"
+	@echo "make clean       remove caches and demo output (keeps .venv)"
+
+setup: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e '.[partition,plot,test]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/ftcompile demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS)
+
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow"
+
+clean:
+	rm -rf .pytest_cache .ftcompile-cache out/demo
+	find . -name __pycache__ -not -path "./$(VENV)/*" -prune -exec rm -rf {} +

@@ -1,0 +1,8 @@
+"""``python -m ftcompile``: the same as the ``ftcompile`` command."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
