@@ -1,4 +1,5 @@
-"""The ``ftcompile`` command line: ``models``, ``trace``, ``profile`` and ``demo``.
+"""The ``ftcompile`` command line: ``models``, ``trace``, ``profile``, ``demo``; ``compile``,
+``simulate`` and ``diff`` live in :mod:`ftcompile.cli_compile`.
 
 Every command prints a human summary, or with ``--json`` exactly one JSON
 document on stdout (anything else a model prints goes to stderr). Expected
@@ -133,12 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "ftcompile: an automatic pipeline-parallel compiler for PyTorch (after FTPipe).\n\n"
             "It turns a model into an operator graph (trace), prices every node of that graph\n"
-            "(profile), and - in later releases - partitions it into pipeline stages.\n\n"
+            "(profile), lets partitioners compete for the best pipeline plan on P GPUs (compile),\n"
+            "simulates it (simulate) and compares plans (diff).\n\n"
             "Start with:\n"
             "  ftcompile demo                      # the whole path on a tiny GPT-2, seconds on a CPU\n"
             "  ftcompile models                    # which models are built in\n"
             "  ftcompile trace gpt2-tiny -o g.json # the operator graph of one\n"
-            "  ftcompile profile g.json            # its per-node costs\n"),
+            "  ftcompile profile g.json            # its per-node costs\n"
+            "  ftcompile compile t5-tiny --gpus 3 -o out/t5  # the best plan for 3 GPUs\n"),
         epilog="Run `ftcompile COMMAND --help` for the options of each command.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     _add_common(parser, top=True)
@@ -252,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to write graph and profile files (default: out/demo); '' writes none")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.set_defaults(func=cmd_demo)
+
+    from .cli_compile import add_parsers
+
+    add_parsers(sub)
     return parser
 
 
@@ -827,6 +834,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not debug:
         # transformers warns about config details (loss_type=None...) that mean nothing here.
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        # torch.export's pytree helpers warn about their own deprecations on every trace.
+        import warnings
+
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -1,0 +1,285 @@
+"""The ``compile``, ``simulate`` and ``diff`` commands of the ``ftcompile`` command line.
+
+``compile`` runs the whole compiler: trace (or a graph file), profile (cached),
+every partitioning strategy, simulation, and writes OUT/plan.json, OUT/report.md,
+OUT/gpus.png and OUT/timeline.png, plus OUT/graph.json and OUT/profile.json so that
+``simulate`` and later steps can resume from OUT without tracing again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from . import cli as base
+
+CLUSTER_HELP = "a cluster preset (paper-8x2080ti, 4xv100-32gb, 8xa100-80gb, 8xh100-80gb, 2xcpu...) or a JSON file"
+
+
+def add_parsers(sub) -> None:
+    from .plan import SCHEDULES
+
+    # ---- compile
+    p = sub.add_parser(
+        "compile", help="partition a model for P GPUs: all strategies compete, the best plan is kept",
+        formatter_class=base._Formatter,
+        description=(
+            "Trace MODEL (or read a graph file), profile it, let every partitioning strategy\n"
+            "propose a plan for the cluster (Mixed-pipe, Seq-pipe, acyclic, METIS, the uniform\n"
+            "and parameter-balanced baselines, and an exact MIP on small graphs), price each plan\n"
+            "with the stage-period objective (FTPipe Eq. 1) and per-GPU memory, simulate it under\n"
+            "--schedule, and keep the feasible plan with the highest simulated throughput.\n\n"
+            "Writes OUT/plan.json (the plan and the per-strategy table), OUT/report.md,\n"
+            "OUT/gpus.png (one box per GPU: width = memory, fill = utilisation), OUT/timeline.png\n"
+            "and .svg, and OUT/graph.json + OUT/profile.json to resume from."),
+        epilog=(
+            "examples:\n"
+            "  ftcompile compile t5-tiny --gpus 3 -o out/t5-tiny\n"
+            "  ftcompile compile t5-3b --batch-size 4 --encoder-len 512 --decoder-len 4 --gpus 8 \\\n"
+            "      --gpu-memory 11GB --bandwidth 12GB/s --hardware rtx2080ti --schedule async -o out/t5-3b\n"
+            "  ftcompile compile gpt2-xl --strategy mixed,seq --schedule 1f1b --micro-batches 8 -o out/gpt2"))
+    base._add_common(p, top=False)
+    p.add_argument("model", metavar="MODEL", help="a zoo name, a user model 'file.py:function', or an OpGraph JSON file")
+    base._add_model_options(p)
+    p.add_argument("--basic-blocks", metavar="CLASSES", help="trace at layer granularity (see `ftcompile trace --help`)")
+    g = p.add_argument_group("cluster")
+    g.add_argument("--cluster", metavar="NAME|FILE", help=CLUSTER_HELP + " (default: 8 GPUs of --hardware)")
+    g.add_argument("--gpus", type=base._positive_int, metavar="P", help="number of GPUs (overrides the cluster's)")
+    g.add_argument("--gpu-memory", metavar="SIZE", help="memory per GPU, e.g. 11GB or 32GiB")
+    g.add_argument("--bandwidth", metavar="BW", help="GPU-to-GPU bandwidth, e.g. 12GB/s")
+    g.add_argument("--hardware", metavar="NAME|FILE",
+                   help=f"hardware the analytic costs are priced on (default: the cluster's, else {base.DEFAULT_HARDWARE})")
+    g = p.add_argument_group("training")
+    g.add_argument("--schedule", choices=SCHEDULES, default="async", help="pipeline schedule (default: async, FTPipe)")
+    g.add_argument("--micro-batches", type=base._positive_int, default=4, metavar="M",
+                   help="micro-batches per mini-batch (default: 4)")
+    g.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
+                   help="recompute activations in backward (async always does, but for the last stage)")
+    g.add_argument("--optimizer", choices=("sgd", "momentum", "adam", "adafactor"), default="adam",
+                   help="optimizer whose state memory counts (default: adam)")
+    g = p.add_argument_group("strategies")
+    g.add_argument("--strategy", default="auto", metavar="NAMES",
+                   help="auto (all that apply) or a comma-separated list of: mixed, seq, acyclic, metis, "
+                        "uniform, params, exact (default: auto)")
+    g.add_argument("--jobs", type=base._positive_int, metavar="N", help="strategies run in parallel (default: cores)")
+    g.add_argument("--profile", dest="profile_file", metavar="FILE",
+                   help="use this profile (from `ftcompile profile -o`) instead of an analytic one")
+    g.add_argument("--cache-dir", metavar="DIR", default=base.DEFAULT_CACHE_DIR,
+                   help=f"profile cache (default: {base.DEFAULT_CACHE_DIR})")
+    p.add_argument("-o", "--output", metavar="OUT", required=True, help="output directory")
+    p.add_argument("--json", action="store_true", help="print the strategies table and choice as JSON")
+    p.set_defaults(func=cmd_compile)
+
+    # ---- simulate
+    p = sub.add_parser(
+        "simulate", help="simulate a compiled plan under a schedule, with a timeline picture",
+        formatter_class=base._Formatter,
+        description=(
+            "Discrete-event simulation of the plan in OUT (from `ftcompile compile`) under a\n"
+            "schedule: throughput, bubble fraction, per-GPU busy time and peak memory, and a\n"
+            "timeline picture (PNG and SVG) per GPU: forward, backward, recompute, send, idle."),
+        epilog="example:\n  ftcompile simulate out/t5-tiny --schedule gpipe --micro-batches 8 -o gpipe.png")
+    base._add_common(p, top=False)
+    p.add_argument("plan", metavar="OUT", help="an output directory of `ftcompile compile` (with plan.json, graph.json, profile.json)")
+    p.add_argument("--schedule", choices=SCHEDULES, help="schedule (default: the plan's)")
+    p.add_argument("--micro-batches", type=base._positive_int, metavar="M", help="default: the plan's")
+    p.add_argument("--steps", type=base._positive_int, default=2, metavar="K", help="mini-batches measured (default: 2)")
+    p.add_argument("-o", "--output", metavar="FILE.png", help="timeline picture (default: OUT/timeline-SCHEDULE.png; .svg beside it)")
+    p.add_argument("--json", action="store_true", help="print the simulation figures as JSON")
+    p.set_defaults(func=cmd_simulate)
+
+    # ---- diff
+    p = sub.add_parser(
+        "diff", help="compare two plans: what moved, load, memory, objective",
+        formatter_class=base._Formatter,
+        description=(
+            "Compare plans A and B (plan.json files or `ftcompile compile` output directories):\n"
+            "which nodes run on another GPU, per-GPU load and memory side by side, and the\n"
+            "objective, efficiency and simulated-throughput deltas."),
+        epilog="example:\n  ftcompile diff out/t5-mixed out/t5-seq --picture diff.png")
+    base._add_common(p, top=False)
+    p.add_argument("a", metavar="A")
+    p.add_argument("b", metavar="B")
+    p.add_argument("--json", action="store_true", help="print the difference as JSON")
+    p.add_argument("--picture", metavar="FILE.png", help="also draw both plans' GPU boxes, one above the other")
+    p.set_defaults(func=cmd_diff)
+
+
+# --------------------------------------------------------------------------- compile
+
+def _cluster(args: argparse.Namespace):
+    from .cluster import PRESETS, default_cluster_for, load_cluster
+
+    if args.cluster:
+        cluster = load_cluster(args.cluster)
+    else:
+        cluster = default_cluster_for(args.hardware) if args.hardware else PRESETS["paper-8x2080ti"]
+    return cluster.with_overrides(gpus=args.gpus, gpu_memory=args.gpu_memory, bandwidth=args.bandwidth,
+                                  hardware=args.hardware)
+
+
+def _graph_and_built(args: argparse.Namespace, ui):
+    from .ir import OpGraph
+
+    if args.model.endswith(".json") and os.path.isfile(args.model):
+        if base._given_model_options(args) or args.basic_blocks:
+            raise base.UsageError("model options only apply when MODEL is a model, not a graph file")
+        return OpGraph.load(args.model), None
+    options = base._model_options(args)
+    with ui.phases(f"trace {args.model}", base.TRACE_PHASES) as note:
+        note("build")
+        built = base._build(args.model, options)
+        graph = base._trace_built(built, base._parse_blocks(args.basic_blocks, built.basic_blocks), note)
+    return graph, built
+
+
+def _analytic_profile(graph, hw, optimizer: str, cache_dir: str | None, ui):
+    from .profile import cached, store
+
+    key = base._profile_key_for(graph, "analytic", hw.name, optimizer)
+    if cache_dir:
+        prof = cached(cache_dir, key)
+        if prof is not None and prof.graph_hash == graph.content_hash() and \
+                json.loads(json.dumps(hw.to_json())) == prof.hardware:
+            ui.note(f"reused cached profile {os.path.join(cache_dir, key + '.json')}")
+            return prof
+    with ui.steps("analytic profile") as progress:
+        prof = base._run_profile(graph, method="analytic", hw=hw, optimizer=optimizer, progress=progress)
+    if cache_dir:
+        store(cache_dir, prof)
+    return prof
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from .compile import CompileError, compile_plan, minimum_requirements, plan_document, write_report
+    from .hardware import load_hardware
+    from .plan import Problem
+    from .profile import Profile
+
+    ui = base._Ui(args)
+    cluster = _cluster(args)
+    hw = load_hardware(args.hardware or cluster.hardware)
+    t0 = time.perf_counter()
+    with base._stdout_for(args):
+        graph, built = _graph_and_built(args, ui)
+        if args.profile_file:
+            prof = Profile.load(args.profile_file)
+            prof.check_graph(graph)
+        else:
+            prof = _analytic_profile(graph, hw, args.optimizer, args.cache_dir, ui)
+        problem = Problem(graph, prof, cluster, schedule=args.schedule, micro_batches=args.micro_batches,
+                          recompute=args.recompute)
+        t1 = time.perf_counter()
+
+        def progress(r):
+            ui.note(f"{r.name}: " + (f"{r.cost.objective_ms:.3f} ms, {r.cost.efficiency:.1%} of the lower bound"
+                                     if r.feasible else f"no plan ({r.reason})") + f" [{r.seconds:.1f} s]")
+
+        result = compile_plan(problem, args.strategy, jobs=args.jobs, progress=progress)
+        doc = plan_document(result, model=graph.source)
+        doc["compile_seconds"] = round(time.perf_counter() - t0, 3)
+        if result.chosen is None:
+            doc["requirements"] = minimum_requirements(problem)
+        os.makedirs(args.output, exist_ok=True)
+        base._save(graph, os.path.join(args.output, "graph.json"), "graph")
+        base._save(prof, os.path.join(args.output, "profile.json"), "profile")
+        paths = write_report(args.output, doc, result)
+        package = None
+        if result.chosen is not None:
+            package = _generate_package(args, graph, doc, built, ui)
+    if result.chosen is None:
+        reasons = "; ".join(f"{r.name}: {r.reason}" for r in result.results)
+        raise CompileError(f"no strategy found a plan that fits ({reasons}). To fit: {doc['requirements']}. "
+                           f"The table is in {paths['report']}")
+    summary = {"output": args.output, "chosen": result.chosen, "lower_bound_ms": result.lower_bound_ms,
+               "strategies": doc["strategies"], "files": paths, "package": package,
+               "seconds": {"trace_and_profile": round(t1 - t0, 3), "partition": round(result.seconds, 3),
+                           "total": doc["compile_seconds"]}}
+    if args.json:
+        base._emit_json(summary)
+        return 0
+    from .compile import report_text
+
+    print(report_text(doc), end="")
+    print(f"\nwrote {', '.join(paths.values())}")
+    if package:
+        print(f"package: {args.output} (verify with `ftcompile verify {args.output}`)")
+    return 0
+
+
+def _generate_package(args, graph, doc, built, ui):
+    """Code generation, when the codegen module is present (writes the stage modules into OUT)."""
+    try:
+        from .codegen import compile_package
+    except ImportError:
+        return None
+    return compile_package(built=built, graph=graph, doc=doc, out_dir=args.output)
+
+
+# --------------------------------------------------------------------------- simulate
+
+def _load_out(path: str):
+    from .ir import OpGraph
+    from .plan import Plan, load_plan_file
+    from .profile import Profile
+
+    doc = load_plan_file(path)
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    graph = OpGraph.load(os.path.join(folder, "graph.json"))
+    prof = Profile.load(os.path.join(folder, "profile.json"))
+    prof.check_graph(graph)
+    if doc.get("graph_hash") != graph.content_hash():
+        raise base.UsageError(f"{folder}/graph.json is not the graph plan.json was made for; re-run `ftcompile compile`")
+    if not doc.get("plan"):
+        raise base.UsageError(f"{folder}/plan.json holds no plan (no strategy found one that fits)")
+    return doc, graph, prof, Plan.from_json(doc["plan"]), folder
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .cluster import ClusterSpec
+    from .plan import Problem
+    from .simulate import simulate
+    from .timeline import draw_timeline
+
+    doc, graph, prof, plan, folder = _load_out(args.plan)
+    schedule = args.schedule or doc["schedule"]
+    problem = Problem(graph, prof, ClusterSpec.from_json(doc["cluster"]), schedule=schedule,
+                      micro_batches=args.micro_batches or doc["micro_batches"], recompute=doc.get("recompute"))
+    result = simulate(problem, plan, steps=args.steps)
+    out = args.output or os.path.join(folder, f"timeline-{schedule}.png")
+    draw_timeline(result, out)
+    data = result.to_json()
+    data.pop("events", None)
+    data["picture"] = out
+    if args.json:
+        base._emit_json(data)
+        return 0
+    print(f"{schedule}, {problem.micro_batches} micro-batches on {plan.num_gpus} GPUs ({doc['chosen']} plan):")
+    print(base._kv([(k, v) for k, v in data.items() if not isinstance(v, (list, dict))]))
+    print(f"wrote {out} (and .svg)")
+    return 0
+
+
+# --------------------------------------------------------------------------- diff
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from .compile import draw_gpu_boxes
+    from .diff import diff_plans, diff_text
+    from .plan import load_plan_file
+
+    a, b = load_plan_file(args.a), load_plan_file(args.b)
+    d = diff_plans(a, b)
+    if args.picture:
+        draw_gpu_boxes([(f"A {args.a}", a), (f"B {args.b}", b)], args.picture)
+        d["picture"] = args.picture
+    if args.json:
+        base._emit_json(d)
+        return 0
+    sys.stdout.write(diff_text(d, "A", "B"))
+    if args.picture:
+        print(f"wrote {args.picture}")
+    return 0
+

@@ -1,0 +1,516 @@
+"""Seq-pipe partitioners: contiguous splits of the op nodes in topological order.
+
+A *Seq-pipe* (FTPipe §4 "GPU assignment") cuts the op nodes, taken in the
+graph's topological order, into ``S <= P`` contiguous ranges and puts range
+``k`` on GPU ``k``. Any such split has an acyclic stage graph, since every
+edge goes from a lower position to a higher one.
+
+Three strategies live here:
+
+* :func:`partition_seq` -- the optimal contiguous split by dynamic programming,
+  as PipeDream's optimizer does for a straight pipeline, on the stage period of
+  FTPipe Eq. 1 under per-GPU memory limits;
+* :func:`partition_uniform` -- the same number of layers per stage (PiPPy split
+  points, DeepSpeed ``partition_method="uniform"``);
+* :func:`partition_params` -- contiguous stages balancing parameter bytes
+  (DeepSpeed's default ``partition_method="parameters"``).
+
+The two baselines ignore time and memory when choosing the split; they raise
+:class:`~ftcompile.partition.base.Infeasible` when their split does not fit.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..ir import OpGraph
+from ..plan import Plan, Problem, Stage, _extra_weight_versions, _in_flight, evaluate
+from .base import Infeasible
+
+#: Module classes that are one "layer" (basic block) of the usual model families.
+LAYER_CLASSES = frozenset({
+    "T5Block", "GPT2Block", "BertLayer", "RobertaLayer", "ViTLayer", "LlamaDecoderLayer",
+    "MistralDecoderLayer", "OPTDecoderLayer", "BloomBlock", "GPTNeoXLayer", "GPTJBlock",
+    "BartEncoderLayer", "BartDecoderLayer", "TransformerEncoderLayer", "TransformerDecoderLayer",
+})
+#: Module paths of an entry of a repeated module list: ``encoder.block.3``, ``transformer.h.11``...
+_LAYER_PATH = re.compile(r"(^|\.)(block|blocks|h|layer|layers)\.\d+$")
+
+_INF = float("inf")
+
+
+# --------------------------------------------------------------------------- the sequence
+
+@dataclass
+class OpSequence:
+    """The op nodes of a graph in topological order, with the arrays the DP sweeps over.
+
+    Positions ``0..N-1`` index ``ids``. Per-node arrays are float64 (times) or
+    int64 (bytes, so that the incremental sums of :func:`partition_seq` stay exact).
+    """
+
+    ids: list[int]
+    compute_ms: np.ndarray         # forward + backward
+    recompute_ms: np.ndarray
+    activation_bytes: np.ndarray   # kept for backward, one micro-batch
+    input_bytes: np.ndarray        # bytes of edges from graph-input nodes (as evaluate counts them)
+    values: list[tuple[int, list[int], int, bool]]   # (producer pos, sorted consumer positions, bytes, floating)
+    node_params: list[list[int]]   # param indices each node reads
+    param_total: np.ndarray        # weights + grads + optimizer state, per param index
+    param_bytes: np.ndarray        # weights only (extra weight versions)
+    loss_pos: int | None
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+
+def op_sequence(problem: Problem) -> OpSequence:
+    """Flatten ``problem`` into an :class:`OpSequence` (values between op nodes only)."""
+    graph, prof = problem.graph, problem.profile
+    ops = list(graph.op_nodes())
+    pos = {n.id: i for i, n in enumerate(ops)}
+    comp = np.array([prof.nodes[n.id].forward_ms + prof.nodes[n.id].backward_ms for n in ops], dtype=float)
+    rec = np.array([prof.nodes[n.id].recompute_ms for n in ops], dtype=float)
+    act = np.array([prof.nodes[n.id].activation_bytes for n in ops], dtype=np.int64)
+    inb = np.array([sum(e.bytes for e in graph.in_edges(n.id) if graph.node(e.src).kind == "input")
+                    for n in ops], dtype=np.int64)
+    consumers: dict[str, set[int]] = {}
+    for e in graph.edges:
+        if e.src in pos and e.dst in pos:
+            consumers.setdefault(e.value, set()).add(pos[e.dst])
+    values = []
+    for v, cs in consumers.items():
+        src = graph.producer(v)
+        t = graph.node(src).outputs[v].tensor
+        values.append((pos[src], sorted(cs), t.bytes if t is not None else 0, bool(t is not None and t.is_floating)))
+    pindex: dict[str, int] = {}
+    node_params = []
+    for n in ops:
+        node_params.append([pindex.setdefault(p, len(pindex)) for p in dict.fromkeys(n.params)])
+    names = sorted(pindex, key=pindex.get)
+    ptot = np.array([prof.params[p].total for p in names], dtype=np.int64)
+    pb = np.array([prof.params[p].bytes for p in names], dtype=np.int64)
+    loss = next((pos[n.id] for n in ops if n.is_loss), None)
+    return OpSequence([n.id for n in ops], comp, rec, act, inb, values, node_params, ptot, pb, loss)
+
+
+def _plan_from_cuts(strategy: str, problem: Problem, seq: OpSequence, starts: list[int], info: dict) -> Plan:
+    """Stage k holds positions ``starts[k]..starts[k+1]-1`` and runs on GPU k."""
+    bounds = list(starts) + [seq.n]
+    stages = [Stage(k, k, seq.ids[bounds[k]:bounds[k + 1]]) for k in range(len(starts))]
+    return Plan(strategy, problem.num_gpus, stages, info)
+
+
+# --------------------------------------------------------------------------- optimal (DP)
+
+def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: int | None = None) -> Plan:
+    """The best contiguous split of the op nodes onto distinct GPUs (Seq-pipe), by dynamic programming.
+
+    For every stage count ``S`` in ``1..P`` (or just ``stages``; at most
+    ``max_stages``), a DP over the topological order finds the split into ``S``
+    non-empty contiguous ranges, range ``k`` on GPU ``k``, that minimises the
+    largest stage period of FTPipe Eq. 1 subject to every GPU's memory limit.
+    Each resulting plan is priced with :func:`~ftcompile.plan.evaluate`, and the
+    best feasible one is returned.
+
+    The DP's cost model is :func:`~ftcompile.plan.evaluate`'s, with two
+    approximations:
+
+    * evaluate sends a value once per GPU that reads it, which depends on the
+      cuts after the sender. The DP runs with two send models, :data:`SEND_MODELS`:
+      once per value (a lower bound) and once per later stage that may read it
+      (``min(readers after the cut, stages after the sender)``, an upper bound);
+      both are exact for values with one reader. The best of the resulting
+      plans by evaluate is returned, and ``info["send_model"]`` says which;
+    * stage ``k`` of ``S`` is taken to have depth ``S - 1 - k`` (the most it can
+      have), which fixes its in-flight micro-batches; the true depth is smaller
+      only if some stage sends nothing to the next, so the memory test is
+      conservative. Bandwidths are those between GPU ``k`` and ``k + 1``.
+
+    Within either model the result is exact. The sweep over range ends keeps the
+    bytes crossing each cut, received by each range and the distinct
+    parameters each range reads as incremental int64 arrays, so all stage
+    counts and both send models together cost ``O(N^2 P^2)`` vectorised work
+    (about 4 s for a 4,900-node graph on 8 GPUs).
+
+    Raises
+    ------
+    Infeasible
+        When no contiguous split into at most ``P`` stages fits in memory.
+    """
+    t0 = time.perf_counter()
+    seq = op_sequence(problem)
+    N = seq.n
+    if N == 0:
+        raise Infeasible("the graph has no op nodes to place")
+    P = min(problem.num_gpus, max_stages or problem.num_gpus, N)
+    counts = [stages] if stages else list(range(1, P + 1))
+    if stages is not None and not 1 <= stages <= min(problem.num_gpus, N):
+        raise Infeasible(f"cannot make {stages} stages from {N} op nodes on {problem.num_gpus} GPUs")
+    best, arg = _seq_dp(problem, seq, counts)
+    dp_seconds = time.perf_counter() - t0
+
+    results, seen = [], set()
+    for model, S in best:
+        if best[model, S] == _INF:
+            continue
+        starts = [0] * S
+        j = N
+        for k in range(S - 1, -1, -1):
+            i = int(arg[model, S][k][j]) if k > 0 else 0
+            starts[k] = i
+            j = i
+        if tuple(starts) in seen:
+            continue
+        seen.add(tuple(starts))
+        plan = _plan_from_cuts("seq", problem, seq, starts, {})
+        cost = evaluate(problem, plan)
+        results.append((cost.objective_ms if cost.feasible else _INF, S, plan, cost, best[model, S], model))
+    feasible = [r for r in results if r[0] < _INF]
+    if not feasible:
+        gb = problem.cluster.gpu_memory / 1e9
+        if results:
+            raise Infeasible(f"the best contiguous splits do not fit {gb:.2f} GB per GPU once every "
+                             f"micro-batch in flight is counted ({results[0][3].reason})")
+        S = max(counts)
+        params = int(seq.param_total.sum()) / 1e9
+        acts = int(seq.activation_bytes.sum()) / 1e9
+        k_in = _in_flight(problem.schedule, S - 1, problem.micro_batches, True)
+        raise Infeasible(f"no contiguous split of {N} op nodes into at most {S} stages fits {gb:.2f} GB "
+                         f"per GPU under the {problem.schedule} schedule (weights, gradients and optimizer "
+                         f"state are {params:.2f} GB in all; activations {acts:.2f} GB per micro-batch, "
+                         f"of which the first stage keeps up to {k_in} micro-batches"
+                         f"{' as inputs only (recomputation)' if problem.recomputes(False) else ''})")
+    obj, S, plan, cost, dp_obj, model = min(feasible, key=lambda r: (r[0], r[1]))
+    by_stages: dict[str, float | None] = {}
+    for r in results:
+        key, v = str(r[1]), (r[0] if r[0] < _INF else None)
+        if key not in by_stages or (v is not None and (by_stages[key] is None or v < by_stages[key])):
+            by_stages[key] = v
+    plan.info = {
+        "stages": S, "dp_objective_ms": dp_obj, "send_model": model, "objective_ms": obj,
+        "objective_by_stages": by_stages,
+        "nodes": N, "seconds": round(time.perf_counter() - t0, 3), "dp_seconds": round(dp_seconds, 3),
+    }
+    return plan
+
+
+#: How the DP prices a value read by several later stages: sent once (a lower bound on what
+#: evaluate counts), or once per later stage that may read it (an upper bound).
+SEND_MODELS = ("once", "fanout")
+
+
+def _seq_dp(problem: Problem, seq: OpSequence, counts: list[int]):
+    """DP tables for every stage count in ``counts`` and every send model in :data:`SEND_MODELS`.
+
+    ``arg[m, S][k][j]`` is the best start of stage ``k`` (of ``S``) when it ends
+    just before position ``j``; ``best[m, S]`` the DP objective of the best
+    ``S``-split under send model ``m``. Under ``fanout`` a value crossing the end
+    of stage ``k`` is sent ``min(r, S - 1 - k)`` times, ``r`` its readers after
+    the cut.
+    """
+    N = seq.n
+    sched, M = problem.schedule, problem.micro_batches
+    cluster = problem.cluster
+    cmp = np.concatenate([[0.0], np.cumsum(seq.compute_ms)])
+    crc = np.concatenate([[0.0], np.cumsum(seq.recompute_ms)])
+    cact = np.concatenate([[0], np.cumsum(seq.activation_bytes)])
+    cinb = np.concatenate([[0], np.cumsum(seq.input_bytes)])
+    rec_mid = problem.recomputes(False)
+    rec_lastloss = problem.recomputes(True)
+
+    # Sweep bookkeeping. Values that cross cut j (before position j): produced < j, read >= j.
+    produced_at: list[list[int]] = [[] for _ in range(N)]                # pos -> value indices made there
+    read_by: list[list[int]] = [[] for _ in range(N)]                    # pos -> value indices read
+    for vi, (p, cs, b, _fl) in enumerate(seq.values):
+        produced_at[p].append(vi)
+        for c in cs:
+            read_by[c].append(vi)
+    Mx = max(counts)
+    # send_w[m, p]: bytes made at p still read at or after j, each value counted min(readers left, m)
+    # times (row 1: once); rows are the later-stage counts a stage can have.
+    send_w = np.zeros((max(Mx, 2), N), dtype=np.int64)
+    left = [len(cs) for _p, cs, _b, _f in seq.values]
+    ms = np.arange(1, max(Mx, 2))
+    recv_d = np.zeros(N + 1, dtype=np.int64)    # difference array over i: bytes received by [i, j)
+    recvf_d = np.zeros(N + 1, dtype=np.int64)   # the same, floating values only (gradients come back)
+    last_c = [-1] * len(seq.values)             # last consumer position < j, per value
+    par_w = np.zeros(N, dtype=np.int64)         # by last reading position < j: param total bytes
+    parb_w = np.zeros(N, dtype=np.int64)        # the same, weight bytes only
+    last_p = [-1] * len(seq.param_total)
+
+    bw_send = [cluster.bandwidth(k, k + 1) if k + 1 < problem.num_gpus else 1.0 for k in range(max(counts))]
+    bw_recv = [cluster.bandwidth(k - 1, k) if k > 0 else 1.0 for k in range(max(counts))]
+    limit = cluster.gpu_memory
+
+    keys = [(m, S) for m in SEND_MODELS for S in counts]
+    best_tab = {key: [np.full(N + 1, _INF) for _ in range(key[1])] for key in keys}
+    arg = {key: [np.full(N + 1, -1, dtype=np.int64) for _ in range(key[1])] for key in keys}
+    best: dict[tuple[str, int], float] = {}
+
+    for j in range(1, N + 1):
+        q = j - 1                              # the node that joins ranges ending at j
+        for vi in produced_at[q]:
+            send_w[1:, q] += seq.values[vi][2] * np.minimum(left[vi], ms)
+        for vi in read_by[q]:
+            p, _cs, b, fl = seq.values[vi]
+            send_w[left[vi]:, p] -= b          # min(left, m) drops by one where m >= left
+            left[vi] -= 1
+            old = last_c[vi]
+            if old < 0:
+                recv_d[p + 1] += b
+                recvf_d[p + 1] += b if fl else 0
+            else:
+                recv_d[old + 1] += b
+                recvf_d[old + 1] += b if fl else 0
+            recv_d[q + 1] -= b
+            recvf_d[q + 1] -= b if fl else 0
+            last_c[vi] = q
+        for pi in seq.node_params[q]:
+            old = last_p[pi]
+            if old >= 0:
+                par_w[old] -= seq.param_total[pi]
+                parb_w[old] -= seq.param_bytes[pi]
+            par_w[q] += seq.param_total[pi]
+            parb_w[q] += seq.param_bytes[pi]
+            last_p[pi] = q
+
+        # Vectors over the range start i in [0, j).
+        send_rows: dict[int, np.ndarray] = {}
+
+        def send_b(m):
+            if m not in send_rows:
+                send_rows[m] = np.cumsum(send_w[m, :j][::-1])[::-1]
+            return send_rows[m]
+        recv_b = np.cumsum(recv_d[:j])
+        recvf_b = np.cumsum(recvf_d[:j])
+        params = np.cumsum(par_w[:j][::-1])[::-1]
+        weights = np.cumsum(parb_w[:j][::-1])[::-1]
+        comp = cmp[j] - cmp[:j]
+        rcmp = crc[j] - crc[:j]
+        act_full = cact[j] - cact[:j]
+        act_in = recv_b + (cinb[j] - cinb[:j])
+
+        def period(rec, k, m):
+            c = comp + rcmp * rec
+            s = send_b(m) * (1e3 / bw_send[k]) if j < N else 0.0
+            r = recvf_b * (1e3 / bw_recv[k])
+            return c + np.maximum(0.0, s - c) + np.maximum(0.0, r - c)
+
+        def fits(rec, depth, group0):
+            k_in = _in_flight(sched, depth, M, group0)
+            extra = _extra_weight_versions(sched, depth, group0)
+            if np.ndim(rec) == 0:
+                base = mem_rec if rec else mem_norec
+                held = act_in if rec else act_full
+            else:
+                base = np.where(rec, mem_rec, mem_norec)
+                held = np.where(rec, act_in, act_full)
+            mem = base + held * k_in
+            if extra:
+                mem = mem + weights * extra
+            return mem <= limit
+
+        mem_norec = params
+        mem_rec = params + np.where(rcmp > 0, act_full, 0)   # recomputation rebuilds one micro-batch
+        per_cache: dict = {}
+        fit_cache: dict = {}
+        for model, S in keys:
+            for k in range(min(S, j)):
+                last = k == S - 1
+                if last and j != N:
+                    continue
+                depth, group0 = S - 1 - k, k < (S + 1) // 2
+                m = 1 if model == "once" else max(1, depth)
+                if last:
+                    rec = np.array([rec_lastloss if (seq.loss_pos is None or i <= seq.loss_pos) else rec_mid
+                                    for i in range(j)]) if rec_lastloss != rec_mid else rec_mid
+                    per = period(rec, k, m)
+                    ok = fits(rec, depth, group0)
+                else:
+                    pkey = (bw_send[k], bw_recv[k], m)
+                    if pkey not in per_cache:
+                        per_cache[pkey] = period(rec_mid, k, m)
+                    fkey = (_in_flight(sched, depth, M, group0), _extra_weight_versions(sched, depth, group0))
+                    if fkey not in fit_cache:
+                        fit_cache[fkey] = fits(rec_mid, depth, group0)
+                    per, ok = per_cache[pkey], fit_cache[fkey]
+                tab, at = best_tab[model, S], arg[model, S]
+                if k == 0:
+                    tab[0][j] = per[0] if ok[0] else _INF
+                    at[0][j] = 0
+                else:
+                    cand = np.where(ok, np.maximum(tab[k - 1][:j], per), _INF)
+                    i = int(np.argmin(cand))
+                    tab[k][j] = cand[i]
+                    at[k][j] = i
+                if last:
+                    best[model, S] = float(tab[k][N])
+    return best, arg
+
+
+# --------------------------------------------------------------------------- baselines
+
+def layer_keys(graph: OpGraph) -> list[str | None]:
+    """For each op node (topological order), the path of the layer it belongs to, or None.
+
+    A layer is the outermost module in a node's stack whose class is in
+    :data:`LAYER_CLASSES` or whose path is an entry of a repeated module list
+    (``*.block.N``, ``*.h.N``, ``*.layer.N``, ``*.layers.N``).
+    """
+    keys: list[str | None] = []
+    for n in graph.op_nodes():
+        key = None
+        for path, cls in n.scopes:
+            if cls.rsplit(".", 1)[-1] in LAYER_CLASSES or _LAYER_PATH.search(path):
+                key = path
+                break
+        if key is None and n.scope_class in LAYER_CLASSES:   # layer granularity: the node is the block
+            key = n.scope
+        keys.append(key)
+    return keys
+
+
+def _runs(keys: list[str | None]) -> list[tuple[int, str | None]]:
+    """Start positions and keys of maximal runs of equal keys."""
+    out: list[tuple[int, str | None]] = []
+    for i, k in enumerate(keys):
+        if not out or out[-1][1] != k:
+            out.append((i, k))
+    return out
+
+
+def _checked(problem: Problem, plan: Plan, what: str) -> Plan:
+    cost = evaluate(problem, plan)
+    if not cost.feasible:
+        raise Infeasible(f"{what} does not fit memory: {cost.reason}")
+    plan.info["objective_ms"] = cost.objective_ms
+    return plan
+
+
+def partition_uniform(problem: Problem) -> Plan:
+    """``P`` contiguous stages with equal numbers of layers (PiPPy / DeepSpeed ``uniform``).
+
+    Layers are found by :func:`layer_keys`; op nodes outside any layer (embeddings,
+    heads, masks) join the layer before them, or the first layer if they come
+    first. ``L`` layers on ``P`` GPUs give the first ``L mod P`` stages one layer
+    more. With fewer layers than GPUs, one layer per stage. A graph without
+    recognisable layers is split into equal numbers of op nodes (``info`` says so).
+
+    Raises
+    ------
+    Infeasible
+        When the split does not fit memory.
+    """
+    seq_ids = [n.id for n in problem.graph.op_nodes()]
+    N = len(seq_ids)
+    keys = layer_keys(problem.graph)
+    info: dict = {}
+    # A layer starts where its key first appears; later reappearances (rare) stay put.
+    starts, seen = [], set()
+    for i, k in enumerate(keys):
+        if k is not None and k not in seen:
+            seen.add(k)
+            starts.append(i)
+    if starts:
+        starts[0] = 0                          # leading non-layer nodes join the first layer
+        info["layers"] = len(starts)
+    else:
+        starts = list(range(N))
+        info["layers"] = 0
+        info["note"] = "no layers recognised: equal numbers of op nodes per stage"
+    L = len(starts)
+    S = min(problem.num_gpus, L)
+    q, r = divmod(L, S)
+    cuts, layer = [], 0
+    for k in range(S):
+        cuts.append(starts[layer])
+        layer += q + (1 if k < r else 0)
+    info["layers_per_stage"] = [q + (1 if k < r else 0) for k in range(S)]
+    stages = [Stage(k, k, seq_ids[cuts[k]:(cuts[k + 1] if k + 1 < S else N)]) for k in range(S)]
+    return _checked(problem, Plan("uniform", problem.num_gpus, stages, info), "the uniform split")
+
+
+def partition_params(problem: Problem) -> Plan:
+    """Contiguous stages balancing parameter bytes (DeepSpeed ``partition_method="parameters"``).
+
+    The units are runs of op nodes in one layer (:func:`layer_keys`) and runs of
+    nodes outside layers (embeddings, head), so cuts fall between layers as in
+    DeepSpeed. A unit weighs the bytes of the parameters it is first to read
+    (each tensor once, tied weights where first used). The split into at most
+    ``P`` non-empty stages minimising the heaviest stage is found as DeepSpeed's
+    ``partition_balanced`` does (bisection on the bottleneck, greedy packing).
+
+    Raises
+    ------
+    Infeasible
+        When the split does not fit memory.
+    """
+    graph, prof = problem.graph, problem.profile
+    seq_ids = [n.id for n in graph.op_nodes()]
+    N = len(seq_ids)
+    runs = _runs(layer_keys(graph))
+    unit_start = [s for s, _k in runs]
+    seen: set[str] = set()
+    node_w = []
+    for nid in seq_ids:
+        w = 0
+        for p in graph.node(nid).params:
+            if p not in seen:
+                seen.add(p)
+                w += prof.params[p].bytes
+        node_w.append(w)
+    if len(runs) == 1 and runs[0][1] is None:
+        unit_start = list(range(N))            # no layers: every op node is a unit
+    bounds = unit_start + [N]
+    w = [sum(node_w[bounds[u]:bounds[u + 1]]) for u in range(len(unit_start))]
+    U = len(w)
+    S = min(problem.num_gpus, U)
+    cw = np.concatenate([[0], np.cumsum(w)]).astype(np.int64)
+    cuts = _balanced_cuts(w, S)
+    S = len(cuts)
+    stages = [Stage(k, k, seq_ids[bounds[cuts[k]]:(bounds[cuts[k + 1]] if k + 1 < S else N)]) for k in range(S)]
+    info = {"units": U, "param_bytes_per_stage": [int(cw[(cuts[k + 1] if k + 1 < S else U)] - cw[cuts[k]])
+                                                  for k in range(S)]}
+    return _checked(problem, Plan("params", problem.num_gpus, stages, info), "the parameter-balanced split")
+
+
+def _balanced_cuts(w: list[int], S: int) -> list[int]:
+    """Start units of ``S`` non-empty contiguous parts of ``w`` minimising the heaviest part.
+
+    Bisection on the bottleneck ``B`` with greedy left-to-right packing (which
+    needs the fewest parts for a given ``B``); parts are then split at their
+    middle unit, largest part first, until there are ``S`` (splitting never
+    raises the bottleneck).
+    """
+    def pack(B: int) -> list[int] | None:
+        starts, acc = [0], 0
+        for u, x in enumerate(w):
+            if x > B:
+                return None
+            if acc + x > B:
+                starts.append(u)
+                acc = 0
+            acc += x
+        return starts if len(starts) <= S else None
+
+    lo, hi = max(w, default=0), sum(w)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pack(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    starts = pack(lo) or [0]
+    while len(starts) < S:
+        ends = starts[1:] + [len(w)]
+        k = max(range(len(starts)), key=lambda k: ends[k] - starts[k])
+        if ends[k] - starts[k] < 2:
+            break
+        starts.insert(k + 1, (starts[k] + ends[k] + 1) // 2)
+    return starts

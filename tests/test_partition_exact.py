@@ -1,0 +1,255 @@
+"""Exact partitioning by MIP: optimal on graphs small enough to enumerate, and a bound no heuristic beats."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from ftcompile.cluster import PRESETS
+from ftcompile.ir import Edge, Node, OpGraph, ParamInfo, TensorMeta, ValueMeta
+from ftcompile.partition.base import Infeasible, run_strategy
+from ftcompile.partition.exact import coarsen, partition_exact, plan_from_assignment
+from ftcompile.partition.seq import op_sequence
+from ftcompile.plan import Plan, Problem, Stage, check_plan, evaluate
+from ftcompile.profile import NodeCost, ParamCost, Profile
+
+pytest.importorskip("highspy")
+
+
+def synthetic_problem(n: int = 8, gpus: int = 3, *, seed: int = 0, value_bytes: int = 4_000_000,
+                      gpu_memory: int = 10**12, schedule: str = "async", bandwidth: float = 12e9,
+                      fanout: bool = False) -> Problem:
+    """A hand-built chain of ``n`` op nodes with skip values, random costs and the loss last.
+
+    Node ``i`` sends ``h{i}`` to ``i + 1`` and every third node ``s{i}`` to
+    ``i + 3``; with ``fanout`` node 1's output is also read by every later node
+    (a value with many readers, like an attention mask). Each pair of nodes
+    reads one parameter.
+    """
+    rng = random.Random(seed)
+    f32 = lambda k: ValueMeta(TensorMeta((k // 4,), "float32"))   # noqa: E731
+    nodes = [Node(0, "x", "input", outputs={"x": f32(value_bytes)})]
+    edges = [Edge(0, 1, "x", f32(value_bytes))]
+    params, pcost, costs = {}, {}, {}
+    for i in range(1, n + 1):
+        pname = f"layers.{(i - 1) // 2}.weight"
+        if pname not in params:
+            nb = rng.choice([1, 2, 4]) * 1_000_000
+            params[pname] = ParamInfo(pname, "parameter", TensorMeta((nb // 4,), "float32"))
+            pcost[pname] = ParamCost(nb, nb, 2 * nb)
+        outs = {f"h{i}": f32(rng.choice([1, 2, 3]) * value_bytes)} if i < n else \
+            {f"h{i}": ValueMeta(TensorMeta((), "float32"))}
+        if i % 3 == 0 and i + 3 <= n:
+            outs[f"s{i}"] = f32(value_bytes)
+            edges.append(Edge(i, i + 3, f"s{i}", outs[f"s{i}"]))
+        if i < n:
+            edges.append(Edge(i, i + 1, f"h{i}", outs[f"h{i}"]))
+        if fanout and i == 1:
+            edges.extend(Edge(1, j, "h1", outs["h1"]) for j in range(3, n + 1))
+        nodes.append(Node(i, f"op{i}", "op", scope=f"layers.{(i - 1) // 2}", params=[pname], outputs=outs,
+                          is_loss=(i == n)))
+        fwd = rng.uniform(1.0, 10.0)
+        costs[i] = NodeCost(forward_ms=fwd, backward_ms=2 * fwd, recompute_ms=fwd,
+                            activation_bytes=rng.choice([1, 2, 5]) * 1_000_000)
+    nodes.append(Node(n + 1, "out", "output"))
+    edges.append(Edge(n, n + 1, f"h{n}", nodes[n].outputs[f"h{n}"]))
+    g = OpGraph(nodes=nodes, edges=edges, params=params, loss=f"h{n}")
+    prof = Profile(graph_hash=g.content_hash(), method="analytic", hardware={"name": "synthetic"}, dtype="float32",
+                   batch_size=1, optimizer="adam", nodes=costs, params=pcost)
+    cluster = PRESETS["paper-8x2080ti"].with_overrides(gpus=gpus, gpu_memory=gpu_memory, bandwidth=bandwidth)
+    return Problem(g, prof, cluster, schedule=schedule)
+
+
+def brute_force(problem: Problem, space: str) -> float:
+    """Best evaluate() objective over all plans of the space that fit (inf if none).
+
+    ``seq``: every contiguous split onto distinct GPUs. ``mixed``: every
+    assignment of nodes to GPUs, staged by :func:`plan_from_assignment` (merged
+    and unmerged runs).
+    """
+    ids = [n.id for n in problem.graph.op_nodes()]
+    P, best = problem.num_gpus, float("inf")
+    plans = []
+    if space == "seq":
+        for S in range(1, min(P, len(ids)) + 1):
+            for cuts in itertools.combinations(range(1, len(ids)), S - 1):
+                b = [0, *cuts, len(ids)]
+                plans.append(Plan("bf", P, [Stage(k, k, ids[b[k]:b[k + 1]]) for k in range(S)]))
+    else:
+        for gpu_of in itertools.product(range(P), repeat=len(ids)):
+            for merge in (True, False):
+                plans.append(plan_from_assignment(problem, [[n] for n in ids], list(gpu_of), "bf", merge=merge))
+    for plan in plans:
+        cost = evaluate(problem, plan)
+        if cost.feasible:
+            best = min(best, cost.objective_ms)
+    return best
+
+
+def assert_valid(problem: Problem, plan: Plan, space: str) -> None:
+    check_plan(problem.graph, plan)
+    assert evaluate(problem, plan).feasible
+    if space == "seq":
+        pos = {n.id: i for i, n in enumerate(problem.graph.op_nodes())}
+        assert len({s.gpu for s in plan.stages}) == len(plan.stages)
+        for s in plan.stages:
+            p = sorted(pos[n] for n in s.nodes)
+            assert p == list(range(p[0], p[-1] + 1))
+
+
+# --------------------------------------------------------------------------- optimality
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("n,gpus", [(8, 2), (8, 3)])
+def test_seq_space_equals_brute_force(seed, n, gpus):
+    problem = synthetic_problem(n, gpus, seed=seed)
+    plan = partition_exact(problem, space="seq")
+    assert_valid(problem, plan, "seq")
+    bf = brute_force(problem, "seq")
+    assert plan.info["optimal"]
+    assert evaluate(problem, plan).objective_ms == pytest.approx(bf, rel=1e-6)
+    assert plan.info["mip_bound_ms"] <= bf * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("n,gpus", [(6, 3), (8, 2)])
+def test_mixed_space_equals_brute_force(seed, n, gpus):
+    # No recomputation (GPipe) and fast links: a GPU's load is exactly the compute it hosts,
+    # which is what the MIP minimises.
+    problem = synthetic_problem(n, gpus, seed=seed, schedule="gpipe", bandwidth=1e15)
+    plan = partition_exact(problem, space="mixed")
+    assert_valid(problem, plan, "mixed")
+    bf = brute_force(problem, "mixed")
+    assert plan.info["optimal"]
+    assert evaluate(problem, plan).objective_ms == pytest.approx(bf, rel=1e-6)
+    assert plan.info["mip_objective_ms"] == pytest.approx(bf, rel=1e-6)
+
+
+def test_mixed_beats_seq_when_load_is_lumpy():
+    problem = synthetic_problem(8, 3, seed=4, schedule="gpipe", bandwidth=1e15)
+    seq = evaluate(problem, partition_exact(problem, space="seq")).objective_ms
+    mixed = evaluate(problem, partition_exact(problem, space="mixed")).objective_ms
+    assert mixed <= seq + 1e-9
+
+
+@pytest.mark.parametrize("space", ["seq", "mixed"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bound_holds_with_heavy_communication_and_recomputation(space, seed):
+    # Slow links and async (recompute everywhere but the last stage): the MIP is a relaxation
+    # there, so its bound must stay below the true optimum and its plan above it.
+    problem = synthetic_problem(6 if space == "mixed" else 8, 3, seed=seed, bandwidth=0.5e9, fanout=True)
+    plan = partition_exact(problem, space=space)
+    bf = brute_force(problem, space)
+    obj = evaluate(problem, plan).objective_ms
+    assert plan.info["mip_bound_ms"] <= bf * (1 + 1e-6)
+    assert obj >= bf * (1 - 1e-6)
+    if space == "seq":     # a seq plan is also a mixed one
+        assert obj >= plan.info["mip_bound_ms"] - 1e-9
+
+
+@pytest.mark.parametrize("schedule", ["async", "gpipe", "pipedream"])
+def test_memory_limits_are_respected(schedule):
+    loose = synthetic_problem(8, 3, seed=6, schedule=schedule)
+    need = min(max(g.memory_bytes for g in evaluate(loose, run_strategy("seq", loose)).gpus),
+               max(g.memory_bytes for g in evaluate(loose, partition_exact(loose, space="seq")).gpus))
+    problem = synthetic_problem(8, 3, seed=6, schedule=schedule, gpu_memory=int(need * 1.05))
+    for space in ("seq", "mixed"):
+        plan = partition_exact(problem, space=space)
+        assert_valid(problem, plan, space)
+    plan = partition_exact(problem, space="seq")
+    assert evaluate(problem, plan).objective_ms == pytest.approx(brute_force(problem, "seq"), rel=1e-6)
+
+
+# --------------------------------------------------------------------------- bounds vs heuristics
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("gpus", [2, 3, 4])
+def test_no_heuristic_beats_the_proven_bound(seed, gpus):
+    problem = synthetic_problem(12, gpus, seed=seed)
+    bounds = {space: partition_exact(problem, space=space).info["mip_bound_ms"] for space in ("seq", "mixed")}
+    assert bounds["mixed"] <= bounds["seq"] + 1e-9
+    for strategy in ("seq", "uniform", "params"):
+        try:
+            plan = run_strategy(strategy, problem)
+        except Infeasible:
+            continue
+        obj = evaluate(problem, plan).objective_ms
+        # all three are Seq-pipes, which are Mixed-pipes too
+        assert obj >= bounds["seq"] - 1e-9, strategy
+        assert obj >= bounds["mixed"] - 1e-9, strategy
+
+
+def test_exact_seq_agrees_with_the_seq_dp():
+    problem = synthetic_problem(12, 4, seed=9)
+    exact = evaluate(problem, partition_exact(problem, space="seq")).objective_ms
+    dp = evaluate(problem, run_strategy("seq", problem)).objective_ms
+    assert exact == pytest.approx(dp, rel=1e-6)
+
+
+# --------------------------------------------------------------------------- coarsening, reporting, failure
+
+def test_coarsening_keeps_blocks_contiguous_and_says_so():
+    problem = synthetic_problem(20, 3, seed=3)
+    blocks = coarsen(op_sequence(problem), 7, True)
+    assert blocks.n == 7 and all(blocks.members)
+    ids = [n.id for n in problem.graph.op_nodes()]
+    assert [n for m in blocks.members for n in m] == ids
+    plan = partition_exact(problem, max_nodes=7, space="seq")
+    assert plan.info["coarsened"] and plan.info["blocks"] == 7
+    assert "coarsened" in plan.info["bound_note"]
+    where = {n: s.id for s in plan.stages for n in s.nodes}
+    for m in blocks.members:                        # whole blocks only
+        assert len({where[n] for n in m}) == 1
+    assert_valid(problem, plan, "seq")
+
+
+def test_info_reports_the_solver_figures():
+    problem = synthetic_problem(8, 2, seed=0)
+    info = partition_exact(problem, space="mixed").info
+    for key in ("mip_objective_ms", "mip_bound_ms", "optimal", "gap", "objective_ms"):
+        assert key in info
+    assert info["mip_bound_ms"] <= info["mip_objective_ms"] + 1e-9
+    assert 0.0 <= info["gap"] <= 1e-5
+
+
+@pytest.mark.parametrize("space", ["seq", "mixed"])
+def test_too_little_memory_is_infeasible(space):
+    problem = synthetic_problem(8, 2, gpu_memory=1_000_000)
+    with pytest.raises(Infeasible) as err:
+        partition_exact(problem, space=space)
+    assert "GB" in err.value.reason
+
+
+def test_unknown_space_is_refused():
+    with pytest.raises(ValueError):
+        partition_exact(synthetic_problem(4, 2), space="diagonal")
+
+
+def dag_problem(n: int, edges: list[tuple[int, int]], gpus: int) -> Problem:
+    """Op nodes ``1..n``; node ``i`` makes ``v{i}``, read by every ``j`` with ``(i, j)`` in ``edges``."""
+    meta = ValueMeta(TensorMeta((1000,), "float32"))
+    nodes = [Node(i, f"op{i}", "op", outputs={f"v{i}": meta}) for i in range(1, n + 1)]
+    g = OpGraph(nodes=nodes, edges=[Edge(a, b, f"v{a}", meta) for a, b in edges], params={})
+    prof = Profile(graph_hash="dag", method="analytic", hardware={"name": "synthetic"}, dtype="float32",
+                   batch_size=1, optimizer="adam", params={},
+                   nodes={i: NodeCost(forward_ms=1.0, backward_ms=2.0, recompute_ms=1.0) for i in range(1, n + 1)})
+    return Problem(g, prof, PRESETS["paper-8x2080ti"].with_overrides(gpus=gpus))
+
+
+def test_plan_from_assignment_keeps_the_stage_graph_acyclic():
+    # A->B, A->C, B->D, C->D with A, C, D on GPU 0 and B on GPU 1: merging C into A's stage is
+    # fine, but D must not follow it there (B -> D would close a cycle).
+    problem = dag_problem(4, [(1, 2), (1, 3), (2, 4), (3, 4)], 2)
+    for merge in (True, False):
+        plan = plan_from_assignment(problem, [[1], [2], [3], [4]], [0, 1, 0, 0], merge=merge)
+        check_plan(problem.graph, plan)
+    # every assignment of a denser random DAG gives a valid plan
+    rng = random.Random(1)
+    edges = sorted({(a, b) for b in range(2, 8) for a in rng.sample(range(1, b), min(b - 1, 2))})
+    problem = dag_problem(7, edges, 3)
+    for gpu_of in itertools.product(range(3), repeat=7):
+        plan = plan_from_assignment(problem, [[i] for i in range(1, 8)], list(gpu_of))
+        check_plan(problem.graph, plan)
+        assert sorted({s.gpu for s in plan.stages}) == sorted(set(gpu_of))
