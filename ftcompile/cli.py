@@ -234,14 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     # ---- demo
     p = sub.add_parser(
-        "demo", help="trace and profile a small model end to end", formatter_class=_Formatter,
+        "demo", help="trace, profile and compile a small model end to end", formatter_class=_Formatter,
         description=(
             "A guided tour on a small zoo model (default gpt2-tiny), on the CPU:\n"
             "  1. build the model with random weights,\n"
             "  2. trace it at operator granularity, and at layer granularity with the zoo's\n"
             "     suggested basic blocks (to compare node counts),\n"
             "  3. an analytic profile priced on the 'cpu' hardware preset,\n"
-            "  4. a measured profile timing every node on this CPU.\n"
+            "  4. a measured profile timing every node on this CPU,\n"
+            "  5. compile: all partitioners compete for a 2-worker plan; the best is kept.\n"
             "The graphs and profiles are written to --out-dir for inspection."))
     _add_common(p, top=False)
     p.add_argument("--model", default="gpt2-tiny", metavar="MODEL",
@@ -710,7 +711,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with _stdout_for(args):
         t = time.perf_counter()
         say(f"ftcompile demo: {args.model}, on the CPU\n")
-        say("[1/5] build the model with random weights on the CPU")
+        say("[1/6] build the model with random weights on the CPU")
         built = _build(args.model, _model_options(args, device="cpu"))
         o = built.options
         report["build"] = {"parameters": built.num_parameters, "options": asdict(o),
@@ -719,7 +720,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                                                              "decoder_len") if getattr(o, f))
         say(f"      {built.num_parameters:,} parameters; {dims}; dtype {o.dtype}\n")
 
-        say("[2/5] trace at operator granularity (every ATen operator is a node)")
+        say("[2/6] trace at operator granularity (every ATen operator is a node)")
         t = time.perf_counter()
         with ui.phases("trace", TRACE_PHASES) as note:
             graph = _trace_built(built, (), note)
@@ -733,7 +734,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         blocks = list(built.basic_blocks)
         layer = None
         if blocks:
-            say(f"[3/5] trace at layer granularity (--basic-blocks {','.join(blocks)}: one node per block call)")
+            say(f"[3/6] trace at layer granularity (--basic-blocks {','.join(blocks)}: one node per block call)")
             t = time.perf_counter()
             layer = _trace_built(built, blocks)
             ls = _graph_summary(layer, {"trace": time.perf_counter() - t})
@@ -742,9 +743,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
             report["trace_layer"] = ls
             say(f"      {ls['nodes']:,} nodes, {ls['edges']:,} edges  ({ls['seconds']['trace']:.2f} s)\n")
         else:
-            say("[3/5] layer granularity: skipped, this model suggests no basic blocks\n")
+            say("[3/6] layer granularity: skipped, this model suggests no basic blocks\n")
 
-        say("[4/5] analytic profile: FLOPs and bytes of every kernel, priced on the 'cpu' hardware preset")
+        say("[4/6] analytic profile: FLOPs and bytes of every kernel, priced on the 'cpu' hardware preset")
         hw = load_hardware("cpu")
         t = time.perf_counter()
         with ui.steps("analytic profile") as progress:
@@ -758,7 +759,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             _print_profile_summary(a, built.name, s["op_nodes"], a["seconds"])
         say()
 
-        say(f"[5/5] measured profile: every node run forward and backward on this CPU "
+        say(f"[5/6] measured profile: every node run forward and backward on this CPU "
             f"({args.warmup} warm-up + {args.repeats} timed runs, median)")
         t = time.perf_counter()
         with ui.steps("measured profile") as progress:
@@ -773,10 +774,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
             _print_profile_summary(m, built.name, s["op_nodes"], m["seconds"])
         say()
 
+        say("[6/6] compile: every partitioner proposes a plan for the 2-worker CPU cluster '2xcpu' "
+            "(analytic costs,\n      1F1B schedule, 4 micro-batches); each plan is simulated and the fastest wins")
+        from .cluster import PRESETS
+        from .compile import compile_plan, plan_document, report_text, write_report
+        from .plan import Problem
+
+        t = time.perf_counter()
+        problem = Problem(graph, analytic, PRESETS["2xcpu"], schedule="1f1b", micro_batches=4)
+        result = compile_plan(problem, "auto")
+        doc = plan_document(result, model=graph.source)
+        if out_dir:
+            write_report(os.path.join(out_dir, "plan"), doc, result)
+        report["compile"] = {"chosen": result.chosen, "lower_bound_ms": result.lower_bound_ms,
+                             "strategies": doc["strategies"], "seconds": round(time.perf_counter() - t, 3)}
+        if not args.json:
+            print("\n".join("      " + line for line in report_text(doc).splitlines()[3:]))
+        say()
+
     report["granularity"] = {"op_nodes": s["nodes"], "layer_nodes": layer and len(layer.nodes),
                              "basic_blocks": blocks}
     report["files"] = [p for p in (path("graph.json"), layer is not None and path("graph-layer.json"),
-                                   path("profile-analytic.json"), path("profile-measured.json")) if p]
+                                   path("profile-analytic.json"), path("profile-measured.json"),
+                                   path(os.path.join("plan", "plan.json"))) if p]
     if args.json:
         _emit_json(report)
         return 0
@@ -793,7 +813,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
           f"(the 'cpu' preset is a generic CPU; per-operator overheads dominate tiny models)")
     if report["files"]:
         print(f"  files: {', '.join(report['files'])}")
-    print("\nnext: ftcompile models; ftcompile trace MODEL -o graph.json; ftcompile profile graph.json")
+    print("\nnext: ftcompile models; ftcompile trace MODEL -o graph.json; ftcompile profile graph.json;\n"
+          "      ftcompile compile t5-tiny --gpus 3 -o out/t5-tiny; ftcompile diff out/demo/plan out/t5-tiny")
     return 0
 
 

@@ -148,43 +148,48 @@ def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs
     return CompileResult(problem, ordered_results, chosen, lower_bound(problem), time.perf_counter() - t0)
 
 
-def minimum_requirements(problem: Problem, max_gpus: int = 256) -> str:
+def minimum_requirements(problem: Problem, max_gpus: int = 64) -> str:
     """What would make the model fit: the per-GPU memory a balanced plan needs, and the GPU count.
 
     Memory: the Seq-pipe plan on the same GPUs with the memory limit lifted, and
     the largest GPU memory it uses. GPUs: the fewest GPUs of this memory on which
-    Seq-pipe finds a plan that fits (doubling, then bisection).
+    Seq-pipe finds a plan that fits, searched from the count the weights alone
+    need (doubling, then bisection), up to ``max_gpus``.
     """
     from dataclasses import replace
 
+    from .units import format_bytes
+
+    limit = problem.cluster.gpu_memory
     static = sum(p.total for p in problem.profile.params.values())
-    parts = [f"weights, gradients and optimizer state take {static / 1e9:.2f} GB in all"]
+    parts = [f"weights, gradients and optimizer state take {format_bytes(static)} in all"]
     relaxed = replace(problem, cluster=replace(problem.cluster, gpu_memory=10**18))
     try:
         need = evaluate(relaxed, run_strategy("seq", relaxed)).max_memory_bytes
-        parts.append(f"on {problem.num_gpus} GPUs a balanced plan needs {need / 1e9:.2f} GB per GPU "
-                     f"(have {problem.cluster.gpu_memory / 1e9:.2f} GB)")
+        parts.append(f"on {problem.num_gpus} GPUs a balanced plan needs {format_bytes(need)} per GPU "
+                     f"(have {format_bytes(limit)}): use --gpu-memory {format_bytes(need * 1.05)} or more")
     except (Infeasible, PlanError, ValueError):
         pass
 
     def fits(p: int) -> bool:
-        c = problem.cluster.with_overrides(gpus=p)
         try:
-            run_strategy("seq", replace(problem, cluster=c))
+            run_strategy("seq", replace(problem, cluster=problem.cluster.with_overrides(gpus=p)))
             return True
         except (Infeasible, PlanError, ValueError):
             return False
 
-    lo, hi = problem.num_gpus, problem.num_gpus * 2
+    lo = max(problem.num_gpus, -(-static // max(limit, 1)) - 1)
+    hi = lo + 1
     while hi <= max_gpus and not fits(hi):
         lo, hi = hi, hi * 2
     if hi <= max_gpus:
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-        parts.append(f"with {problem.cluster.gpu_memory / 1e9:.2f} GB GPUs it needs at least {hi} GPUs")
+        parts.append(f"with {format_bytes(limit)} GPUs it needs at least {hi} GPUs (--gpus {hi})")
     else:
-        parts.append(f"it does not fit on up to {max_gpus} GPUs of {problem.cluster.gpu_memory / 1e9:.2f} GB")
+        parts.append(f"it does not fit on up to {max_gpus} GPUs of {format_bytes(limit)}: some single "
+                     "operator needs more memory than one GPU has")
     return "; ".join(parts)
 
 

@@ -31,6 +31,7 @@ import networkx as nx
 from .cluster import ClusterSpec
 from .ir import OpGraph, atomic_write_text
 from .profile import Profile
+from .units import format_bytes
 
 SCHEDULES = ("gpipe", "1f1b", "async", "pipedream", "2bw", "2gw")
 PLAN_VERSION = 1
@@ -395,8 +396,8 @@ def evaluate(problem: Problem, plan: Plan) -> PlanCost:
     reason = None
     if over:
         worst = max(over, key=lambda g: g.memory_bytes)
-        reason = (f"GPU {worst.gpu} needs {worst.memory_bytes / 1e9:.2f} GB but has "
-                  f"{cluster.gpu_memory / 1e9:.2f} GB")
+        reason = (f"GPU {worst.gpu} needs {format_bytes(worst.memory_bytes)} but has "
+                  f"{format_bytes(cluster.gpu_memory)}")
     return PlanCost(
         objective_ms=objective, lower_bound_ms=lb, work_ms=work,
         speedup=work / objective if objective > 0 else 0.0,

@@ -245,8 +245,11 @@ def test_demo(capsys, tmp_path):
     g = report["granularity"]
     assert g["basic_blocks"] == ["GPT2Block"] and g["layer_nodes"] < g["op_nodes"]
     assert report["profile_analytic"]["forward_ms"] > 0 and report["profile_measured"]["forward_ms"] > 0
-    assert sorted(os.listdir(tmp_path)) == ["graph-layer.json", "graph.json", "profile-analytic.json",
+    assert sorted(os.listdir(tmp_path)) == ["graph-layer.json", "graph.json", "plan", "profile-analytic.json",
                                             "profile-measured.json"]
+    c = report["compile"]
+    assert c["chosen"] in [r["name"] for r in c["strategies"] if r["feasible"]]
+    assert {"plan.json", "report.md", "gpus.png", "timeline.png"} <= set(os.listdir(tmp_path / "plan"))
 
 
 def _console_script() -> str | None:

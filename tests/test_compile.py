@@ -1,0 +1,177 @@
+"""`ftcompile compile`, `simulate` and `diff`: the artifacts they write and what those say."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from ftcompile.cli import main
+from ftcompile.plan import PLAN_FORMAT, PLAN_VERSION, Plan, check_plan, load_plan_file, PlanError
+
+
+def run_json(capsys, argv):
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """t5-tiny compiled for 3 GPUs with every strategy, and once more with seq alone."""
+    root = tmp_path_factory.mktemp("compile")
+    auto, seq = root / "auto", root / "seq"
+    assert main(["compile", "t5-tiny", "--gpus", "3", "-q", "-o", str(auto), "--cache-dir", str(root / "c")]) == 0
+    assert main(["compile", "t5-tiny", "--gpus", "3", "-q", "--strategy", "seq", "-o", str(seq),
+                 "--cache-dir", str(root / "c")]) == 0
+    return auto, seq
+
+
+def test_compile_writes_every_artifact(compiled):
+    auto, _ = compiled
+    names = set(os.listdir(auto))
+    assert {"plan.json", "report.md", "gpus.png", "timeline.png", "timeline.svg", "graph.json",
+            "profile.json"} <= names
+    for picture in ("gpus.png", "timeline.png"):
+        assert (auto / picture).stat().st_size > 1000
+    assert not [n for n in names if n.startswith(".tmp")]
+
+
+def test_plan_json_schema_and_choice(compiled):
+    doc = load_plan_file(compiled[0])
+    assert doc["format"] == PLAN_FORMAT and doc["version"] == PLAN_VERSION
+    assert doc["model"]["model"] == "t5-tiny" and doc["cluster"]["nodes"] * doc["cluster"]["gpus_per_node"] == 3
+    assert doc["schedule"] == "async" and doc["lower_bound"]["objective_ms"] > 0
+    names = [r["name"] for r in doc["strategies"]]
+    assert {"mixed", "seq", "acyclic", "metis", "uniform", "params", "exact"} <= set(names)
+    feasible = [r for r in doc["strategies"] if r["feasible"]]
+    for r in feasible:
+        for key in ("objective_ms", "throughput", "efficiency", "max_gpu_memory_bytes"):
+            assert r[key] is not None and r[key] > 0
+        # No plan beats the lower bound.
+        assert r["objective_ms"] >= doc["lower_bound"]["objective_ms"] * (1 - 1e-9)
+        assert r["efficiency"] <= 1 + 1e-9
+    best = max(feasible, key=lambda r: r["throughput"])
+    assert doc["chosen"] == best["name"]
+    # The stage table agrees with the plan, and every stage says what it sends and receives.
+    plan = Plan.from_json(doc["plan"])
+    assert [s["id"] for s in doc["stages"]] == [s.id for s in plan.stages]
+    assert sum(s["computes_loss"] for s in doc["stages"]) == 1
+    sent = {(o["value"], s["id"], o["to_stage"]) for s in doc["stages"] for o in s["outputs"]}
+    got = {(i["value"], i["from_stage"], s["id"]) for s in doc["stages"] for i in s["inputs"]}
+    assert sent == got and sent
+    assert all(i["bytes"] > 0 for s in doc["stages"] for i in s["inputs"] if "shape" in i)
+    assert len(doc["gpus"]) == 3 and all(g["memory_bytes"] <= g["memory_limit"] for g in doc["gpus"])
+
+
+def test_plan_in_output_checks_against_its_graph(compiled):
+    from ftcompile.ir import OpGraph
+
+    auto, _ = compiled
+    graph = OpGraph.load(auto / "graph.json")
+    doc = load_plan_file(auto)
+    assert doc["graph_hash"] == graph.content_hash()
+    check_plan(graph, Plan.from_json(doc["plan"]))
+
+
+def test_report_lists_every_strategy(compiled):
+    text = (compiled[0] / "report.md").read_text()
+    for name in ("mixed", "seq", "acyclic", "metis", "uniform", "params", "exact"):
+        assert f"| {name}" in text
+    assert "## chosen:" in text and "lower bound" in text
+
+
+def test_diff_of_two_plans(compiled, capsys, tmp_path):
+    auto, seq = compiled
+    d = run_json(capsys, ["diff", str(auto), str(seq), "--json", "--picture", str(tmp_path / "d.png")])
+    a, b = load_plan_file(auto), load_plan_file(seq)
+    assert d["same_graph"] and d["a"]["chosen"] == a["chosen"] and d["b"]["chosen"] == "seq"
+    assert d["delta"]["objective_ms"] == pytest.approx(b["cost"]["objective_ms"] - a["cost"]["objective_ms"])
+    # Moves counted from the two plans agree with the diff.
+    pa = {n: s["gpu"] for s in a["plan"]["stages"] for n in s["nodes"]}
+    pb = {n: s["gpu"] for s in b["plan"]["stages"] for n in s["nodes"]}
+    moved = sum(1 for n in pa if pa[n] != pb[n])
+    assert d["moved_between_gpus"] == moved
+    assert sum(m["nodes"] for m in d["moves"]) == moved
+    assert [g["gpu"] for g in d["gpus"]] == [0, 1, 2]
+    assert (tmp_path / "d.png").stat().st_size > 1000
+    # The same plan twice: nothing moved, zero deltas.
+    d = run_json(capsys, ["diff", str(seq), str(seq / "plan.json"), "--json"])
+    assert d["moved_between_gpus"] == 0 and all(v == 0 for v in d["delta"].values())
+    rc = main(["diff", str(auto), str(seq)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "objective ms" in out and "nodes run on another GPU" in out
+
+
+def test_simulate_command(compiled, capsys, tmp_path):
+    auto, _ = compiled
+    out = tmp_path / "g.png"
+    d = run_json(capsys, ["simulate", str(auto), "--schedule", "gpipe", "--micro-batches", "6", "-o", str(out), "--json"])
+    assert d["schedule"] == "gpipe" and d["micro_batches"] == 6
+    assert 0 < d["bubble_fraction"] < 1 and d["throughput_samples_per_s"] > 0
+    assert out.stat().st_size > 1000 and out.with_suffix(".svg").exists()
+
+
+def test_compile_that_cannot_fit_says_what_would(tmp_path, capsys):
+    rc = main(["compile", "t5-tiny", "--gpus", "2", "--gpu-memory", "2MB", "--strategy", "seq,mixed", "-q",
+               "-o", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert "no strategy found a plan that fits" in err
+    assert "--gpu-memory" in err and "--gpus" in err
+    # The table of what was tried is still written.
+    doc = load_plan_file(tmp_path / "o")
+    assert doc["chosen"] is None and not any(r["feasible"] for r in doc["strategies"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["compile", "t5-tiny", "--gpus", "2", "--strategy", "magic", "-o", "{tmp}/o"], "unknown strategy"),
+    (["compile", "t5-tiny", "--gpus", "2", "--gpu-memory", "eleven", "-o", "{tmp}/o"], "cannot read size"),
+    (["compile", "t5-tiny", "--cluster", "nowhere", "-o", "{tmp}/o"], "unknown cluster"),
+    (["simulate", "{tmp}/missing"], "no plan at"),
+    (["diff", "{tmp}/missing", "{tmp}/missing"], "no plan at"),
+])
+def test_bad_input_gets_one_line(argv, message, tmp_path, capsys):
+    rc = main([a.replace("{tmp}", str(tmp_path)) for a in argv] + ["-q"])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err
+    assert err.count("\n") == 1
+
+
+def test_plan_file_version_is_checked(compiled, tmp_path):
+    doc = load_plan_file(compiled[0])
+    doc["version"] = 99
+    bad = tmp_path / "plan.json"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(PlanError, match="version"):
+        load_plan_file(bad)
+    bad.write_text("{not json")
+    with pytest.raises(PlanError, match="not valid JSON"):
+        load_plan_file(bad)
+
+
+@pytest.mark.slow
+def test_mixed_beats_seq_on_unbalanced_t5_and_ties_on_gpt2():
+    """FTPipe §3.3: long encoder input, short decoder input: Mixed-pipe wins; GPT-2: a tie."""
+    from ftcompile.cluster import PRESETS
+    from ftcompile.compile import compile_plan
+    from ftcompile.hardware import load_hardware
+    from ftcompile.models import ModelOptions, build_model
+    from ftcompile.plan import Problem
+    from ftcompile.profile import analytic_profile
+    from ftcompile.trace import trace
+
+    def simulated(name, **opts):
+        built = build_model(name, ModelOptions(device="meta", **opts))
+        graph = trace(built.model, built.args, built.kwargs, source={"model": name, "options": opts})
+        problem = Problem(graph, analytic_profile(graph, load_hardware("rtx2080ti")), PRESETS["paper-8x2080ti"],
+                          schedule="async", micro_batches=4)
+        result = compile_plan(problem, "mixed,seq", jobs=1)
+        return {r.name: r.sim["throughput_samples_per_s"] for r in result.results if r.feasible}
+
+    t5 = simulated("t5-3b", batch_size=4, encoder_len=512, decoder_len=4)
+    assert t5["mixed"] > 1.1 * t5["seq"]
+    gpt = simulated("gpt2-medium", batch_size=1, seq_len=1024)
+    assert abs(gpt["mixed"] - gpt["seq"]) / gpt["seq"] < 0.05
