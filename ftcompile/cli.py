@@ -446,9 +446,9 @@ def _print_graph_summary(s: dict) -> None:
 
 
 def _profile_key_for(graph, method: str, hardware_name: str, optimizer: str) -> str:
-    from .profile import _graph_dtype, profile_key
+    from .profile import graph_dtype, profile_key
 
-    return profile_key(graph.content_hash(), hardware_name, _graph_dtype(graph),
+    return profile_key(graph.content_hash(), hardware_name, graph_dtype(graph),
                        graph.source.get("options", {}).get("batch_size"), optimizer, method)
 
 
@@ -465,16 +465,9 @@ def _parse_device(text: str):
 
 
 def _measured_hardware_name(device) -> str:
-    """The hardware name :func:`ftcompile.profile.measured_profile` records for ``device``."""
-    import torch
+    from .profile import measured_hardware_name
 
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            from .profile import ProfileError
-
-            raise ProfileError("device cuda asked for, but torch sees no CUDA device; use --device cpu")
-        return torch.cuda.get_device_name(device)
-    return f"cpu-{os.cpu_count()}cores"
+    return measured_hardware_name(device)
 
 
 def _check_weights(graph, params: dict) -> None:

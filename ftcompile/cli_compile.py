@@ -174,11 +174,18 @@ def cmd_compile(args: argparse.Namespace) -> int:
                           recompute=args.recompute)
         t1 = time.perf_counter()
 
-        def progress(r):
-            ui.note(f"{r.name}: " + (f"{r.cost.objective_ms:.3f} ms, {r.cost.efficiency:.1%} of the lower bound"
-                                     if r.feasible else f"no plan ({r.reason})") + f" [{r.seconds:.1f} s]")
+        from .compile import resolve_strategies
 
-        result = compile_plan(problem, args.strategy, jobs=args.jobs, progress=progress)
+        total = len(resolve_strategies(args.strategy, problem))
+        done = []
+        with ui.steps("partition", "strategy") as bar:
+            def progress(r):
+                done.append(r.name)
+                bar(len(done), total)
+                ui.note(f"{r.name}: " + (f"{r.cost.objective_ms:.3f} ms, {r.cost.efficiency:.1%} of the lower "
+                                         f"bound" if r.feasible else f"no plan ({r.reason})") + f" [{r.seconds:.1f} s]")
+
+            result = compile_plan(problem, args.strategy, jobs=args.jobs, progress=progress)
         doc = plan_document(result, model=graph.source)
         doc["compile_seconds"] = round(time.perf_counter() - t0, 3)
         if result.chosen is None:

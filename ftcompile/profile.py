@@ -391,7 +391,8 @@ def _roofline_ms(kernels: Iterable[tuple[float, float, bool]], hw: HardwareSpec,
     return total * 1e3
 
 
-def _graph_dtype(graph: OpGraph) -> str:
+def graph_dtype(graph: OpGraph) -> str:
+    """The dtype holding most parameter bytes: what the graph computes in."""
     counts: dict[str, int] = {}
     for p in graph.params.values():
         if p.meta.is_floating:
@@ -424,7 +425,7 @@ def _fill_memory(graph: OpGraph, costs: dict[int, NodeCost], saved_by_consumers:
 def analytic_profile(graph: OpGraph, hardware: HardwareSpec, *, optimizer: str = "adam",
                      dtype: str | None = None, progress: Callable[[int, int], None] | None = None) -> Profile:
     """Costs from FLOP and byte counts of every kernel, priced on ``hardware`` (no weights needed)."""
-    dtype = dtype or _graph_dtype(graph)
+    dtype = dtype or graph_dtype(graph)
     if optimizer not in OPTIMIZERS:
         raise ProfileError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     meta_params = {name: _make_leaf(p.meta, "meta", p.trainable) for name, p in graph.params.items()}
@@ -647,13 +648,23 @@ def measured_profile(graph: OpGraph, params: Mapping[str, torch.Tensor], inputs:
         if progress:
             progress(i + 1, len(op_nodes))
     pcosts = _fill_memory(graph, costs, saved_by_consumers, optimizer)
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{os.cpu_count()}cores"
+    dev_name = measured_hardware_name(device)
     return Profile(graph_hash=graph.content_hash(), method="measured",
-                   hardware={"name": dev_name, "device": str(device)}, dtype=_graph_dtype(graph),
+                   hardware={"name": dev_name, "device": str(device)}, dtype=graph_dtype(graph),
                    batch_size=graph.source.get("options", {}).get("batch_size"), optimizer=optimizer,
                    nodes=costs, params=pcosts,
                    info={"seconds": round(time.perf_counter() - t0, 3), "warmup": warmup, "repeats": repeats,
                          "peak_device_bytes": peak_device, "torch": torch.__version__})
+
+
+def measured_hardware_name(device: str | torch.device) -> str:
+    """The name a measured profile records for ``device`` (part of its cache key)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ProfileError("device cuda asked for, but torch sees no CUDA device; use --device cpu")
+        return torch.cuda.get_device_name(device)
+    return f"cpu-{os.cpu_count()}cores"
 
 
 # --------------------------------------------------------------------------- cache
@@ -678,4 +689,5 @@ def store(path_dir: str | os.PathLike, profile: Profile) -> str:
 __all__ = [
     "NodeCost", "ParamCost", "Profile", "ProfileError", "OPTIMIZERS", "analytic_profile", "measured_profile",
     "graph_input_values", "host_params", "optimizer_state_bytes", "param_costs", "profile_key", "cached", "store",
+    "graph_dtype", "measured_hardware_name",
 ]
