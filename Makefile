@@ -11,12 +11,13 @@ STAMP  := $(VENV)/.ftcompile-installed
 TORCH  ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: help setup demo test test-quick clean
+.PHONY: help setup demo test test-quick example clean
 
 help:
 	@echo "make demo        set up .venv and run 'ftcompile demo' (trace + profile gpt2-tiny on the CPU)"
 	@echo "make test        set up .venv and run the whole test suite (pytest, $(PYTEST_WORKERS) workers)"
 	@echo "make test-quick  the same without tests marked slow"
+	@echo "make example     regenerate examples/gpt2-tiny-mixed (the committed generated package)"
 	@echo "make setup       only create .venv and install ftcompile into it"
 	@echo "make clean       remove caches and demo output (keeps .venv)"
 
@@ -38,6 +39,10 @@ test: $(STAMP)
 
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow"
+
+example: $(STAMP)
+	$(BIN)/ftcompile compile gpt2-tiny --cluster 2xcpu --strategy mixed -q -o examples/gpt2-tiny-mixed
+	$(BIN)/ftcompile verify examples/gpt2-tiny-mixed
 
 clean:
 	rm -rf .pytest_cache .ftcompile-cache out/demo

@@ -24,6 +24,7 @@ import time
 from ftcompile.cluster import PRESETS
 from ftcompile.compile import compile_plan
 from ftcompile.hardware import load_hardware
+from ftcompile.ir import atomic_write_text
 from ftcompile.models import ModelOptions, build_model
 from ftcompile.plan import Problem
 from ftcompile.profile import analytic_profile
@@ -98,8 +99,7 @@ def main(argv=None) -> int:
     for label, ok in checks:
         print(f"  {'PASS' if ok else 'FAIL'}  {label}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
+        atomic_write_text(args.json, json.dumps(results, indent=1))
     return 0
 
 

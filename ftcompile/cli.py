@@ -257,9 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.set_defaults(func=cmd_demo)
 
-    from .cli_compile import add_parsers
+    from . import cli_compile, cli_package
 
-    add_parsers(sub)
+    cli_compile.add_parsers(sub)
+    cli_package.add_parsers(sub)
     return parser
 
 

@@ -18,6 +18,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from .partition import STRATEGIES, Infeasible, run_strategy
+from .runtime.atomic import atomic_path
 from .plan import PLAN_FORMAT, PLAN_VERSION, Plan, PlanCost, PlanError, Problem, evaluate, lower_bound, save_json
 
 #: Strategies ``auto`` runs. ``exact`` joins when the graph is small enough to solve.
@@ -350,10 +351,11 @@ def draw_gpu_boxes(docs: list[tuple[str, dict]], path: str) -> None:
         for s in ax.spines.values():
             s.set_visible(False)
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
+    finally:
+        plt.close(fig)
 
 
 def write_report(out_dir: str, doc: dict, result: CompileResult | None = None) -> dict[str, str]:

@@ -26,9 +26,10 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
+
+from .runtime.atomic import atomic_write_text  # noqa: F401  (re-exported: the compiler's writers use it)
 
 #: Version of the on-disk format; bump on any incompatible change.
 OPGRAPH_VERSION = 1
@@ -575,24 +576,3 @@ def decode_literal(x: Any, device: Any = None) -> Any:
             return {k: decode_literal(v, device) for k, v in x["dict"].items()}
         raise ValueError(f"cannot decode {x!r}")
     return x
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-

@@ -18,6 +18,7 @@ matplotlib.use("Agg")   # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from .runtime.atomic import atomic_path  # noqa: E402
 from .simulate import SimResult  # noqa: E402
 
 COLORS = {"F": "#4c72b0", "R": "#dd8452", "B": "#55a868", "send": "#8c8c8c"}
@@ -73,7 +74,11 @@ def draw_timeline(result: SimResult, path: str | os.PathLike, *, max_time_ms: fl
               ncol=len(handles), fontsize=8, frameon=False)
     fig.tight_layout()
     out = [base.with_suffix(".png"), base.with_suffix(".svg")]
-    fig.savefig(out[0], dpi=130)
-    fig.savefig(out[1])
-    plt.close(fig)
+    try:
+        with atomic_path(out[0]) as tmp:
+            fig.savefig(tmp, dpi=130, format="png")
+        with atomic_path(out[1]) as tmp:
+            fig.savefig(tmp, format="svg")
+    finally:
+        plt.close(fig)
     return out

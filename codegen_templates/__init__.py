@@ -1,0 +1,1 @@
+"""Jinja2 templates of the code ``ftcompile compile`` generates (installed as ftcompile.codegen_templates)."""

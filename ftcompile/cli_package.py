@@ -1,0 +1,84 @@
+"""The commands that work on a generated package: ``verify`` (and, with the runtime, ``run``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import cli as base
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser(
+        "verify", help="check a generated package against the original model", formatter_class=base._Formatter,
+        description=(
+            "Run the package in OUT (from `ftcompile compile`) stage after stage on one device,\n"
+            "each stage cut from the others as in a real pipeline, and the original model (rebuilt\n"
+            "by name, same weights, same inputs, same dropout masks) beside it. Compares every\n"
+            "model output, the loss, every parameter's gradient (copies of a tied weight summed)\n"
+            "and each stage's recomputed forward with its first forward. The error of a tensor is\n"
+            "max|package - model| / max|model|; above the tolerance (float32: 1e-5) the command\n"
+            "prints the differences and exits with status 1.\n\n"
+            "The package's files are checked against its SHA256SUMS first; a damaged package\n"
+            "is refused with a message naming the file."),
+        epilog=(
+            "examples:\n"
+            "  ftcompile compile gpt2-tiny --gpus 2 --cluster 2xcpu -o out/gpt2 && ftcompile verify out/gpt2\n"
+            "  ftcompile verify out/t5 --device cuda --json"))
+    base._add_common(p, top=False)
+    p.add_argument("package", metavar="OUT", help="a package folder written by `ftcompile compile -o OUT`")
+    p.add_argument("--device", default="auto", metavar="DEVICE",
+                   help="cpu, cuda or cuda:N; auto: cuda when present, else cpu (default: auto)")
+    p.add_argument("--tolerance", type=float, metavar="REL",
+                   help="largest relative error accepted (default: 1e-5 for float32, 1e-2 for float16)")
+    p.add_argument("--seed", type=int, default=0, help="the micro-batch seed both sides draw dropout masks from")
+    p.add_argument("--no-dropout", dest="dropout", action="store_false",
+                   help="turn dropout off on both sides instead of drawing the same masks")
+    p.add_argument("--no-recompute", dest="recompute", action="store_false",
+                   help="skip checking that each stage's recomputation repeats its forward")
+    p.add_argument("--no-checksums", dest="checksums", action="store_false",
+                   help="do not check SHA256SUMS (compare a deliberately edited package numerically)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_verify)
+
+
+def _device(text: str) -> str:
+    import torch
+
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    dev = base._parse_device(text)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise base.UsageError(f"--device {text}: CUDA is not available on this machine")
+    return str(dev)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .verify import verify_package
+
+    ui = base._Ui(args)
+    device = _device(args.device)
+    phases = ["load package", "rebuild the model", "run the model", "run the package", "recompute every stage"]
+    with base._stdout_for(args), ui.phases(f"verify {args.package}", phases) as note:
+        report = verify_package(args.package, device=device, tolerance=args.tolerance, dropout=args.dropout,
+                                recompute=args.recompute, checksums=args.checksums, seed=args.seed,
+                                progress=note)
+    if args.json:
+        base._emit_json(report.to_json())
+        return 0 if report.ok else 1
+    counts = ", ".join(f"{n} {k}{'s' if n != 1 and not k.endswith('s') else ''}" for k, n in report.compared.items())
+    print(f"verified {report.package} ({report.model}, {report.stages} stages) against the model on "
+          f"{report.device}, {report.dtype}, dropout {'on (same masks)' if report.dropout else 'off'}:")
+    print(f"  compared {counts}; tolerance {report.tolerance:g} (max |package - model| / max |model|)")
+    for note_text in report.notes:
+        print(f"  note: {note_text}")
+    rows = [d.row() for d in (report.failures[:20] if report.failures else report.worst)]
+    if rows:
+        title = "differences above the tolerance" if report.failures else "largest differences"
+        print(f"\n{title}:")
+        print(base.format_table(["kind", "name", "error", "max abs", "shape", ""], rows, right=(2, 3)))
+    if report.ok:
+        print(f"\nOK: the package computes what the model computes ({report.seconds:.1f} s)")
+        return 0
+    print(f"\nFAILED: {len(report.failures)} tensor(s) differ by more than {report.tolerance:g}", file=sys.stderr)
+    return 1

@@ -1,0 +1,127 @@
+"""Optimizers, learning-rate schedules, gradient clipping and weight prediction for pipeline stages.
+
+Every stage gets its own optimizer over its own trainable parameters; built
+from the same :class:`~ftcompile.runtime.engine.TrainConfig` they follow the
+same schedule, so a stage-wise step equals the whole-model step whenever the
+optimizer is element-wise (SGD, momentum, Adam, AdamW) and gradients of shared
+parameters are summed first. Adafactor (``transformers``) factors per tensor,
+which is also stage-local.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+OPTIMIZERS = ("sgd", "adam", "adamw", "adafactor")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+def build(params: list[torch.nn.Parameter], cfg):
+    """``(optimizer, lr_scheduler)`` for ``params`` from a TrainConfig-like ``cfg``.
+
+    An empty parameter list (a stage without trainable weights) gets a no-op
+    optimizer. The scheduler steps once per update: warm-up over
+    ``cfg.warmup_steps`` then ``constant``, ``linear`` decay to 0 at
+    ``cfg.steps`` or ``cosine``.
+    """
+    name = cfg.optimizer.lower()
+    if not params:
+        return _NoOp(cfg.lr), None
+    if name == "sgd":
+        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    elif name == "adam":
+        opt = torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    elif name == "adamw":
+        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    elif name == "adafactor":
+        try:
+            from transformers.optimization import Adafactor
+        except ImportError as e:   # pragma: no cover - transformers is a dependency
+            raise ValueError(f"adafactor needs transformers: {e}") from e
+        opt = Adafactor(params, lr=cfg.lr, scale_parameter=False, relative_step=False, warmup_init=False,
+                        weight_decay=cfg.weight_decay)
+    else:
+        raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    return opt, scheduler(opt, cfg)
+
+
+def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
+    """Multiplier of the base learning rate at update ``step`` (0-based)."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup_steps)
+    frac = min(1.0, (step - warmup_steps) / span)
+    if schedule == "linear":
+        return max(0.0, 1.0 - frac)
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+    raise ValueError(f"unknown lr schedule {schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
+
+
+def scheduler(opt, cfg):
+    if cfg.lr_schedule == "constant" and not cfg.warmup_steps:
+        return None
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps))
+
+
+def clip_to(params: Iterable[torch.nn.Parameter], total_norm: float, max_norm: float) -> None:
+    """Scale gradients as ``torch.nn.utils.clip_grad_norm_`` does, given the global norm."""
+    coef = max_norm / (total_norm + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+
+
+def predict(opt, trainable: dict[str, torch.nn.Parameter], base: dict[str, torch.Tensor],
+            delay: int) -> dict[str, torch.Tensor]:
+    """Weights predicted ``delay`` updates ahead from the optimizer state (FTPipe §4.2, after SpecTrain).
+
+    SGD with momentum: ``w - lr * delay * m``; Adam/AdamW: ``w - lr * delay *
+    m_hat / (sqrt(v_hat) + eps)``. Without state yet (first steps) or for other
+    optimizers, ``base`` unchanged.
+    """
+    out = {}
+    group = opt.param_groups[0] if getattr(opt, "param_groups", None) else {}
+    lr = group.get("lr", 0.0)
+    for n, w in base.items():
+        p = trainable.get(n)
+        state = opt.state.get(p, {}) if p is not None else {}
+        w = w.detach()
+        if "momentum_buffer" in state and state["momentum_buffer"] is not None:
+            out[n] = w - lr * delay * state["momentum_buffer"]
+        elif "exp_avg" in state:
+            b1, b2 = group.get("betas", (0.9, 0.999))
+            step = float(state.get("step", 1))
+            m_hat = state["exp_avg"] / (1 - b1 ** step)
+            v_hat = state["exp_avg_sq"] / (1 - b2 ** step)
+            out[n] = w - lr * delay * m_hat / (v_hat.sqrt() + group.get("eps", 1e-8))
+        else:
+            out[n] = w
+    return out
+
+
+class _NoOp:
+    """Optimizer of a stage with nothing to train."""
+
+    def __init__(self, lr: float):
+        self.param_groups = [{"lr": lr, "params": []}]
+        self.state = {}
+
+    def step(self):
+        pass
+
+    def zero_grad(self, set_to_none: bool = True):
+        pass
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, sd):
+        pass
