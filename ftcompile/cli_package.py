@@ -41,6 +41,37 @@ def add_parsers(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_verify)
 
+    from .runtime.worker import add_train_arguments
+
+    p = sub.add_parser(
+        "run", help="train a generated package across processes", formatter_class=base._Formatter,
+        description=(
+            "Train the package in PACKAGE (from `ftcompile compile -o`) with one process per rank,\n"
+            "each hosting every stage the plan gives its GPU (GPU g of G goes to rank g*N//G, so\n"
+            "fewer ranks than planned GPUs share them out). Stages run as soon as their inputs\n"
+            "arrive from any stage (dataflow); outputs go straight to every consumer.\n\n"
+            "Schedules: gpipe and 1f1b (synchronous: the same weights as single-process training with\n"
+            "gradient accumulation), async (FTPipe: no flush, forward without activations, backward\n"
+            "recomputes with the newest weights, the last stage does not recompute), pipedream\n"
+            "(weight stashing), 2bw (double-buffered weights, one step of delay) and 2gw (WPipe: the\n"
+            "upstream half of the stages, G0, one step delayed and double-buffered, G1 not).\n\n"
+            "--nproc N spawns the ranks on this host. On several hosts start the same command\n"
+            "through torchrun (`torchrun --nproc-per-node N -m ftcompile.runtime PACKAGE ...`) or\n"
+            "mpirun (`mpirun -np N python -m ftcompile.runtime PACKAGE ...`).\n\n"
+            "The rank holding the loss writes LOG_DIR/train.jsonl: per step the loss, samples/s,\n"
+            "learning rate, each stage's forward/backward/recompute/update seconds, and each rank's\n"
+            "waiting time and peak memory."),
+        epilog=(
+            "examples:\n"
+            "  ftcompile run out/gpt2 --nproc 2 --schedule 1f1b --steps 20 --data text\n"
+            "  ftcompile run out/gpt2 --nproc 2 --schedule async --micro-batches 4 --optimizer momentum\n"
+            "  ftcompile run out/gpt2 --nproc 2 --checkpoint-dir ckpt --checkpoint-every 5 --resume"))
+    base._add_common(p, top=False)
+    add_train_arguments(p)
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="ranks to start on this host (default: the plan's GPU count)")
+    p.set_defaults(func=cmd_run)
+
 
 def _device(text: str) -> str:
     import torch
@@ -82,3 +113,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 0
     print(f"\nFAILED: {len(report.failures)} tensor(s) differ by more than {report.tolerance:g}", file=sys.stderr)
     return 1
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .runtime import load_package
+    from .runtime.launch import spawn
+    from .runtime.worker import worker_argv
+
+    package = load_package(args.package)   # refuse a damaged package before starting any rank
+    nproc = args.nproc or package.manifest.num_gpus
+    if nproc < 1:
+        raise base.UsageError("--nproc must be at least 1")
+    worker = worker_argv(args)
+    if getattr(args, "quiet", False) and args.progress == "auto":
+        worker[worker.index("--progress") + 1] = "off"
+    return spawn(worker, nproc)

@@ -565,11 +565,14 @@ def _scope_span(graph: OpGraph, nodes: list[int]) -> str:
     return first if first == last else f"{first} .. {last}"
 
 
-def generate(graph: OpGraph, doc: dict, weights: WeightSource, *, name: str | None = None) -> GeneratedPackage:
+def generate(graph: OpGraph, doc: dict, weights: WeightSource, *, name: str | None = None,
+             input_ranges: dict[str, tuple[float, float]] | None = None) -> GeneratedPackage:
     """Generate the package for the plan in ``doc`` (a ``plan.json`` document from ``ftcompile compile``).
 
     ``weights`` gives the tensors' values (real tensors) or init recipes (a model
-    traced on ``meta``). Raises :class:`CodegenError` when the plan does not fit the
+    traced on ``meta``). ``input_ranges`` (input path -> smallest and largest example
+    value) tells the runtime's synthetic data which token ids and labels are valid.
+    Raises :class:`CodegenError` when the plan does not fit the
     graph or a value cannot cross a stage boundary.
     """
     if not doc.get("plan"):
@@ -716,10 +719,11 @@ def generate(graph: OpGraph, doc: dict, weights: WeightSource, *, name: str | No
                                      constant=inp.get("constant")))
             continue
         m = graph.node(inp["node"]).outputs[inp["value"]]
+        lo, hi = (input_ranges or {}).get(inp["path"], (None, None))
         inputs.append(GraphInput(value=inp["value"], path=inp["path"],
                                  shape=tuple(m.tensor.shape) if m.tensor else None,
                                  dtype=m.tensor.dtype if m.tensor else None,
-                                 consumers=tuple(sorted(consumers.get(inp["value"], [])))))
+                                 consumers=tuple(sorted(consumers.get(inp["value"], []))), low=lo, high=hi))
     batch = options.get("batch_size")
     if batch is None:
         first = next((i for i in inputs if i.shape), None)
@@ -812,11 +816,31 @@ def compile_package(*, built, graph: OpGraph, doc: dict, out_dir: str) -> dict:
     """Generate and write the package for ``doc``'s plan (the ``ftcompile compile`` hook)."""
     from .weights import weight_source
 
-    model = built.model if built is not None else rebuild_model(graph.source).model
-    pkg = generate(graph, doc, weight_source(model, graph))
+    if built is None:
+        built = rebuild_model(graph.source)
+    pkg = generate(graph, doc, weight_source(built.model, graph), input_ranges=example_input_ranges(built))
     files = write_package(pkg, doc, out_dir)
     return {"path": out_dir, "stages": len(pkg.manifest.stages), "weights": pkg.manifest.weights,
             "files": files}
+
+
+def example_input_ranges(built) -> dict[str, tuple[float, float]]:
+    """Each example input's smallest and largest value, by its path in the call (``args[0]``...)."""
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    try:
+        args, kwargs = built.make_inputs("cpu")
+    except Exception:  # noqa: BLE001 - a user's make_inputs may not exist or fail: ranges are a nicety
+        args, kwargs = built.args, built.kwargs
+    out = {}
+    for path, leaf in tree_flatten_with_path((tuple(args), dict(kwargs)))[0]:
+        if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta" or leaf.numel() == 0:
+            continue
+        s = keystr(path)
+        s = ("args" + s[3:]) if s.startswith("[0]") else ("kwargs" + s[3:]) if s.startswith("[1]") else s
+        lo, hi = leaf.min().item(), leaf.max().item()
+        out[s] = (float(lo), float(hi))
+    return out
 
 
 def rebuild_model(source: dict, device: str | None = None):

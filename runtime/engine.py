@@ -1,54 +1,60 @@
 """Dataflow execution of one rank's pipeline stages.
 
-A rank (one process per GPU) hosts every stage its :class:`RunPlan` assigns
-to it and runs their :mod:`~ftcompile.runtime.schedules` programs:
+A rank (one process, one GPU) hosts every stage its GPU was given and runs
+their :mod:`~ftcompile.runtime.schedules` programs:
 
-* **Dataflow.** A stage's next task runs as soon as what it needs has arrived:
-  ``F(k)`` every input value of micro-batch ``k`` (from any stage, not only a
-  neighbour), ``B(k)`` the gradient of each of its floating outputs from every
-  rank that consumes it, ``U(j)`` the gradients of shared parameters from the
-  other holders (and every stage's gradient norm when clipping). Among ready
-  tasks the rank picks by :func:`~ftcompile.runtime.schedules.priority`.
-* **Messages.** Outputs go straight to every consuming rank, once per rank
-  (local consumers read them in place). A consuming rank sums its stages'
-  input gradients and sends one gradient back. Sends are non-blocking; one
-  receiver thread per peer rank receives into buffers allocated from the
-  manifest shapes, so communication overlaps computation. See
-  :mod:`~ftcompile.runtime.transport` for the tags.
-* **Weights.** Each task uses the weight version its schedule's tables name;
-  the engine stashes a copy of the current weights at an update only when a
-  later task still needs them, and frees it after the last use.
-* **Shared parameters** (``manifest["shared_parameters"]``): every holder sums
-  the holders' gradients in stage order, so all copies take the same step.
-* **Failures.** A peer that dies is reported at once (its connection closes);
-  nothing arriving for ``timeout_s`` raises :class:`PipelineHang` naming the
-  stages and what they wait for.
+* **Dataflow.** A stage's next task runs as soon as what it needs is there:
+  ``F(k)`` every input of micro-batch ``k``, from whichever stage makes it;
+  ``B(k)`` the gradient of each output from every stage that reads it;
+  ``U(j)`` the other holders' gradients of shared (tied) parameters and, when
+  clipping, every stage's gradient norm. Among its stages the rank runs any
+  ready task, backwards first, so a Mixed-pipe GPU with several non-adjacent
+  stages never waits on one while another could run.
+* **Messages.** An output goes straight to every rank that reads it, once per
+  rank (stages on the same rank read it in place); input gradients go back to
+  their producer. Sends are non-blocking and one receiver thread per peer
+  receives into buffers shaped from the manifest, so communication overlaps
+  computation.
+* **Weight versions.** Each forward and backward uses the version its program
+  names. The live parameters are the newest version; an older one is a stash
+  copied at the update that would overwrite it, kept only while a task still
+  needs it. A forward whose activations are kept across an update runs on a
+  copy, so the update never changes what its backward reads.
+* **Shared parameters.** Every holder sums all holders' gradients in stage
+  order and takes the same step, so the copies stay identical.
+* **Failures.** A lost peer is reported at once; nothing arriving for
+  ``timeout_s`` raises :class:`PipelineHang` naming the stage, the value and
+  the rank it waits for.
 
-The plan (stage -> rank), the transport and the configuration are values
-given to :class:`RankEngine`, so a job can build a new engine on a new plan.
+The stage-to-rank map, the transport and the configuration are arguments, so a
+job can build a new engine for a new plan (fewer ranks, frozen stages).
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import json
 import math
+import pickle
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
+from torch.func import functional_call
 
 from . import optim as _optim
-from .schedules import StageSchedule, Task, pipeline_schedules, priority
-from .transport import header_tag, payload_tag
+from .manifest import Manifest
+from .ops import mix_seed
+from .package import Package
+from .schedules import StageProgram, Task, groups_2gw, stage_program
 
-KIND_ACT, KIND_GRAD, KIND_SHARED, KIND_NORM, KIND_FIN = 0, 1, 2, 3, 9
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
-           torch.uint8]
+ACT, GRAD, SHARED, NORM, STATS, FIN = 1, 2, 3, 4, 5, 9
+DTYPES = {"torch.float32": torch.float32, "float32": torch.float32, "torch.float16": torch.float16,
+          "float16": torch.float16, "torch.bfloat16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "torch.float64": torch.float64, "float64": torch.float64, "torch.int64": torch.int64,
+          "int64": torch.int64, "torch.int32": torch.int32, "int32": torch.int32, "torch.bool": torch.bool,
+          "bool": torch.bool, "torch.uint8": torch.uint8, "uint8": torch.uint8}
 
 
 class PipelineError(RuntimeError):
@@ -59,634 +65,705 @@ class PipelineHang(PipelineError):
     """Nothing arrived for longer than the timeout."""
 
 
-# --------------------------------------------------------------------------- package access
-
-def open_package(path, *, verify_checksums: bool = True):
-    """The contract's ``ftcompile.runtime.package.load_package``; a minimal reader while it is absent."""
-    try:
-        from .package import load_package
-    except ImportError:
-        return MiniPackage(path)
-    return load_package(path, verify_checksums=verify_checksums)
-
-
-class MiniPackage:
-    """Just what the engine uses of the contract's ``Package`` (``manifest``, ``build_stage``), no checks."""
-
-    def __init__(self, path):
-        self.path = Path(path)
-        self.manifest = json.loads((self.path / "manifest.json").read_text())
-
-    def build_stage(self, stage_id: int, device="cpu", dtype=None) -> torch.nn.Module:
-        from safetensors.torch import load_file
-        spec = next(s for s in self.manifest["stages"] if int(s["id"]) == stage_id)
-        file = self.path / f"{spec['module']}.py"
-        mod_spec = importlib.util.spec_from_file_location(f"_ftc_pkg_{abs(hash(str(self.path)))}_{spec['module']}", file)
-        py = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(py)
-        module = getattr(py, spec["class"])()
-        module.load_state_dict(load_file(str(self.path / spec["weights"])), strict=True)
-        return module.to(device)
-
-
-# --------------------------------------------------------------------------- plan and config
-
-@dataclass
-class RunPlan:
-    """Where every stage runs and how: the value an engine is built from.
-
-    ``stage_rank`` maps stage id -> rank (defaults to the manifest's ``gpu``).
-    """
-
-    stage_rank: dict[int, int]
-    schedule: str = "gpipe"
-    micro_batches: int = 4
-    recompute: bool | None = None
-
-    @classmethod
-    def from_manifest(cls, manifest: dict, *, schedule: str | None = None, micro_batches: int | None = None,
-                      recompute: bool | None = None) -> "RunPlan":
-        return cls({int(s["id"]): int(s["gpu"]) for s in manifest["stages"]},
-                   schedule or manifest.get("schedule", "gpipe"),
-                   int(micro_batches or manifest.get("micro_batches", 4)), recompute)
-
-    @property
-    def num_ranks(self) -> int:
-        return max(self.stage_rank.values()) + 1
-
-
 @dataclass
 class TrainConfig:
+    """How to train: schedule, optimizer, clipping; the same on every rank."""
+
+    schedule: str = "1f1b"
+    micro_batches: int = 4
     steps: int = 10
-    optimizer: str = "sgd"
-    lr: float = 1e-2
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    betas: tuple = (0.9, 0.999)
+    optimizer: str = "adam"           # sgd, momentum, adam, adamw, adafactor
+    lr: float = 1e-3
+    momentum: float = 0.9
+    betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    lr_schedule: str = "constant"     # constant | linear | cosine (with warmup_steps)
+    weight_decay: float = 0.0
+    lr_schedule: str = "constant"     # constant, linear, cosine
     warmup_steps: int = 0
     clip_grad_norm: float | None = None
-    weight_prediction: bool = False   # async only: forward on predicted weights (FTPipe §4.2)
+    recompute: bool = False           # gpipe, 1f1b, 2bw, 2gw: recompute in backward
+    weight_prediction: bool = False   # async: forward on weights predicted to the backward's version
     seed: int = 0
-    timeout_s: float = 60.0
+    dropout: bool = True              # train mode: dropout active (keyed per micro-batch, so recomputation agrees)
+    timeout_s: float = 300.0
+    total_steps: int | None = None    # for LR schedules across checkpoints; default ``steps``
+
+
+def stage_ranks(manifest: Manifest, world_size: int) -> dict[int, int]:
+    """Stage id -> rank: GPU ``g`` of ``G`` runs on rank ``g * world_size // G`` (several GPUs' stages
+    share a rank when there are fewer ranks than planned GPUs)."""
+    G = max(manifest.num_gpus, 1)
+    return {s.id: min(s.gpu * world_size // G, world_size - 1) for s in manifest.stages}
+
+
+def programs(manifest: Manifest, cfg: TrainConfig, steps: int) -> dict[int, StageProgram]:
+    """Every stage's program for ``steps`` steps under ``cfg``."""
+    depths = {s.id: s.depth for s in manifest.stages}
+    groups = groups_2gw(depths)
+    deepest = max(depths.values(), default=0)
+    return {s.id: stage_program(cfg.schedule, s.id, depth=s.depth, micro_batches=cfg.micro_batches,
+                                steps=steps, last=s.computes_loss or s.depth == 0, recompute=cfg.recompute,
+                                group=groups[s.id], pipeline_depth=deepest)
+            for s in manifest.stages}
+
+
+def micro_batch_seed(seed: int, k: int) -> int:
+    """The dropout seed of global micro-batch ``k``: the same in forward and recomputation, on any rank."""
+    return mix_seed(seed, k)
 
 
 @dataclass
-class StageStats:
+class StageTimes:
     forward_s: float = 0.0
     backward_s: float = 0.0
     recompute_s: float = 0.0
     update_s: float = 0.0
-    tasks: int = 0
+    forwards: int = 0
+    backwards: int = 0
 
+    def take(self) -> dict:
+        d = {"forward_s": self.forward_s, "backward_s": self.backward_s, "recompute_s": self.recompute_s,
+             "update_s": self.update_s, "forwards": self.forwards, "backwards": self.backwards}
+        self.__init__()
+        return d
 
-@dataclass
-class RunResult:
-    rank: int
-    losses: dict[int, list[float]] = field(default_factory=dict)   # mini-batch -> micro-batch losses
-    stats: dict[int, StageStats] = field(default_factory=dict)
-    wait_s: float = 0.0
-    wall_s: float = 0.0
-    step_end_s: dict[int, float] = field(default_factory=dict)
-
-    def step_losses(self) -> dict[int, float]:
-        return {j: sum(v) / len(v) for j, v in sorted(self.losses.items())}
-
-
-def micro_batch_seed(seed: int, stage: int, k: int) -> int:
-    """RNG seed of stage ``stage``'s forward on micro-batch ``k`` (recomputation replays it)."""
-    return (seed * 1_000_003 + k * 1009 + stage) % (2 ** 62)
-
-
-def value_tables(manifest: dict):
-    """Producer stage, consumer stages, specs and literals of every value crossing stages."""
-    producer: dict[str, int] = {}
-    consumers: dict[str, list[int]] = defaultdict(list)
-    spec: dict[str, dict] = {}
-    literal: dict[str, object] = {}
-    for st in manifest["stages"]:
-        for o in st["outputs"]:
-            producer[o["value"]] = int(st["id"])
-            spec[o["value"]] = o
-            if "literal" in o:
-                literal[o["value"]] = o["literal"]
-        for i in st["inputs"]:
-            if i.get("from") != "input":
-                consumers[i["value"]].append(int(st["id"]))
-    names = sorted(spec)
-    return producer, dict(consumers), spec, literal, {v: n for n, v in enumerate(names)}
-
-
-def is_grad_value(spec: dict) -> bool:
-    return "literal" not in spec and bool(spec.get("requires_grad")) and str(spec.get("dtype", "")).startswith(
-        ("float", "bfloat"))
-
-
-def split_micro(value: torch.Tensor, shape: list[int] | None, i: int, mbs: int) -> torch.Tensor:
-    """Micro-batch ``i`` of a mini-batch tensor (batch dimension 0); tensors already of the manifest shape pass."""
-    if not torch.is_tensor(value) or shape is None or list(value.shape) == list(shape):
-        return value
-    return value[i * mbs:(i + 1) * mbs]
-
-
-# --------------------------------------------------------------------------- mailbox
-
-class Mailbox:
-    """Messages that arrived (from peers or from this rank's own stages), guarded by a condition."""
-
-    def __init__(self):
-        self.cond = threading.Condition()
-        self.data: dict[tuple, object] = {}
-        self.errors: list[str] = []
-        self.arrivals = 0
-
-    def put(self, key: tuple, value) -> None:
-        with self.cond:
-            self.data[key] = value
-            self.arrivals += 1
-            self.cond.notify_all()
-
-    def fail(self, msg: str) -> None:
-        with self.cond:
-            self.errors.append(msg)
-            self.cond.notify_all()
-
-
-# --------------------------------------------------------------------------- stage state
 
 @dataclass
 class _Stage:
     id: int
-    spec: dict
     module: torch.nn.Module
-    sched: StageSchedule
-    depth: int
-    trainable: dict[str, torch.nn.Parameter]
+    program: StageProgram
+    params: dict[str, torch.nn.Parameter]
     optimizer: object
-    lr_scheduler: object
-    pc: int = 0
+    scheduler: object
+    pos: int = 0
     version: int = 0
     stash: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    last_use: dict[int, int] = field(default_factory=dict)
+    uses_left: dict[int, int] = field(default_factory=dict)
     saved: dict[int, tuple] = field(default_factory=dict)
-    update_phase: int = 0
-    stats: StageStats = field(default_factory=StageStats)
+    update_phase: int = 0             # U(j): 0 not begun, 1 shared grads sent, 2 norm sent
+    times: StageTimes = field(default_factory=StageTimes)
+    spans_update: set[int] = field(default_factory=set)
 
-    def next_task(self) -> Task | None:
-        return self.sched.program[self.pc] if self.pc < len(self.sched.program) else None
+    @property
+    def next(self) -> Task | None:
+        return self.program.tasks[self.pos] if self.pos < len(self.program.tasks) else None
 
 
 class RankEngine:
-    """Runs the stages of one rank. ``pkg``: a loaded package (contract API); ``transport``: see transport.py."""
+    """Runs the stages of ``package`` that ``ranks`` puts on ``rank``; see the module docstring."""
 
-    def __init__(self, pkg, plan: RunPlan, config: TrainConfig, transport, *, device="cpu",
-                 modules: dict[int, torch.nn.Module] | None = None, on_step=None):
-        self.pkg, self.plan, self.cfg, self.tp = pkg, plan, config, transport
-        self.manifest = pkg.manifest
-        self.rank = transport.rank
+    def __init__(self, package: Package, cfg: TrainConfig, *, rank: int = 0, world_size: int = 1,
+                 transport=None, device: str | torch.device = "cpu", ranks: dict[int, int] | None = None,
+                 dtype: torch.dtype | None = None):
+        self.package, self.m, self.cfg = package, package.manifest, cfg
+        self.rank, self.world_size, self.transport = rank, world_size, transport
         self.device = torch.device(device)
-        self.on_step = on_step
-        m = self.manifest
-        self.M = plan.micro_batches
-        self.mbs = int(m["micro_batch_size"])
-        self.loss_value = m["loss"]["value"]
-        self.loss_stage = int(m["loss"]["stage"])
-        self.producer, self.consumers, self.vspec, self.literal, self.vidx = value_tables(m)
-        self.vnames = sorted(self.vidx, key=self.vidx.get)
-        self.input_shape = {g["value"]: g.get("shape") for g in m.get("graph_inputs", [])}
-        self.all_specs = {int(s["id"]): s for s in m["stages"]}
-        self.shared = {p: sorted(int(x) for x in h) for p, h in m.get("shared_parameters", {}).items() if len(h) > 1}
-        self.shared_names = sorted(self.shared)
-        self.num_stages = len(self.all_specs)
-        self.scheds = pipeline_schedules(plan.schedule, m["stages"], self.M, config.steps,
-                                         loss_stage=self.loss_stage, recompute=plan.recompute)
-        mine = sorted(s for s, r in plan.stage_rank.items() if r == self.rank)
+        self.ranks = ranks if ranks is not None else stage_ranks(self.m, world_size)
+        if world_size > 1 and transport is None:
+            raise PipelineError("several ranks need a transport")
+        self.value_names = sorted(self.m.values)
+        self.value_index = {v: i for i, v in enumerate(self.value_names)}
+        self.param_names = sorted(self.m.params)
+        self.param_index = {p: i for i, p in enumerate(self.param_names)}
+        self.modules = {}
+        for s in self.m.stages:
+            if self.ranks[s.id] == rank:
+                mod = package.build_stage(s.id, self.device, dtype=dtype)
+                mod.train(cfg.dropout)
+                self.modules[s.id] = mod
         self.stages: dict[int, _Stage] = {}
-        for sid in mine:
-            spec = self.all_specs[sid]
-            mod = modules[sid] if modules and sid in modules else pkg.build_stage(sid, device=self.device)
-            mod.train()
-            trainable_names = set(spec.get("trainable", spec.get("params", [])))
-            named = dict(mod.named_parameters())
-            trainable = {n: p for n, p in named.items() if n in trainable_names}
-            for n, p in named.items():
-                p.requires_grad_(n in trainable_names)
-            opt, sch = _optim.build(list(trainable.values()), config)
-            st = _Stage(sid, spec, mod, self.scheds[sid], int(spec["depth"]), trainable, opt, sch)
-            for pos, t in enumerate(st.sched.program):
-                if t.kind == "F":
-                    st.last_use[st.sched.version_f[t.index]] = pos
-                elif t.kind == "B":
-                    st.last_use[st.sched.version_b[t.index]] = pos
-            self.stages[sid] = st
-        # peers: every other rank hosting stages (messages flow in both directions)
-        self.peers = sorted({r for r in plan.stage_rank.values() if r != self.rank})
-        self.box = Mailbox()
-        self.send_seq: dict[int, int] = defaultdict(int)
+        self.cv = threading.Condition()
+        self.inbox: dict[tuple, object] = {}
+        self.failure: str | None = None
+        self.arrivals = 0
         self.pending_sends: list = []
-        self.grad_parts: dict[tuple, dict[int, torch.Tensor]] = {}
-        self.batches: dict[int, dict] = {}
-        self.result = RunResult(self.rank, stats={s: st.stats for s, st in self.stages.items()})
         self._threads: list[threading.Thread] = []
-        self._t0 = time.perf_counter()
+        self._consumers = {v: list(spec.consumers) for v, spec in self.m.values.items()}
+        self._graph_inputs = {i.value for i in self.m.inputs if i.shape is not None}
+        self._local_consumers = {v: [c for c in cs if self.ranks[c] == rank] for v, cs in self._consumers.items()}
+        self._remote_ranks = {v: sorted({self.ranks[c] for c in cs} - {rank}) for v, cs in self._consumers.items()}
+        self.step_offset = 0
+        self._refs: dict[tuple, int] = {}
+        # The rank of the loss stage writes the log: every rank sends it its step records.
+        self.log_rank = self.ranks[self.m.loss_stage] if self.m.loss_stage is not None else 0
+        self._build_optimizers()
 
-    # ----------------------------------------------------------------- messaging
-    def _num_items(self) -> int:
-        return max(len(self.vnames), len(self.shared_names) * self.num_stages, self.num_stages, 1)
+    # ------------------------------------------------------------------ setup
+    def _build_optimizers(self) -> None:
+        cfg = self.cfg
+        total = cfg.total_steps or cfg.steps
+        ocfg = _optim.OptimConfig(cfg.optimizer, cfg.lr, cfg.momentum, cfg.betas, cfg.eps, cfg.weight_decay,
+                                  cfg.lr_schedule, cfg.warmup_steps, total)
+        self._opt = {}
+        for sid, mod in self.modules.items():
+            params = {n: p for n, p in mod.named_parameters() if p.requires_grad}
+            opt, sched = _optim.build(list(params.values()), ocfg)
+            self._opt[sid] = (params, opt, sched)
 
-    def _send(self, dst: int, kind: int, index: int, item: int, tensor: torch.Tensor) -> None:
-        tensor = tensor.detach().contiguous()
-        code = _DTYPES.index(tensor.dtype)
-        header = torch.tensor([kind, index, item, tensor.numel(), code], dtype=torch.int64)
-        seq = self.send_seq[dst]
-        self.send_seq[dst] += 1
-        h1 = self.tp.isend(header.to(self.tp.device), dst, header_tag(seq))
-        if kind == KIND_FIN:      # the header says it all
-            self.pending_sends.append((h1, None, header, tensor))
-            return
-        h2 = self.tp.isend(tensor.to(self.tp.device), dst, payload_tag(kind, index, item, self._num_items()))
-        self.pending_sends.append((h1, h2, header, tensor))
-        if len(self.pending_sends) > 64:
-            self._drain_sends(32)
+    def _needs_grad(self, v: str) -> bool:
+        spec = self.m.values[v]
+        return spec.is_tensor and spec.is_floating and spec.requires_grad and spec.producer is not None
 
-    def _drain_sends(self, keep: int = 0) -> None:
-        while len(self.pending_sends) > keep:
-            h1, h2, _, _ = self.pending_sends.pop(0)
-            h1.wait()
-            if h2 is not None:
-                h2.wait()
+    # ------------------------------------------------------------------ messages
+    def _put(self, key: tuple, value) -> None:
+        with self.cv:
+            self.inbox[key] = value
+            self.arrivals += 1
+            self.cv.notify_all()
 
-    def _alloc(self, kind: int, item: int, numel: int, code: int) -> torch.Tensor:
-        dtype = _DTYPES[code]
-        if kind in (KIND_ACT, KIND_GRAD):
-            shape = self.vspec[self.vnames[item]].get("shape")
-            if shape is not None and math.prod(shape) == numel:
-                return torch.empty(shape, dtype=dtype, device=self.tp.device)
-        return torch.empty(numel, dtype=dtype, device=self.tp.device)
+    def _send(self, dst: int, header: list[int], payload: torch.Tensor | None) -> None:
+        self.pending_sends.extend(self.transport.isend(dst, header, payload))
+
+    def _reap_sends(self, wait: bool = False) -> None:
+        keep = []
+        for h in self.pending_sends:
+            if wait:
+                self.transport.wait(h)
+            elif not self.transport.done(h):
+                keep.append(h)
+        self.pending_sends = keep
+
+    def _buffer(self, kind: int, a: int, nbytes: int) -> torch.Tensor:
+        if kind in (ACT, GRAD):
+            spec = self.m.values[self.value_names[a]]
+            return torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=self.device)
+        if kind == SHARED:
+            p = self.m.params[self.param_names[a]]
+            return torch.empty(p.shape, dtype=DTYPES[p.dtype], device=self.device)
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def _receiver(self, src: int) -> None:
-        seq = 0
-        stages = sorted(s for s, r in self.plan.stage_rank.items() if r == src)
         try:
             while True:
-                header = torch.empty(5, dtype=torch.int64, device=self.tp.device)
-                self.tp.recv(header, src, header_tag(seq))
-                seq += 1
-                kind, index, item, numel, code = (int(x) for x in header.cpu())
-                if kind == KIND_FIN:
+                kind, a, k, stage, nbytes, *_ = self.transport.recv_header(src)
+                if kind == FIN:
                     return
-                buf = self._alloc(kind, item, numel, code)
-                self.tp.recv(buf, src, payload_tag(kind, index, item, self._num_items()))
-                buf = buf.to(self.device)
-                if kind == KIND_ACT:
-                    self.box.put(("act", index, self.vnames[item]), buf)
-                elif kind == KIND_GRAD:
-                    self.box.put(("grad", index, self.vnames[item], src), buf)
-                elif kind == KIND_SHARED:
-                    p, s = divmod(item, self.num_stages)
-                    self.box.put(("shared", index, self.shared_names[p], s), buf)
-                elif kind == KIND_NORM:
-                    self.box.put(("norm", index, item), buf)
-        except Exception as e:  # the peer died or the link broke
-            self.box.fail(f"rank {self.rank}: lost rank {src} (stages {stages}): {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}")
+                buf = self._buffer(kind, a, nbytes)
+                buf = self.transport.recv_payload(src, buf)
+                if kind == ACT:
+                    self._put(("A", self.value_names[a], k), buf)
+                elif kind == GRAD:
+                    self._put(("G", self.value_names[a], k, stage), buf)
+                elif kind == SHARED:
+                    self._put(("S", self.param_names[a], k, stage), buf)
+                elif kind == NORM:
+                    self._put(("N", k, stage), pickle.loads(buf.numpy().tobytes()))
+                elif kind == STATS:
+                    self._put(("R", k, src), pickle.loads(buf.numpy().tobytes()))
+        except Exception as exc:  # noqa: BLE001 - any transport failure means the peer is gone
+            stages = sorted(s for s, r in self.ranks.items() if r == src)
+            with self.cv:
+                if self.failure is None:
+                    self.failure = (f"rank {self.rank}: lost rank {src} (stages {stages}): {type(exc).__name__}: "
+                                    f"{str(exc).splitlines()[0] if str(exc) else ''}")
+                self.cv.notify_all()
 
-    def _deliver_act(self, k: int, value: str, tensor: torch.Tensor) -> None:
-        ranks = sorted({self.plan.stage_rank[c] for c in self.consumers.get(value, [])})
-        for r in ranks:
-            if r == self.rank:
-                self.box.put(("act", k, value), tensor.detach())
-            else:
-                self._send(r, KIND_ACT, k, self.vidx[value], tensor)
-
-    def _add_input_grad(self, k: int, value: str, stage: int, grad: torch.Tensor) -> None:
-        """Collect one local consumer's gradient; when all local consumers gave theirs, send the sum."""
-        local = sorted(c for c in self.consumers[value] if self.plan.stage_rank[c] == self.rank)
-        parts = self.grad_parts.setdefault((k, value), {})
-        parts[stage] = grad
-        if len(parts) < len(local):
-            return
-        del self.grad_parts[(k, value)]
-        total = parts[local[0]].clone()
-        for c in local[1:]:
-            total += parts[c]
-        dst = self.plan.stage_rank[self.producer[value]]
-        if dst == self.rank:
-            self.box.put(("grad", k, value, self.rank), total)
-        else:
-            self._send(dst, KIND_GRAD, k, self.vidx[value], total)
-
-    # ----------------------------------------------------------------- readiness
-    def _data(self, k: int, batches) -> dict:
-        j = k // self.M
-        while j >= self._pulled:
-            try:
-                self.batches[self._pulled] = next(batches)
-            except StopIteration:
-                raise PipelineError(f"rank {self.rank}: the dataset ran out at mini-batch {self._pulled}") from None
-            self._pulled += 1
-        return self.batches[j]
-
-    def _grad_sources(self, value: str) -> list[int]:
-        return sorted({self.plan.stage_rank[c] for c in self.consumers.get(value, [])})
-
-    def _missing(self, st: _Stage) -> list[str]:
-        """What the stage's next task still waits for (empty: ready)."""
-        t = st.next_task()
-        data = self.box.data
-        miss = []
-        if t.kind == "F":
-            for i in st.spec["inputs"]:
-                v = i["value"]
-                if i.get("from") == "input" or v in self.literal:
-                    continue
-                if ("act", t.index, v) not in data:
-                    p = self.producer[v]
-                    miss.append(f"value {v!r} of micro-batch {t.index} from stage {p} on rank {self.plan.stage_rank[p]}")
-        elif t.kind == "B":
-            for o in st.spec["outputs"]:
-                v = o["value"]
-                if not is_grad_value(o) or v not in self.consumers:
-                    continue
-                for r in self._grad_sources(v):
-                    if ("grad", t.index, v, r) not in data:
-                        miss.append(f"gradient of {v!r} for micro-batch {t.index} from rank {r}")
-        else:
-            j = t.index
-            if st.update_phase == 1:
-                for p in self._shared_of(st):
-                    for h in self.shared[p]:
-                        if h != st.id and ("shared", j, p, h) not in data:
-                            miss.append(f"shared gradient {p!r} of step {j} from stage {h} on rank "
-                                        f"{self.plan.stage_rank[h]}")
-            elif st.update_phase == 2:
-                for s in range(self.num_stages):
-                    if ("norm", j, s) not in data:
-                        miss.append(f"gradient norm of step {j} from stage {s} on rank {self.plan.stage_rank[s]}")
-        return miss
-
-    def _shared_of(self, st: _Stage) -> list[str]:
-        return [p for p in self.shared_names if st.id in self.shared[p] and p in st.trainable]
-
-    # ----------------------------------------------------------------- tasks
-    def _params_for(self, st: _Stage, version: int, *, grad: bool) -> dict[str, torch.Tensor] | None:
-        """None: the module's own parameters (current version); else a stashed copy."""
-        if version == st.version:
-            return None
-        if version not in st.stash:
-            raise PipelineError(f"rank {self.rank} stage {st.id}: weight version {version} is not available "
-                                f"(current {st.version}); the schedule's version table is inconsistent")
-        src = st.stash[version]
-        return {n: t.detach().requires_grad_(grad) for n, t in src.items()}
-
-    def _call(self, st: _Stage, params, inputs: list, k: int):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(micro_batch_seed(self.cfg.seed, st.id, k))
-            if params is None:
-                out = st.module(*inputs)
-            else:
-                out = torch.func.functional_call(st.module, params, tuple(inputs), strict=False)
-        return out if isinstance(out, tuple) else (out,)
-
-    def _inputs(self, st: _Stage, k: int, batches) -> list:
-        vals = []
-        for i in st.spec["inputs"]:
-            v = i["value"]
-            if i.get("from") == "input":
-                x = split_micro(self._data(k, batches)[v], self.input_shape.get(v), k % self.M, self.mbs)
-                vals.append(x.to(self.device) if torch.is_tensor(x) else x)
-            elif v in self.literal:
-                vals.append(self.literal[v])
-            else:
-                vals.append(self.box.data[("act", k, v)])
-        return vals
-
-    def _forward(self, st: _Stage, k: int, batches) -> None:
-        t0 = time.perf_counter()
-        inputs = self._inputs(st, k, batches)
-        vf = st.sched.version_f[k]
-        if st.sched.recompute:
-            params = self._params_for(st, vf, grad=False)
-            if self.cfg.weight_prediction and self.plan.schedule == "async":
-                delay = st.sched.version_b[k] - vf
-                if delay > 0:
-                    base = params if params is not None else {n: p.detach() for n, p in st.trainable.items()}
-                    params = _optim.predict(st.optimizer, st.trainable, base, delay)
-            with torch.no_grad():
-                outs = self._call(st, params, inputs, k)
-            st.saved[k] = (inputs, None, None)
-        else:
-            params = self._params_for(st, vf, grad=True)
-            ginputs = [x.detach().requires_grad_(True) if torch.is_tensor(x) and x.is_floating_point()
-                       and self._needs_grad(st, n) else x for n, x in enumerate(inputs)]
-            with torch.enable_grad():
-                outs = self._call(st, params, ginputs, k)
-            st.saved[k] = (ginputs, outs, params)
-        for o, y in zip(st.spec["outputs"], outs):
-            if "literal" in o:
-                continue
-            if o["value"] == self.loss_value:
-                self.result.losses.setdefault(k // self.M, []).append(float(y.detach()))
-            self._deliver_act(k, o["value"], y)
-        st.stats.forward_s += time.perf_counter() - t0
-        self._consumed_inputs(st, k)
-
-    def _needs_grad(self, st: _Stage, n: int) -> bool:
-        i = st.spec["inputs"][n]
-        return i.get("from") != "input" and i["value"] not in self.literal and is_grad_value(self.vspec[i["value"]])
-
-    def _consumed_inputs(self, st: _Stage, k: int) -> None:
-        # A received activation leaves the mailbox once every local consumer has run F(k);
-        # stages that need it later (recomputation) hold their own reference in `saved`.
-        for i in st.spec["inputs"]:
-            v = i["value"]
-            if i.get("from") == "input" or v in self.literal:
-                continue
-            key = ("act", k, v)
-            n = self.act_uses.get(key)
-            if n is None:
-                n = sum(1 for c in self.consumers[v] if self.plan.stage_rank[c] == self.rank)
-            if n <= 1:
-                self.act_uses.pop(key, None)
-                with self.box.cond:
-                    self.box.data.pop(key, None)
-            else:
-                self.act_uses[key] = n - 1
-
-    def _backward(self, st: _Stage, k: int) -> None:
-        t0 = time.perf_counter()
-        inputs, outs, params = st.saved.pop(k)
-        if outs is None:   # recompute with the backward's weight version
-            params = self._params_for(st, st.sched.version_b[k], grad=True)
-            inputs = [x.detach().requires_grad_(True) if torch.is_tensor(x) and x.is_floating_point()
-                      and self._needs_grad(st, n) else x for n, x in enumerate(inputs)]
-            with torch.enable_grad():
-                outs = self._call(st, params, inputs, k)
-            st.stats.recompute_s += time.perf_counter() - t0
-        t1 = time.perf_counter()
-        ys, gs = [], []
-        for o, y in zip(st.spec["outputs"], outs):
-            v = o["value"]
-            if "literal" in o or not torch.is_tensor(y) or not y.requires_grad:
-                continue
-            if v == self.loss_value:
-                ys.append(y)
-                gs.append(torch.full_like(y, 1.0 / self.M))
-            elif is_grad_value(o) and v in self.consumers:
-                g = None
-                for r in self._grad_sources(v):
-                    part = self.box.data.pop(("grad", k, v, r))
-                    g = part.clone() if g is None else g + part
-                ys.append(y)
-                gs.append(g.reshape(y.shape).to(y.dtype))
-        if ys:
-            torch.autograd.backward(ys, gs)
-        if params is not None:
-            for n, t in params.items():
-                if t.grad is not None and n in st.trainable:
-                    p = st.trainable[n]
-                    p.grad = t.grad.clone() if p.grad is None else p.grad + t.grad
-        for n, (i, x) in enumerate(zip(st.spec["inputs"], inputs)):
-            if self._needs_grad(st, n):
-                g = x.grad if x.grad is not None else torch.zeros_like(x)
-                self._add_input_grad(k, i["value"], st.id, g.detach())
-        st.stats.backward_s += time.perf_counter() - t1
-
-    def _update(self, st: _Stage, j: int) -> bool:
-        """Runs the update's phases; returns True when the step is taken."""
-        t0 = time.perf_counter()
-        shared = self._shared_of(st)
-        if st.update_phase == 0:
-            for p in shared:
-                g = st.trainable[p].grad
-                g = torch.zeros_like(st.trainable[p]) if g is None else g
-                sent_to = set()
-                for h in self.shared[p]:
-                    if h == st.id:
-                        continue
-                    r = self.plan.stage_rank[h]
-                    if r == self.rank:
-                        self.box.put(("shared", j, p, st.id), g.detach().clone())
-                    elif r not in sent_to:
-                        sent_to.add(r)
-                        self._send(r, KIND_SHARED, j, self.shared_names.index(p) * self.num_stages + st.id, g)
-            st.update_phase = 1
-            if self._missing(st):
-                st.stats.update_s += time.perf_counter() - t0
-                return False
-        if st.update_phase == 1:
-            for p in shared:
-                total = None
-                for h in self.shared[p]:
-                    g = st.trainable[p].grad if h == st.id else self.box.data[("shared", j, p, h)]
-                    g = torch.zeros_like(st.trainable[p]) if g is None else g
-                    total = g.detach().clone() if total is None else total + g.reshape(total.shape)
-                st.trainable[p].grad = total
-            if self.cfg.clip_grad_norm:
-                sq = torch.zeros((), dtype=torch.float64)
-                for n, p in st.trainable.items():
-                    if p.grad is not None and (n not in self.shared or self.shared[n][0] == st.id):
-                        sq += p.grad.detach().double().pow(2).sum().cpu()
-                for r in sorted(set(self.plan.stage_rank.values())):
-                    if r == self.rank:
-                        self.box.put(("norm", j, st.id), sq.reshape(1))
-                    else:
-                        self._send(r, KIND_NORM, j, st.id, sq.reshape(1))
-                st.update_phase = 2
-                if self._missing(st):
-                    st.stats.update_s += time.perf_counter() - t0
-                    return False
-            else:
-                st.update_phase = 3
-        if st.update_phase == 2:
-            total = sum(float(self.box.data[("norm", j, s)]) for s in range(self.num_stages))
-            norm = math.sqrt(total)
-            _optim.clip_to(st.trainable.values(), norm, self.cfg.clip_grad_norm)
-            st.update_phase = 3
-        # phase 3: stash the current weights if a later task still needs them, then step
-        if st.last_use.get(st.version, -1) > st.pc:
-            st.stash[st.version] = {n: p.detach().clone() for n, p in st.trainable.items()}
-        st.optimizer.step()
-        st.optimizer.zero_grad(set_to_none=True)
-        if st.lr_scheduler is not None:
-            st.lr_scheduler.step()
-        st.version += 1
-        for v in [v for v in st.stash if st.last_use.get(v, -1) <= st.pc]:
-            del st.stash[v]
-        st.update_phase = 0
-        st.stats.update_s += time.perf_counter() - t0
-        return True
-
-    def _end_step(self, j: int) -> None:
-        """Drop step ``j``'s bookkeeping once every local stage took its update."""
-        with self.box.cond:
-            for key in [key for key in self.box.data if key[0] in ("shared", "norm") and key[1] == j]:
-                del self.box.data[key]
-        self.batches.pop(j, None)
-
-    # ----------------------------------------------------------------- main loop
-    def run(self, batches) -> RunResult:
-        """Train ``config.steps`` mini-batches from ``batches`` (an iterator of dicts value -> mini-batch tensor)."""
-        batches = iter(batches)
-        self._pulled = 0
-        self.act_uses: dict[tuple, int] = {}
-        for src in self.peers:
-            th = threading.Thread(target=self._receiver, args=(src,), daemon=True, name=f"recv-{src}")
-            th.start()
-            self._threads.append(th)
-        updates_left: dict[int, int] = defaultdict(lambda: len(self.stages))
-        t_start = time.perf_counter()
-        last_progress = time.perf_counter()
-        try:
-            while any(st.next_task() is not None for st in self.stages.values()):
-                with self.box.cond:
-                    if self.box.errors:
-                        raise PipelineError(self.box.errors[0])
-                    ready = [st for st in self.stages.values() if st.next_task() is not None and not self._missing(st)]
-                    if not ready:
-                        seen = self.box.arrivals
-                        t_wait = time.perf_counter()
-                        self.box.cond.wait(timeout=0.5)
-                        self.result.wait_s += time.perf_counter() - t_wait
-                        if self.box.arrivals == seen and time.perf_counter() - last_progress > self.cfg.timeout_s:
-                            waits = "; ".join(f"stage {st.id} {st.next_task().kind}({st.next_task().index}) waits "
-                                              f"for {', '.join(self._missing(st))}"
-                                              for st in self.stages.values() if st.next_task() is not None)
-                            raise PipelineHang(f"rank {self.rank}: nothing arrived for {self.cfg.timeout_s:.0f} s: "
-                                               f"{waits}")
-                        continue
-                st = min(ready, key=lambda s: priority(self.plan.schedule, s.next_task(), s.depth, s.id))
-                t = st.next_task()
-                last_progress = time.perf_counter()
-                if t.kind == "F":
-                    self._forward(st, t.index, batches)
-                elif t.kind == "B":
-                    self._backward(st, t.index)
-                else:
-                    if not self._update(st, t.index):
-                        continue
-                    updates_left[t.index] -= 1
-                    if updates_left[t.index] == 0:
-                        self._end_step(t.index)
-                        self.result.step_end_s[t.index] = time.perf_counter() - t_start
-                        if self.on_step is not None:
-                            self.on_step(self, t.index)
-                st.pc += 1
-                st.stats.tasks += 1
-            self._drain_sends()
-        finally:
-            pass
-        self.result.wall_s = time.perf_counter() - t_start
-        return self.result
+    def start(self) -> None:
+        for src in range(self.world_size):
+            if src != self.rank:
+                t = threading.Thread(target=self._receiver, args=(src,), daemon=True, name=f"recv-{src}")
+                t.start()
+                self._threads.append(t)
 
     def finish(self) -> None:
-        """Tell every peer this rank is done and join the receiver threads."""
-        for r in self.peers:
-            self._send(r, KIND_FIN, 0, 0, torch.zeros(1))
-        self._drain_sends()
-        for th in self._threads:
-            th.join(timeout=self.cfg.timeout_s)
+        """Tell every peer this rank sends nothing more, and wait until every peer has said the same."""
+        if self.world_size == 1:
+            return
+        for dst in range(self.world_size):
+            if dst != self.rank:
+                self._send(dst, [FIN, 0, 0, 0, 0], None)
+        self._reap_sends(wait=True)
+        deadline = time.monotonic() + self.cfg.timeout_s
+        for t in self._threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                raise PipelineHang(f"rank {self.rank}: {t.name.replace('recv-', 'rank ')} did not finish within "
+                                   f"{self.cfg.timeout_s:.0f} s")
+        if self.failure:
+            raise PipelineError(self.failure)
 
-    def state_dicts(self) -> dict[int, dict[str, torch.Tensor]]:
-        return {s: {n: p.detach().clone() for n, p in st.module.state_dict().items()} for s, st in self.stages.items()}
+    # ------------------------------------------------------------------ weights
+    def _live(self, st: _Stage) -> dict[str, torch.Tensor]:
+        return st.params
+
+    def _copy(self, st: _Stage) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone().requires_grad_(True) for n, p in st.params.items()}
+
+    def _weights(self, st: _Stage, version: int, *, across_update: bool) -> dict[str, torch.Tensor]:
+        if version == st.version:
+            if not across_update:
+                return st.params
+            if version not in st.stash:
+                st.stash[version] = self._copy(st)
+            return st.stash[version]
+        if version in st.stash:
+            return st.stash[version]
+        raise PipelineError(f"rank {self.rank}: stage {st.id} needs weight version {version} but holds "
+                            f"{st.version} and stashes {sorted(st.stash)} (a schedule bug)")
+
+    def _used(self, st: _Stage, version: int) -> None:
+        st.uses_left[version] -= 1
+        if st.uses_left[version] == 0:
+            del st.uses_left[version]
+            st.stash.pop(version, None)
+
+    def _predicted(self, st: _Stage, k: int, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        delay = st.program.staleness(k)
+        if not (self.cfg.weight_prediction and delay > 0):
+            return base
+        params, opt, _ = self._opt[st.id]
+        return _optim.predict(opt, params, {n: base[n] for n in params}, delay)
+
+    # ------------------------------------------------------------------ readiness
+    def _input(self, st: _Stage, v: str, k: int, data: Callable[[int], dict]):
+        spec = self.m.values.get(v)
+        if v in self._graph_inputs:
+            return data(k)[v]
+        if spec is not None and not spec.is_tensor:
+            return spec.literal
+        return self.inbox.get(("A", v, k))
+
+    def _missing(self, st: _Stage, task: Task, data) -> list[str]:
+        spec = self.m.stage(st.id)
+        miss = []
+        if task.kind == "F":
+            for v in spec.inputs:
+                if v in self._graph_inputs or not self.m.values[v].is_tensor:
+                    continue
+                if ("A", v, task.index) not in self.inbox:
+                    p = self.m.values[v].producer
+                    miss.append(f"{v} of micro-batch {task.index} from stage {p} (rank {self.ranks[p]})")
+        elif task.kind == "B":
+            for v in spec.outputs:
+                if v == self.m.loss or not self._needs_grad(v):
+                    continue
+                for c in self._consumers[v]:
+                    if ("G", v, task.index, c) not in self.inbox:
+                        miss.append(f"gradient of {v} of micro-batch {task.index} from stage {c} "
+                                    f"(rank {self.ranks[c]})")
+        else:
+            j = task.index
+            mine = set(st.params) if st.update_phase < 2 else set()
+            for name, holders in self.m.shared_params().items():
+                if name in mine:
+                    for h in holders:
+                        if h != st.id and ("S", name, j, h) not in self.inbox:
+                            miss.append(f"shared gradient of {name} for step {j} from stage {h} "
+                                        f"(rank {self.ranks[h]})")
+            if self.cfg.clip_grad_norm and st.update_phase >= 2:
+                for s in self.m.stages:
+                    if ("N", j, s.id) not in self.inbox:
+                        miss.append(f"gradient norm of step {j} from stage {s.id} (rank {self.ranks[s.id]})")
+        return miss
+
+    # ------------------------------------------------------------------ tasks
+    def _forward(self, st: _Stage, k: int, data) -> None:
+        spec = self.m.stage(st.id)
+        prog = st.program
+        version = prog.forward_version[k]
+        inputs = [self._input(st, v, k, data) for v in spec.inputs]
+        with self.cv:
+            for v in spec.inputs:
+                key = ("A", v, k)
+                if key in self.inbox:
+                    # Every stage of this rank that reads the value takes it once; the last frees it.
+                    left = self._refs.get(key, len(self._local_consumers.get(v, ())) or 1) - 1
+                    if left <= 0:
+                        self.inbox.pop(key, None)
+                        self._refs.pop(key, None)
+                    else:
+                        self._refs[key] = left
+        seed = micro_batch_seed(self.cfg.seed, self.step_offset * self.cfg.micro_batches + k)
+        t0 = time.perf_counter()
+        if prog.recompute:
+            weights = self._predicted(st, k, self._weights(st, version, across_update=False))
+            with torch.no_grad():
+                outs = functional_call(st.module, weights, tuple(inputs), {"seed": seed}, strict=False)
+            st.saved[k] = (inputs, None, None)
+        else:
+            across = k in st.spans_update
+            weights = self._weights(st, version, across_update=across)
+            args = [self._leaf(v, x) for v, x in zip(spec.inputs, inputs)]
+            with torch.enable_grad():
+                outs = functional_call(st.module, weights, tuple(args), {"seed": seed}, strict=False)
+            st.saved[k] = (args, outs, weights)
+        st.times.forward_s += time.perf_counter() - t0
+        st.times.forwards += 1
+        self._used(st, version)
+        for v, out in zip(spec.outputs, outs):
+            if v == self.m.loss:
+                self._losses[k] = float(out.detach())
+            if not isinstance(out, torch.Tensor):
+                continue
+            if self._local_consumers.get(v):
+                self._put(("A", v, k), out.detach())
+            for r in self._remote_ranks.get(v, []):
+                self._send(r, [ACT, self.value_index[v], k, st.id, 0], out.detach())
+
+    def _leaf(self, v: str, x):
+        if isinstance(x, torch.Tensor):
+            x = x.detach()
+            if self._needs_grad(v):
+                x.requires_grad_(True)
+        return x
+
+    def _backward(self, st: _Stage, k: int, data) -> None:
+        spec = self.m.stage(st.id)
+        prog = st.program
+        version = prog.backward_version[k]
+        args, outs, weights = st.saved.pop(k)
+        seed = micro_batch_seed(self.cfg.seed, self.step_offset * self.cfg.micro_batches + k)
+        t0 = time.perf_counter()
+        if outs is None:
+            weights = self._weights(st, version, across_update=False)
+            args = [self._leaf(v, x) for v, x in zip(spec.inputs, args)]
+            with torch.enable_grad():
+                outs = functional_call(st.module, weights, tuple(args), {"seed": seed}, strict=False)
+            t1 = time.perf_counter()
+            st.times.recompute_s += t1 - t0
+            t0 = t1
+        roots, grads = [], []
+        with self.cv:
+            for v, out in zip(spec.outputs, outs):
+                if not (isinstance(out, torch.Tensor) and out.requires_grad):
+                    if v != self.m.loss and self._needs_grad(v):
+                        for c in self._consumers[v]:
+                            self.inbox.pop(("G", v, k, c), None)
+                    continue
+                if v == self.m.loss:
+                    roots.append(out)
+                    grads.append(torch.full_like(out, 1.0 / self.cfg.micro_batches))
+                elif self._needs_grad(v):
+                    g = None
+                    for c in sorted(self._consumers[v]):
+                        part = self.inbox.pop(("G", v, k, c))
+                        g = part if g is None else g + part
+                    if g is not None:
+                        roots.append(out)
+                        grads.append(g)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        if weights is not st.params:
+            for n, t in weights.items():
+                if t.grad is not None:
+                    p = st.params[n]
+                    p.grad = t.grad if p.grad is None else p.grad + t.grad
+                    t.grad = None
+        for v, x in zip(spec.inputs, args):
+            if not self._needs_grad(v):
+                continue
+            g = x.grad if isinstance(x, torch.Tensor) and x.grad is not None else torch.zeros(
+                self.m.values[v].shape, dtype=DTYPES[self.m.values[v].dtype], device=self.device)
+            producer = self.m.values[v].producer
+            if self.ranks[producer] == self.rank:
+                self._put(("G", v, k, st.id), g)
+            else:
+                self._send(self.ranks[producer], [GRAD, self.value_index[v], k, st.id, 0], g)
+        st.times.backward_s += time.perf_counter() - t0
+        st.times.backwards += 1
+        self._used(st, version)
+
+    def _begin_update(self, st: _Stage, j: int) -> None:
+        """Phase 1 of U(j): send this stage's gradients of shared parameters to the other holders."""
+        for name, holders in self.m.shared_params().items():
+            if name not in st.params:
+                continue
+            p = st.params[name]
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            for h in holders:
+                if h == st.id:
+                    continue
+                if self.ranks[h] == self.rank:
+                    self._put(("S", name, j, st.id), g.detach().clone())
+                else:
+                    self._send(self.ranks[h], [SHARED, self.param_index[name], j, st.id, 0], g.detach())
+        st.update_phase = 1
+
+    def _sum_shared(self, st: _Stage, j: int) -> None:
+        for name, holders in self.m.shared_params().items():
+            if name not in st.params:
+                continue
+            p = st.params[name]
+            total = None
+            for h in sorted(holders):
+                g = (p.grad if p.grad is not None else torch.zeros_like(p)) if h == st.id else \
+                    self.inbox.pop(("S", name, j, h))
+                total = g.clone() if total is None else total + g
+            p.grad = total
+
+    def _norm_part(self, st: _Stage) -> float:
+        shared = self.m.shared_params()
+        sq = 0.0
+        for name, p in st.params.items():
+            if p.grad is None:
+                continue
+            if name in shared and min(shared[name]) != st.id:
+                continue   # a shared tensor's summed gradient counts once, at its first holder
+            sq += float(p.grad.detach().double().pow(2).sum())
+        return sq
+
+    def _send_norm(self, st: _Stage, j: int) -> None:
+        part = self._norm_part(st)
+        blob = torch.frombuffer(bytearray(pickle.dumps(part)), dtype=torch.uint8)
+        self._put(("N", j, st.id), part)
+        for r in sorted({self.ranks[s.id] for s in self.m.stages} - {self.rank}):
+            self._send(r, [NORM, 0, j, st.id, blob.numel()], blob)
+        st.update_phase = 2
+
+    def _try_update(self, st: _Stage, j: int, data) -> bool:
+        """Advance U(j) as far as what has arrived allows; True once the step is taken."""
+        if st.update_phase == 0:
+            self._begin_update(st, j)
+        with self.cv:
+            if self._missing(st, st.next, data):
+                return False
+        if st.update_phase == 1:
+            with self.cv:
+                self._sum_shared(st, j)
+            if self.cfg.clip_grad_norm:
+                self._send_norm(st, j)
+                with self.cv:
+                    if self._missing(st, st.next, data):
+                        return False
+        self._update(st, j)
+        return True
+
+    def _update(self, st: _Stage, j: int) -> None:
+        t0 = time.perf_counter()
+        params, opt, sched = self._opt[st.id]
+        if self.cfg.clip_grad_norm:
+            total = math.sqrt(sum(self.inbox[("N", j, s.id)] for s in sorted(self.m.stages, key=lambda s: s.id)))
+            _optim.clip_to(params.values(), total, self.cfg.clip_grad_norm)
+            self._norms[j] = total
+        if st.uses_left.get(st.version, 0) > 0 and st.version not in st.stash:
+            st.stash[st.version] = self._copy(st)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        for p in params.values():
+            p.grad = None
+        st.version += 1
+        st.update_phase = 0
+        st.times.update_s += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, batches: Iterator[dict], steps: int, *, on_step: Callable[[dict], None] | None = None,
+            step_offset: int = 0) -> list[dict]:
+        """Train ``steps`` steps on ``batches`` (mini-batches of ``M`` micro-batches, every rank the same
+        iterator). Returns, per step, this rank's record (loss when it holds the loss stage, times)."""
+        cfg, M = self.cfg, self.cfg.micro_batches
+        self.step_offset = step_offset
+        progs = programs(self.m, cfg, steps)
+        from .data import split_micro_batches
+
+        self.stages = {}
+        for sid, mod in self.modules.items():
+            prog = progs[sid]
+            params, opt, sched = self._opt[sid]
+            st = _Stage(sid, mod, prog, params, opt, sched, uses_left=dict(prog.version_uses))
+            pos = {t: i for i, t in enumerate(prog.tasks)}
+            for k in prog.forward_version:
+                f, b = pos[Task("F", k)], pos[Task("B", k)]
+                if any(t.kind == "U" for t in prog.tasks[f:b]):
+                    st.spans_update.add(k)
+            self.stages[sid] = st
+        self._losses: dict[int, float] = {}
+        self._norms: dict[int, float] = {}
+        self._merged_next = 0
+        cache: dict[int, list[dict]] = {}
+        fetched = [0]
+
+        def data(k: int) -> dict:
+            j = k // M
+            while fetched[0] <= j:
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    raise PipelineError(f"the data ran out after {fetched[0]} steps of the {steps} asked for") \
+                        from None
+                cache[fetched[0]] = [{n: t.to(self.device) for n, t in mb.items()}
+                                     for mb in split_micro_batches(batch, self.m, M)]
+                fetched[0] += 1
+            return cache[j][k % M]
+
+        records: list[dict] = []
+        done_steps: dict[int, set] = defaultdict(set)
+        t_start = time.perf_counter()
+        t_step = t_start
+        wait_s = 0.0
+        order = sorted(self.stages.values(), key=lambda s: (s.program.group, s.id))
+        if self.world_size > 1 and not self._threads:
+            self.start()
+        last_progress = time.monotonic()
+        while any(st.next is not None for st in order):
+            ran = False
+            seen = self.arrivals
+            # Backwards first: they free memory and unblock upstream stages.
+            for kinds in (("B", "U"), ("F",)):
+                for st in order:
+                    task = st.next
+                    if task is None or task.kind not in kinds:
+                        continue
+                    if task.kind == "U":
+                        if not self._try_update(st, task.index, data):
+                            continue
+                        st.pos += 1
+                        done_steps[task.index].add(st.id)
+                        if len(done_steps[task.index]) == len(self.stages):
+                            now = time.perf_counter()
+                            rec = self._record(task.index, now - t_step, wait_s)
+                            t_step, wait_s = now, 0.0
+                            records.append(rec)
+                            cache.pop(task.index, None)
+                            self._publish(task.index, rec)
+                        ran = True
+                        break
+                    with self.cv:
+                        missing = self._missing(st, task, data)
+                    if missing:
+                        continue
+                    (self._forward if task.kind == "F" else self._backward)(st, task.index, data)
+                    st.pos += 1
+                    ran = True
+                    break
+                if ran:
+                    break
+            if self.pending_sends:
+                self._reap_sends()
+            if on_step and self.rank == self.log_rank:
+                self._emit(on_step)
+            if ran:
+                last_progress = time.monotonic()
+                continue
+            t0 = time.perf_counter()
+            with self.cv:
+                if self.failure:
+                    raise PipelineError(self.failure)
+                if self.arrivals == seen:
+                    self.cv.wait(timeout=0.05 if self.pending_sends else 1.0)
+                if self.failure:
+                    raise PipelineError(self.failure)
+            wait_s += time.perf_counter() - t0
+            if time.monotonic() - last_progress > cfg.timeout_s:
+                raise PipelineHang(self._hang_message(data))
+            if self.arrivals != seen:
+                last_progress = time.monotonic()
+        if self.rank == self.log_rank:
+            deadline = time.monotonic() + cfg.timeout_s
+            while self._merged_next < steps:
+                if on_step:
+                    self._emit(on_step)
+                else:
+                    with self.cv:
+                        for r in range(self.world_size):
+                            self.inbox.pop(("R", self._merged_next, r), None)
+                    self._merged_next += 1
+                    continue
+                with self.cv:
+                    if self.failure:
+                        raise PipelineError(self.failure)
+                    if self._merged_next < steps:
+                        self.cv.wait(timeout=0.2)
+                if time.monotonic() > deadline:
+                    raise PipelineHang(f"rank {self.rank}: the step records of step {self._merged_next} did "
+                                       f"not arrive from every rank within {cfg.timeout_s:.0f} s")
+        self._reap_sends(wait=True)
+        return records
+
+    def _publish(self, j: int, rec: dict) -> None:
+        if self.rank == self.log_rank:
+            self._put(("R", j, self.rank), rec)
+        else:
+            blob = torch.frombuffer(bytearray(pickle.dumps(rec)), dtype=torch.uint8)
+            self._send(self.log_rank, [STATS, 0, j, -1, blob.numel()], blob)
+
+    def _emit(self, on_step: Callable[[dict], None]) -> None:
+        """Call ``on_step`` with each step whose records have come in from every rank, in step order."""
+        ranks = sorted(set(self.ranks.values()))
+        while True:
+            j = self._merged_next
+            with self.cv:
+                if not all(("R", j, r) in self.inbox for r in ranks):
+                    return
+                parts = [self.inbox.pop(("R", j, r)) for r in ranks]
+            self._merged_next += 1
+            on_step(merge_records(parts))
+
+    def _hang_message(self, data) -> str:
+        lines = [f"rank {self.rank}: nothing arrived for {self.cfg.timeout_s:.0f} s"]
+        for st in self.stages.values():
+            task = st.next
+            if task is None:
+                continue
+            with self.cv:
+                miss = self._missing(st, task, data)
+            lines.append(f"  stage {st.id} waits in {task}: " + ("; ".join(miss[:3]) or "nothing (a bug)"))
+        return "\n".join(lines)
+
+    def _record(self, j: int, seconds: float, wait_s: float) -> dict:
+        M = self.cfg.micro_batches
+        losses = [self._losses.pop(k) for k in range(j * M, (j + 1) * M) if k in self._losses]
+        rec = {"step": self.step_offset + j, "rank": self.rank, "seconds": seconds,
+               "samples_per_s": M * self.m.micro_batch_size / seconds if seconds > 0 else None,
+               "wait_s": wait_s, "stages": {str(s.id): s.times.take() for s in self.stages.values()},
+               "lr": None, "memory_bytes": memory_bytes(self.device)}
+        if losses:
+            rec["loss"] = sum(losses) / len(losses)
+        if j in self._norms:
+            rec["grad_norm"] = self._norms.pop(j)
+        opts = [o for _, o, _ in self._opt.values() if getattr(o, "param_groups", None)]
+        if opts:
+            rec["lr"] = opts[0].param_groups[0]["lr"]
+        return rec
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict[int, dict]:
+        """Per local stage: its weights (canonical names) and optimizer state, for checkpoints."""
+        out = {}
+        for sid, (params, opt, sched) in self._opt.items():
+            mod = self.modules[sid]
+            out[sid] = {"weights": {n: t.detach() for n, t in mod.state_dict().items()},
+                        "optimizer": opt.state_dict(),
+                        "scheduler": sched.state_dict() if sched is not None else None}
+        return out
+
+    def load_state(self, state: dict[int, dict]) -> None:
+        for sid, (params, opt, sched) in self._opt.items():
+            s = state[sid]
+            self.modules[sid].load_state_dict(s["weights"], strict=False)
+            if s.get("optimizer"):
+                opt.load_state_dict(s["optimizer"])
+            if sched is not None and s.get("scheduler"):
+                sched.load_state_dict(s["scheduler"])
+
+
+def merge_records(parts: list[dict]) -> dict:
+    """One log line for a step from every rank's record: the loss, the slowest rank's time, all stages."""
+    seconds = max(p["seconds"] for p in parts)
+    out = {"step": parts[0]["step"], "seconds": seconds, "samples_per_s": None, "loss": None, "lr": None,
+           "stages": {}, "ranks": {}}
+    for p in parts:
+        if p.get("loss") is not None:
+            out["loss"] = p["loss"]
+        if p.get("grad_norm") is not None:
+            out["grad_norm"] = p["grad_norm"]
+        if p.get("lr") is not None:
+            out["lr"] = p["lr"]
+        if p.get("samples_per_s") and seconds > 0:
+            out["samples_per_s"] = p["samples_per_s"] * p["seconds"] / seconds
+        out["stages"].update(p["stages"])
+        out["ranks"][str(p["rank"])] = {"seconds": p["seconds"], "wait_s": p["wait_s"],
+                                        "memory_bytes": p["memory_bytes"]}
+    return out
+
+
+def memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: CUDA's allocator peak on a GPU, the resident set size on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    except Exception:  # noqa: BLE001 - not on every OS
+        return 0

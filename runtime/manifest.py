@@ -147,11 +147,17 @@ class GraphInput:
     dtype: str | None
     consumers: tuple[int, ...] = ()
     constant: Any = None
+    # Smallest and largest value of the example input: synthetic data draws integer
+    # inputs (token ids, labels, positions) from this range so they stay valid.
+    low: float | None = None
+    high: float | None = None
 
     def to_json(self) -> dict:
         d: dict[str, Any] = {"value": self.value, "path": self.path, "consumers": list(self.consumers)}
         if self.shape is not None:
             d.update(shape=list(self.shape), dtype=self.dtype)
+            if self.low is not None:
+                d.update(low=self.low, high=self.high)
         else:
             d["constant"] = self.constant
         return d
@@ -161,7 +167,7 @@ class GraphInput:
         return GraphInput(value=d["value"], path=d["path"],
                           shape=tuple(int(s) for s in d["shape"]) if "shape" in d else None,
                           dtype=d.get("dtype"), consumers=tuple(int(c) for c in d.get("consumers", ())),
-                          constant=d.get("constant"))
+                          constant=d.get("constant"), low=d.get("low"), high=d.get("high"))
 
 
 @dataclass

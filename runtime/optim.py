@@ -1,8 +1,7 @@
 """Optimizers, learning-rate schedules, gradient clipping and weight prediction for pipeline stages.
 
 Every stage gets its own optimizer over its own trainable parameters; built
-from the same :class:`~ftcompile.runtime.engine.TrainConfig` they follow the
-same schedule, so a stage-wise step equals the whole-model step whenever the
+from the same :class:`OptimConfig` they follow the same schedule, so a stage-wise step equals the whole-model step whenever the
 optimizer is element-wise (SGD, momentum, Adam, AdamW) and gradients of shared
 parameters are summed first. Adafactor (``transformers``) factors per tensor,
 which is also stage-local.
@@ -12,15 +11,29 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
-OPTIMIZERS = ("sgd", "adam", "adamw", "adafactor")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adafactor")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
-def build(params: list[torch.nn.Parameter], cfg):
-    """``(optimizer, lr_scheduler)`` for ``params`` from a TrainConfig-like ``cfg``.
+@dataclass(frozen=True)
+class OptimConfig:
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    momentum: float = 0.9          # momentum only
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    steps: int = 1                 # updates in the whole run, for linear and cosine decay
+
+
+def build(params: list[torch.nn.Parameter], cfg: OptimConfig):
+    """``(optimizer, lr_scheduler)`` for ``params`` from ``cfg``.
 
     An empty parameter list (a stage without trainable weights) gets a no-op
     optimizer. The scheduler steps once per update: warm-up over
@@ -28,9 +41,15 @@ def build(params: list[torch.nn.Parameter], cfg):
     ``cfg.steps`` or ``cosine``.
     """
     name = cfg.optimizer.lower()
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"unknown lr schedule {cfg.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
     if not params:
         return _NoOp(cfg.lr), None
     if name == "sgd":
+        opt = torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    elif name == "momentum":
         opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     elif name == "adam":
         opt = torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)

@@ -1,157 +1,150 @@
-"""Single-process reference training of a package: its stages run one after another.
+"""A single-process reference of every schedule's weight-version semantics.
 
-:func:`reference_train` replays exactly the weight-version semantics of a
-schedule (:func:`~ftcompile.runtime.schedules.pipeline_schedules`): for every
-micro-batch, each stage's forward uses the weights its ``version_f`` table
-names and its backward (recomputing when the stage recomputes) the
-``version_b`` weights, gradients accumulate per mini-batch, shared parameters
-sum their holders' gradients, and every stage updates after each mini-batch.
-For ``gpipe``/``1f1b`` every version is the current one, which is plain
-training with gradient accumulation. The distributed engine must produce the
-same weights and losses (up to float summation order); tests compare them.
+:func:`reference_train` trains a package one micro-batch at a time, with no
+pipelining, keeping every weight version: micro-batch ``k``'s forward through
+stage ``s`` uses version ``forward_version[k]`` of that stage, its backward
+recomputes the stage from the same inputs with version
+``backward_version[k]``, and step ``j``'s update turns version ``j`` into
+``j + 1`` with the gradients of the step's micro-batches. The version tables
+come from :func:`~ftcompile.runtime.engine.programs`, the ones the
+multi-process engine runs, so the engine must end with the weights this gives
+(up to floating-point summation order).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Iterator
 
 import torch
+from torch.func import functional_call
 
 from . import optim as _optim
-from .engine import TrainConfig, is_grad_value, micro_batch_seed, split_micro, value_tables
-from .schedules import pipeline_schedules
+from .engine import TrainConfig, micro_batch_seed, programs
+from .local import stage_order
+from .package import Package
 
 
 @dataclass
 class ReferenceResult:
-    losses: dict[int, list[float]] = field(default_factory=dict)
-    state: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-
-    def step_losses(self) -> dict[int, float]:
-        return {j: sum(v) / len(v) for j, v in sorted(self.losses.items())}
+    losses: list[float]                               # per step: mean micro-batch loss
+    weights: dict[int, dict[str, torch.Tensor]]       # per stage: final trainable weights
 
 
-def _call(module, params, inputs, seed):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        out = torch.func.functional_call(module, params, tuple(inputs), strict=False)
-    return out if isinstance(out, tuple) else (out,)
+def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig, steps: int, *,
+                    device: str | torch.device = "cpu") -> ReferenceResult:
+    """Train ``steps`` steps of ``cfg.schedule`` in one process; see the module docstring."""
+    from .data import split_micro_batches
 
-
-def reference_train(pkg, batches, *, schedule: str = "gpipe", micro_batches: int = 4, config: TrainConfig,
-                    recompute: bool | None = None) -> ReferenceResult:
-    """Train ``config.steps`` mini-batches of ``batches`` in one process with ``schedule``'s weight versions."""
-    m = pkg.manifest
-    M, mbs = micro_batches, int(m["micro_batch_size"])
-    loss_value, loss_stage = m["loss"]["value"], int(m["loss"]["stage"])
-    producer, consumers, vspec, literal, _ = value_tables(m)
-    in_shape = {g["value"]: g.get("shape") for g in m.get("graph_inputs", [])}
-    specs = {int(s["id"]): s for s in sorted(m["stages"], key=lambda s: int(s["id"]))}
-    scheds = pipeline_schedules(schedule, m["stages"], M, config.steps, loss_stage=loss_stage, recompute=recompute)
-    shared = {p: sorted(int(x) for x in h) for p, h in m.get("shared_parameters", {}).items() if len(h) > 1}
-    mods, train, opts, history = {}, {}, {}, {}
-    for s, spec in specs.items():
-        mod = pkg.build_stage(s, device="cpu")
-        mod.train()
-        names = set(spec.get("trainable", spec.get("params", [])))
-        train[s] = {n: p for n, p in mod.named_parameters() if n in names}
-        for n, p in mod.named_parameters():
-            p.requires_grad_(n in names)
-        opts[s] = _optim.build(list(train[s].values()), config)
-        mods[s] = mod
-        history[s] = {0: {n: p.detach().clone() for n, p in train[s].items()}}
-    res = ReferenceResult()
-    it = iter(batches)
-    for j in range(config.steps):
-        batch = next(it)
-        for i in range(M):
+    if cfg.weight_prediction:
+        raise ValueError("the reference does not model weight prediction (it would need every optimizer "
+                         "state version); compare with weight_prediction=False")
+    m, M = package.manifest, cfg.micro_batches
+    device = torch.device(device)
+    progs = programs(m, cfg, steps)
+    order = stage_order(m)
+    modules = {s.id: package.build_stage(s.id, device).train(cfg.dropout) for s in m.stages}
+    ocfg = _optim.OptimConfig(cfg.optimizer, cfg.lr, cfg.momentum, cfg.betas, cfg.eps, cfg.weight_decay,
+                              cfg.lr_schedule, cfg.warmup_steps, cfg.total_steps or cfg.steps)
+    live = {s: {n: p for n, p in mod.named_parameters() if p.requires_grad} for s, mod in modules.items()}
+    opts = {s: _optim.build(list(live[s].values()), ocfg) for s in modules}
+    history = {s: {0: {n: p.detach().clone() for n, p in live[s].items()}} for s in modules}
+    shared = m.shared_params()
+    inputs_of = {i.value for i in m.inputs if i.shape is not None}
+    losses = []
+    for j in range(steps):
+        acc: dict[int, dict[str, torch.Tensor]] = {s: {} for s in modules}
+        step_losses = []
+        for i, mb in enumerate(split_micro_batches(next(batches), m, M)):
             k = j * M + i
-            acts: dict[str, torch.Tensor] = {}
-            kept: dict[int, tuple] = {}
-            for s, spec in specs.items():
-                ins = []
-                for inp in spec["inputs"]:
-                    v = inp["value"]
-                    if inp.get("from") == "input":
-                        ins.append(split_micro(batch[v], in_shape.get(v), i, mbs))
-                    elif v in literal:
-                        ins.append(literal[v])
-                    else:
-                        ins.append(acts[v])
-                sch = scheds[s]
-                pf = {n: t.detach().requires_grad_(not sch.recompute) for n, t in history[s][sch.version_f[k]].items()}
-                gins = [x.detach().requires_grad_(True) if _floating_input(inp, x, vspec, literal) else x
-                        for inp, x in zip(spec["inputs"], ins)]
-                seed = micro_batch_seed(config.seed, s, k)
-                with torch.set_grad_enabled(not sch.recompute):
-                    outs = _call(mods[s], pf, gins, seed)
-                kept[s] = (ins, gins, outs, pf)
-                for o, y in zip(spec["outputs"], outs):
-                    if "literal" in o:
+            seed = micro_batch_seed(cfg.seed, k)
+            values = {n: t.to(device) for n, t in mb.items()}
+            saved = {}
+            for s in order:
+                spec = m.stage(s)
+                args = [values[v] if (v in inputs_of or m.values[v].is_tensor) else m.values[v].literal
+                        for v in spec.inputs]
+                saved[s] = args
+                w = history[s][progs[s].forward_version[k]]
+                with torch.no_grad():
+                    outs = functional_call(modules[s], w, tuple(args), {"seed": seed}, strict=False)
+                for v, o in zip(spec.outputs, outs):
+                    values[v] = o
+                    if v == m.loss:
+                        step_losses.append(float(o))
+            grads: dict[str, dict[int, torch.Tensor]] = {}
+            for s in reversed(order):
+                spec = m.stage(s)
+                w = {n: t.clone().requires_grad_(True) for n, t in history[s][progs[s].backward_version[k]].items()}
+                args = []
+                for v, x in zip(spec.inputs, saved[s]):
+                    if isinstance(x, torch.Tensor):
+                        x = x.detach()
+                        vs = m.values.get(v)
+                        if vs is not None and vs.requires_grad and vs.producer is not None and x.is_floating_point():
+                            x.requires_grad_(True)
+                    args.append(x)
+                with torch.enable_grad():
+                    outs = functional_call(modules[s], w, tuple(args), {"seed": seed}, strict=False)
+                roots, gs = [], []
+                for v, o in zip(spec.outputs, outs):
+                    if not (isinstance(o, torch.Tensor) and o.requires_grad):
                         continue
-                    acts[o["value"]] = y.detach()
-                    if o["value"] == loss_value:
-                        res.losses.setdefault(j, []).append(float(y.detach()))
-            grads: dict[str, torch.Tensor] = {}
-            for s in sorted(specs, reverse=True):
-                spec, sch = specs[s], scheds[s]
-                ins, gins, outs, pf = kept[s]
-                if sch.recompute:
-                    pf = {n: t.detach().requires_grad_(True) for n, t in history[s][sch.version_b[k]].items()}
-                    gins = [x.detach().requires_grad_(True) if _floating_input(inp, x, vspec, literal) else x
-                            for inp, x in zip(spec["inputs"], ins)]
-                    outs = _call(mods[s], pf, gins, micro_batch_seed(config.seed, s, k))
-                ys, gs = [], []
-                for o, y in zip(spec["outputs"], outs):
-                    if "literal" in o or not torch.is_tensor(y) or not y.requires_grad:
-                        continue
-                    if o["value"] == loss_value:
-                        ys.append(y)
-                        gs.append(torch.full_like(y, 1.0 / M))
-                    elif is_grad_value(o) and o["value"] in grads:
-                        ys.append(y)
-                        gs.append(grads[o["value"]].reshape(y.shape))
-                if ys:
-                    torch.autograd.backward(ys, gs)
-                for n, t in pf.items():
+                    if v == m.loss:
+                        roots.append(o)
+                        gs.append(torch.full_like(o, 1.0 / M))
+                    elif v in grads:
+                        g = None
+                        for c in sorted(grads[v]):
+                            g = grads[v][c] if g is None else g + grads[v][c]
+                        roots.append(o)
+                        gs.append(g)
+                if roots:
+                    torch.autograd.backward(roots, gs)
+                for n, t in w.items():
                     if t.grad is not None:
-                        p = train[s][n]
-                        p.grad = t.grad.clone() if p.grad is None else p.grad + t.grad
-                for inp, x in zip(spec["inputs"], gins):
-                    if _floating_input(inp, x, vspec, literal):
-                        g = x.grad if x.grad is not None else torch.zeros_like(x)
-                        v = inp["value"]
-                        grads[v] = g if v not in grads else grads[v] + g
-        # the update closing mini-batch j
-        for p, holders in shared.items():
+                        acc[s][n] = t.grad if n not in acc[s] else acc[s][n] + t.grad
+                for v, x in zip(spec.inputs, args):
+                    vs = m.values.get(v)
+                    if vs is not None and vs.requires_grad and vs.producer is not None and vs.is_tensor:
+                        g = x.grad if isinstance(x, torch.Tensor) and x.grad is not None else torch.zeros_like(x)
+                        grads.setdefault(v, {})[s] = g
+        losses.append(sum(step_losses) / len(step_losses) if step_losses else float("nan"))
+        # Step j: version j -> j + 1 on every stage.
+        for s in modules:
+            for n, p in live[s].items():
+                p.grad = acc[s].get(n)
+        for name, holders in shared.items():
             total = None
-            for h in holders:
-                g = train[h][p].grad
-                g = torch.zeros_like(train[h][p]) if g is None else g
+            for h in sorted(holders):
+                p = live[h][name]
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
                 total = g.clone() if total is None else total + g
             for h in holders:
-                train[h][p].grad = total.clone()
-        if config.clip_grad_norm:
+                live[h][name].grad = total.clone()
+        if cfg.clip_grad_norm:
             sq = 0.0
-            for s in specs:
-                for n, p in train[s].items():
-                    if p.grad is not None and (n not in shared or shared[n][0] == s):
-                        sq += float(p.grad.double().pow(2).sum())
-            for s in specs:
-                _optim.clip_to(train[s].values(), math.sqrt(sq), config.clip_grad_norm)
-        for s in specs:
-            opt, sch = opts[s]
+            for s in sorted(modules):
+                for n, p in live[s].items():
+                    if p.grad is None or (n in shared and min(shared[n]) != s):
+                        continue
+                    sq += float(p.grad.detach().double().pow(2).sum())
+            total_norm = math.sqrt(sq)
+            for s in modules:
+                _optim.clip_to(live[s].values(), total_norm, cfg.clip_grad_norm)
+        for s in modules:
+            opt, sched = opts[s]
             opt.step()
-            opt.zero_grad(set_to_none=True)
-            if sch is not None:
-                sch.step()
-            history[s][j + 1] = {n: p.detach().clone() for n, p in train[s].items()}
-    res.state = {s: {n: t.detach().clone() for n, t in mods[s].state_dict().items()} for s in specs}
-    return res
-
-
-def _floating_input(inp: dict, x, vspec: dict, literal: dict) -> bool:
-    v = inp["value"]
-    return (inp.get("from") != "input" and v not in literal and torch.is_tensor(x)
-            and x.is_floating_point() and is_grad_value(vspec[v]))
+            if sched is not None:
+                sched.step()
+            for p in live[s].values():
+                p.grad = None
+            history[s][j + 1] = {n: p.detach().clone() for n, p in live[s].items()}
+            # Keep only the versions a later micro-batch still uses.
+            later = [v for k, v in {**progs[s].forward_version}.items() if k >= (j + 1) * M]
+            later += [v for k, v in progs[s].backward_version.items() if k >= (j + 1) * M]
+            oldest = min(later, default=j + 1)
+            for v in [v for v in history[s] if v < oldest]:
+                del history[s][v]
+    return ReferenceResult(losses, {s: {n: p.detach().clone() for n, p in live[s].items()} for s in modules})

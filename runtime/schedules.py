@@ -1,31 +1,40 @@
-"""Per-stage task programs and weight-version semantics of the pipeline schedules.
+"""Pipeline schedules as per-stage programs with explicit weight versions.
 
-A stage runs a fixed *program*: a list of :class:`Task` ``F(k)`` (forward of
-micro-batch ``k``), ``B(k)`` (backward, preceded by a recomputation when the
-stage recomputes) and ``U(j)`` (optimizer step closing mini-batch ``j``). The
-orders are those of :func:`ftcompile.simulate.stage_program` (ported here: the
-runtime never imports the compiler), with the update tasks made explicit.
+A schedule is, for every stage, a fixed sequence of tasks: ``F(k)`` (forward
+of micro-batch ``k``), ``B(k)`` (its backward) and ``U(j)`` (the optimizer
+update closing step ``j``). A rank runs each of its stages' programs in order
+and switches between its stages as data arrives (dataflow), so the *order*
+within a stage is fixed while the interleaving of stages is not.
 
-Because every stage follows a fixed program and updates at fixed places in it,
-the weight version each task uses is a property of the schedule, not of timing.
-:func:`stage_schedule` returns it as two tables ``version_f[k]`` and
-``version_b[k]`` (``v`` = the weights after ``v`` updates), which the engine
-obeys and :mod:`ftcompile.runtime.reference` replays in one process:
+What each schedule means for training is which **weight version** every
+forward and backward uses: version ``t`` is a stage's weights after ``t``
+updates. :func:`stage_program` states both explicitly, so the multi-process
+engine and the single-process reference (:mod:`~ftcompile.runtime.reference`)
+implement the same semantics from the same table:
 
-=============  ===========================  ==============================  ============
-schedule       forward of mini-batch ``j``  backward                        recompute
-=============  ===========================  ==============================  ============
-gpipe, 1f1b    ``j``                        ``j``                           optional
-async (FTPipe) updates before ``F(k)``      ``j`` (current; Table 1)        all but last
-pipedream      updates before ``F(k)``      same as forward (stashed)       optional
-2bw            ``max(0, j - 1)``            same (two versions)             optional
-2gw  G0        ``max(0, j - 1)``            same (two versions)             optional
-2gw  G1        ``j``                        ``j`` (flush per mini-batch)    optional
-=============  ===========================  ==============================  ============
+========== ============================ ============================ ===========
+schedule   forward of step ``j`` uses    backward uses                recomputes
+========== ============================ ============================ ===========
+gpipe      ``j``                         ``j``                        optional
+1f1b       ``j``                         ``j``                        optional
+async      the newest when it runs       the newest when it runs      all but the last stage
+pipedream  the newest when it runs       the forward's (stashed)      no
+2bw        ``max(j-1, 0)``               ``max(j-1, 0)``              optional
+2gw        G0: ``max(j-1, 0)``, G1: ``j`` same as forward               optional
+========== ============================ ============================ ===========
 
-A stage that does not recompute keeps the forward's autograd graph, so its
-backward necessarily uses the forward's version; for ``async`` that is the last
-stage, whose ``F(k)``/``B(k)`` are adjacent anyway (depth 0, one in flight).
+Versions count from the start of a run segment (a run, or the stretch between
+two checkpoints), every segment starts with a filled-and-drained pipeline, and
+every stage updates once per step: gradients of a step's ``M`` micro-batches
+are accumulated (the loss of each is scaled by ``1/M``). ``async`` with
+``M = 1`` is FTPipe's update per micro-batch.
+
+Orders: ``gpipe`` all forwards then all backwards per step; ``1f1b``
+PipeDream-flush (``depth`` warm-up forwards, then one forward one backward,
+a flush per step); ``async``, ``pipedream`` and ``2bw`` the same one-forward-
+one-backward order without flushes (FTPipe Fig. 5; PipeDream; PipeDream-2BW);
+``2gw`` (WPipe §3.2) runs G1 stages like ``1f1b`` and moves G0's forwards of
+step ``j+1`` ahead of its backwards of step ``j``.
 """
 
 from __future__ import annotations
@@ -33,166 +42,198 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SCHEDULES = ("gpipe", "1f1b", "async", "pipedream", "2bw", "2gw")
-FLUSHING = ("gpipe", "1f1b")
+SYNCHRONOUS = ("gpipe", "1f1b")
 
 
 class ScheduleError(ValueError):
-    """The schedule cannot run this pipeline (unknown name, or too few micro-batches)."""
+    """A schedule cannot run with these settings; the message says which to change."""
 
 
 @dataclass(frozen=True)
 class Task:
-    kind: str   # "F" | "B" | "U"
-    index: int  # micro-batch for F/B (global: step * M + i), mini-batch for U
+    kind: str       # "F", "B" or "U"
+    index: int      # micro-batch for F and B (0-based within the segment), step for U
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.index}"
 
 
 @dataclass
-class StageSchedule:
-    """What one stage runs and with which weights."""
+class StageProgram:
+    """One stage's tasks in order, and the weight version each forward and backward uses."""
 
     stage: int
-    program: list[Task]
-    recompute: bool                 # B(k) reruns the forward (F(k) keeps no activations)
-    version_f: dict[int, int]       # micro-batch -> weight version its forward uses
-    version_b: dict[int, int]       # micro-batch -> weight version its backward uses
-    group: int = 0                  # 2gw: 0 or 1
-    extra: dict = field(default_factory=dict)
+    schedule: str
+    tasks: list[Task]
+    forward_version: dict[int, int]
+    backward_version: dict[int, int]
+    recompute: bool                   # forward keeps no activations; backward runs it again
+    group: int = 0                    # 2gw: 0 or 1
+    version_uses: dict[int, int] = field(default_factory=dict)   # version -> tasks that use it
+
+    def __post_init__(self):
+        uses: dict[int, int] = {}
+        for t in self.tasks:
+            if t.kind == "F":
+                v = self.forward_version[t.index]
+            elif t.kind == "B":
+                v = self.backward_version[t.index]
+            else:
+                continue
+            uses[v] = uses.get(v, 0) + 1
+        self.version_uses = uses
+
+    def staleness(self, k: int) -> int:
+        """Updates between micro-batch ``k``'s forward weights and its backward weights."""
+        return self.backward_version[k] - self.forward_version[k]
 
 
-def task_order(schedule: str, depth: int, micro_batches: int, steps: int, *,
-               group0: bool = False) -> list[tuple[str, int]]:
-    """``(kind, micro-batch)`` order of one stage's forwards and backwards.
-
-    Same orders as :func:`ftcompile.simulate.stage_program` (see its docstring),
-    except ``2gw``'s G0 stages warm up with exactly ``M`` forwards (WPipe: G0
-    holds ``M`` micro-batches in flight), which keeps G0 at two weight versions
-    at any G0 depth.
-    """
+def _order_flush(kind: str, depth: int, micro_batches: int, steps: int) -> list[Task]:
+    tasks: list[Task] = []
     M = micro_batches
-    total = M * steps
-
-    def one_f_one_b(ks: list[int], warm: int) -> list[tuple[str, int]]:
-        warm = min(warm, len(ks))
-        out = [("F", k) for k in ks[:warm]]
-        for i, k in enumerate(ks):
-            out.append(("B", k))
-            if warm + i < len(ks):
-                out.append(("F", ks[warm + i]))
-        return out
-
-    if schedule == "gpipe":
-        prog = []
-        for s in range(steps):
-            ks = list(range(s * M, (s + 1) * M))
-            prog += [("F", k) for k in ks] + [("B", k) for k in ks]
-        return prog
-    if schedule == "1f1b" or (schedule == "2gw" and not group0):
-        prog = []
-        for s in range(steps):
-            prog += one_f_one_b(list(range(s * M, (s + 1) * M)), depth + 1)
-        return prog
-    if schedule in ("async", "pipedream", "2bw"):
-        return one_f_one_b(list(range(total)), depth + 1)
-    if schedule == "2gw":
-        return one_f_one_b(list(range(total)), M)
-    raise ScheduleError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    for j in range(steps):
+        ks = list(range(j * M, (j + 1) * M))
+        if kind == "gpipe":
+            tasks += [Task("F", k) for k in ks] + [Task("B", k) for k in ks]
+        else:   # 1f1b: PipeDream-flush
+            warm = min(depth, M)
+            tasks += [Task("F", k) for k in ks[:warm]]
+            for i, k in enumerate(ks):
+                if warm + i < M:
+                    tasks.append(Task("F", ks[warm + i]))
+                tasks.append(Task("B", k))
+        tasks.append(Task("U", j))
+    return tasks
 
 
-def with_updates(order: list[tuple[str, int]], micro_batches: int) -> list[Task]:
-    """Insert ``U(j)`` right after the last backward of mini-batch ``j``."""
+def _order_continuous(depth: int, micro_batches: int, steps: int) -> list[Task]:
+    # depth + 1 forwards fill the pipeline, then one backward and one forward
+    # alternate; the update of step j follows the backward of its last micro-batch.
+    n = micro_batches * steps
+    warm = min(depth + 1, n)
+    tasks = [Task("F", k) for k in range(warm)]
+    for k in range(n):
+        tasks.append(Task("B", k))
+        if (k + 1) % micro_batches == 0:
+            tasks.append(Task("U", k // micro_batches))
+        if k + warm < n:
+            tasks.append(Task("F", k + warm))
+    return tasks
+
+
+def _order_2gw_g0(depth: int, micro_batches: int, steps: int) -> list[Task]:
+    # WPipe Fig. 4b: the forwards of step j+1 run before the backwards of step j.
     M = micro_batches
-    left: dict[int, int] = {}
-    for kind, k in order:
-        if kind == "B":
-            left[k // M] = left.get(k // M, 0) + 1
-    prog: list[Task] = []
-    for kind, k in order:
-        prog.append(Task(kind, k))
-        if kind == "B":
-            left[k // M] -= 1
-            if left[k // M] == 0:
-                prog.append(Task("U", k // M))
-    return prog
+    tasks = [Task("F", k) for k in range(M)]
+    for j in range(steps):
+        if j + 1 < steps:
+            tasks += [Task("F", k) for k in range((j + 1) * M, (j + 2) * M)]
+        tasks += [Task("B", k) for k in range(j * M, (j + 1) * M)]
+        tasks.append(Task("U", j))
+    return tasks
 
 
-def stage_schedule(schedule: str, stage: int, depth: int, micro_batches: int, steps: int, *,
-                   is_last: bool, recompute: bool | None = None, group: int = 0) -> StageSchedule:
-    """Program and weight-version tables of one stage (see the module table).
-
-    ``is_last``: the stage computes the loss at depth 0 (it never recomputes under
-    ``async``). ``recompute``: user choice for the other schedules (default off).
-    Raises :class:`ScheduleError` where a schedule's version rule cannot hold
-    (``2bw``: needs ``M >= depth + 1``).
-    """
-    if schedule not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    M = micro_batches
-    if schedule == "async":
-        rec = not is_last
-    else:
-        rec = bool(recompute) and not is_last
-    order = task_order(schedule, depth, M, steps, group0=(group == 0))
-    prog = with_updates(order, M)
-    done = 0
-    at_f: dict[int, int] = {}
-    at_b: dict[int, int] = {}
-    for t in prog:
+def _scan_versions(tasks: list[Task]) -> tuple[dict[int, int], dict[int, int]]:
+    """The newest version at each task: the number of updates before it in the program."""
+    fv, bv, done = {}, {}, 0
+    for t in tasks:
         if t.kind == "U":
             done += 1
         elif t.kind == "F":
-            at_f[t.index] = done
+            fv[t.index] = done
         else:
-            at_b[t.index] = done
-    vf: dict[int, int] = {}
-    vb: dict[int, int] = {}
-    for k in at_f:
-        j = k // M
-        if schedule in FLUSHING or (schedule == "2gw" and group == 1):
-            vf[k] = vb[k] = j
-        elif schedule == "async":
-            vf[k] = at_f[k]
-            vb[k] = at_b[k] if rec else at_f[k]
-        elif schedule == "pipedream":
-            vf[k] = vb[k] = at_f[k]
-        else:  # 2bw, 2gw G0: one delay term, uniform within a mini-batch
-            vf[k] = vb[k] = max(0, j - 1)
-            if vf[k] > at_f[k]:
-                raise ScheduleError(
-                    f"{schedule}: stage {stage} (depth {depth}) needs at least depth + 1 = {depth + 1} "
-                    f"micro-batches per mini-batch for two weight versions, got {M}")
-    return StageSchedule(stage, prog, rec, vf, vb, group)
+            bv[t.index] = done
+    return fv, bv
 
 
-def groups_2gw(stage_ids: list[int]) -> dict[int, int]:
-    """WPipe grouping: the first half of the stages in topological order is G0, the rest G1.
+def groups_2gw(depths: dict[int, int]) -> dict[int, int]:
+    """WPipe groups by stage: the upstream half of the pipeline (larger depth) is G0, the rest G1.
 
-    Stage ids of a package are topologically numbered, so sorting them is a
-    topological order; same rule as :func:`ftcompile.plan.evaluate`.
+    A producer is always deeper than its consumers, so data flows from G0 to G1,
+    never back.
     """
-    ids = sorted(stage_ids)
-    return {s: 0 if i < (len(ids) + 1) // 2 else 1 for i, s in enumerate(ids)}
+    top = max(depths.values(), default=0)
+    return {s: 0 if 2 * d > top else 1 for s, d in depths.items()}
 
 
-def pipeline_schedules(schedule: str, stages: list[dict], micro_batches: int, steps: int, *,
-                       loss_stage: int, recompute: bool | None = None) -> dict[int, StageSchedule]:
-    """:func:`stage_schedule` for every stage; ``stages`` are manifest entries (``id``, ``depth``)."""
-    grp = groups_2gw([s["id"] for s in stages])
-    return {s["id"]: stage_schedule(schedule, s["id"], int(s["depth"]), micro_batches, steps,
-                                    is_last=(s["id"] == loss_stage and int(s["depth"]) == 0),
-                                    recompute=recompute, group=grp[s["id"]] if schedule == "2gw" else 0)
-            for s in stages}
+def stage_program(schedule: str, stage: int, *, depth: int, micro_batches: int, steps: int,
+                  last: bool = False, recompute: bool | None = None, group: int = 0,
+                  pipeline_depth: int | None = None) -> StageProgram:
+    """The program of one stage.
 
+    Args:
+        schedule: one of :data:`SCHEDULES`.
+        stage: the stage id (for messages only).
+        depth: the stage's distance in stages to the end of the pipeline (0: last).
+        micro_batches: ``M``, micro-batches per step (per update).
+        steps: steps in this segment.
+        last: the stage computes the loss (``async`` never recomputes it).
+        recompute: recompute in backward instead of keeping activations, for the
+            schedules where it is optional; ``None`` is no. Ignored by ``async``
+            (always, but the last stage) and ``pipedream`` (never).
+        group: the 2gw group (see :func:`groups_2gw`).
+        pipeline_depth: the deepest stage's depth, to check that ``2bw`` and ``2gw``
+            can keep to two weight versions.
 
-def priority(schedule: str, task: Task, depth: int, stage: int) -> tuple:
-    """Which ready task a rank runs first (same rule as the simulator).
-
-    Backward before forward, then the oldest micro-batch, then the stage nearer
-    the end; GPipe takes the oldest micro-batch first. Updates go first: they
-    only become ready when their stage's program reaches them.
+    Raises:
+        ScheduleError: unknown schedule, or ``M`` too small for ``2bw``/``2gw``.
     """
-    if task.kind == "U":
-        return (-1, task.index, depth, stage)
-    rank = 0 if task.kind == "B" else 1
-    if schedule == "gpipe":
-        return (task.index, rank, depth, stage)
-    return (rank, task.index, depth, stage)
+    if schedule not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if micro_batches < 1 or steps < 1:
+        raise ScheduleError(f"need at least one micro-batch and one step (got M={micro_batches}, steps={steps})")
+    M = micro_batches
+    deepest = depth if pipeline_depth is None else pipeline_depth
+    if schedule in ("2bw", "2gw") and deepest > M:
+        raise ScheduleError(f"{schedule} keeps two weight versions only when the micro-batches per step "
+                            f"(M={M}) are at least the pipeline depth ({deepest}); raise --micro-batches "
+                            f"to {deepest} or more")
+    step_of = lambda k: k // M  # noqa: E731
+    if schedule in SYNCHRONOUS:
+        tasks = _order_flush(schedule, depth, M, steps)
+        fv = bv = {k: step_of(k) for k in range(M * steps)}
+        rc = bool(recompute)
+    elif schedule == "async":
+        tasks = _order_continuous(depth, M, steps)
+        fv, bv = _scan_versions(tasks)
+        rc = not last
+    elif schedule == "pipedream":
+        tasks = _order_continuous(depth, M, steps)
+        fv, _ = _scan_versions(tasks)
+        bv = dict(fv)
+        rc = False
+    elif schedule == "2bw":
+        tasks = _order_continuous(depth, M, steps)
+        fv = bv = {k: max(step_of(k) - 1, 0) for k in range(M * steps)}
+        rc = bool(recompute)
+    else:   # 2gw
+        if group == 0:
+            tasks = _order_2gw_g0(depth, M, steps)
+            fv = bv = {k: max(step_of(k) - 1, 0) for k in range(M * steps)}
+        else:
+            tasks = _order_flush("1f1b", depth, M, steps)
+            fv = bv = {k: step_of(k) for k in range(M * steps)}
+        rc = bool(recompute)
+    prog = StageProgram(stage, schedule, tasks, dict(fv), dict(bv), rc, group)
+    check_program(prog)
+    return prog
+
+
+def check_program(prog: StageProgram) -> None:
+    """Every version a task uses exists when the task runs (no weights from the future)."""
+    done = 0
+    for t in prog.tasks:
+        if t.kind == "U":
+            done += 1
+            continue
+        v = prog.forward_version[t.index] if t.kind == "F" else prog.backward_version[t.index]
+        if v > done:
+            raise ScheduleError(f"stage {prog.stage}: {t} would need weight version {v} after only {done} "
+                                f"updates under {prog.schedule}")
+
+
+def updates_between(prog: StageProgram, k: int) -> bool:
+    """Whether an update of this stage falls between ``F(k)`` and ``B(k)`` in its program."""
+    pos = {t: i for i, t in enumerate(prog.tasks)}
+    f, b = pos[Task("F", k)], pos[Task("B", k)]
+    return any(t.kind == "U" for t in prog.tasks[f:b])

@@ -1,72 +1,119 @@
-"""Point-to-point transports: torch.distributed (gloo on CPU, NCCL on GPU) and MPI.
+"""Point-to-point transports between ranks, and launcher detection.
 
-The engine needs four operations, the same for every backend:
+A transport moves *messages* between two ranks: a small header (eight int64:
+kind, indices, byte count) followed by a payload tensor. Messages between a
+pair of ranks arrive in the order they were sent; the engine runs one receiver
+thread per peer that reads a header, receives the payload into a buffer shaped
+from the manifest, and hands it over. Sends are non-blocking.
 
-* ``isend(tensor, dst, tag) -> handle`` (non-blocking; ``handle.wait()``),
-* ``recv(tensor, src, tag)`` (blocking, used by one receiver thread per peer),
-* ``barrier()`` and ``close()``.
+* :class:`TorchTransport`: ``torch.distributed`` with gloo (CPU tensors; a CUDA
+  tensor is staged through host memory) or NCCL (CUDA tensors, headers over a
+  gloo group).
+* :class:`MPITransport`: MPI through ``mpi4py`` (needs ``MPI_THREAD_MULTIPLE``;
+  CPU buffers, or device buffers when the MPI build is CUDA-aware).
 
-Why blocking receives in threads rather than polled ``irecv``: gloo's ``irecv``
-only reports completion from ``wait()`` (``is_completed()`` stays false until
-then) and a timed-out wait closes the connection, so arrival cannot be polled.
-Each peer's sends are therefore announced by a small header on a per-pair
-sequence tag (FIFO), followed by the payload on its own tag, which encodes
-(kind, micro-batch, value) uniquely (:func:`payload_tag`).
+:func:`detect_launcher` reads the environment torchrun, mpirun or
+``ftcompile run`` set up, so that nothing assumes one host.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
 
-HEADER_BASE = 1 << 30     # header tags live above every payload tag
-TAG_SPACE = 1 << 30
+HEADER = 8          # int64 words
+TAG = 7
 
 
-def payload_tag(kind: int, index: int, item: int, num_items: int) -> int:
-    """Tag of a payload: ``kind`` (0 activation, 1 gradient, 2 shared grad, 3 norm), micro/mini-batch ``index``, ``item``.
-
-    Unique while fewer than ``TAG_SPACE // (4 * num_items)`` indices are in
-    flight between a pair of ranks (indices wrap modulo that).
-    """
-    wrap = max(1, TAG_SPACE // (4 * max(1, num_items)))
-    return ((index % wrap) * max(1, num_items) + item) * 4 + kind
+class TransportError(RuntimeError):
+    """A peer is unreachable or a message was lost."""
 
 
-def header_tag(seq: int) -> int:
-    return HEADER_BASE + (seq % (1 << 29))
+@dataclass(frozen=True)
+class Launch:
+    """Who this process is: rank, world size, local rank, and what started it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    launcher: str          # "torchrun", "mpirun", "ftcompile", "single"
 
 
-@dataclass
-class _Done:
-    def wait(self):
-        return None
+def detect_launcher(env: dict | None = None) -> Launch:
+    """Rank and world size from torchrun (``RANK``), Open MPI / MPICH / Slurm-PMI, or nothing (one rank)."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        who = "ftcompile" if env.get("FTCOMPILE_LAUNCHER") == "ftcompile" else "torchrun"
+        return Launch(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), who)
+    for rank, size, local in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+                              ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+                              ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK")):
+        if rank in env and size in env:
+            return Launch(int(env[rank]), int(env[size]), int(env.get(local, 0)), "mpirun")
+    return Launch(0, 1, 0, "single")
 
 
 class TorchTransport:
-    """torch.distributed point-to-point on an initialised default process group."""
+    """``torch.distributed`` point-to-point: gloo on CPU, NCCL for CUDA payloads."""
 
-    name = "torch"
-
-    def __init__(self, backend: str | None = None, *, timeout_s: float = 120.0, init: bool = True):
+    def __init__(self, launch: Launch, *, backend: str = "gloo", timeout_s: float = 300.0):
         import torch.distributed as dist
+
         self.dist = dist
-        if init and not dist.is_initialized():
-            backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-        self.backend = dist.get_backend()
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.rank, self.world_size = launch.rank, launch.world_size
+        self.backend = backend
+        # A receive waits as long as it takes: a peer may have nothing to send for a long
+        # time (it feeds other ranks). Hangs are the engine's to detect, with its own timeout;
+        # a dead peer still fails a receive at once (its connection closes).
+        timeout = datetime.timedelta(days=365)
+        if not dist.is_initialized():
+            if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+                raise TransportError("torch.distributed needs MASTER_ADDR and MASTER_PORT: start the ranks with "
+                                     "`ftcompile run --nproc N` or torchrun, or use --transport mpi under mpirun")
+            dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size, timeout=timeout)
+        # Headers always go over gloo; NCCL, when asked for, carries only CUDA payloads.
+        self.payload_group = dist.new_group(backend="nccl", timeout=timeout) if backend == "nccl" else None
+        self._locks = {r: threading.Lock() for r in range(self.world_size)}
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int):
-        return self.dist.isend(tensor.contiguous(), dst, tag=tag)
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.device.type == "cpu" or self.payload_group is not None else t.to("cpu")
 
-    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
-        self.dist.recv(tensor, src, tag=tag)
+    def isend(self, dst: int, header: list[int], payload: torch.Tensor | None) -> list:
+        """Send a header and its payload to ``dst`` without waiting; returns handles to keep until done."""
+        head = torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64)
+        works = []
+        with self._locks[dst]:
+            works.append((self.dist.isend(head, dst, tag=TAG), head))
+            if payload is not None:
+                p = self._host(payload.contiguous())
+                group = self.payload_group if p.device.type == "cuda" else None
+                works.append((self.dist.isend(p, dst, group=group, tag=TAG), p))
+        return works
+
+    def recv_header(self, src: int) -> list[int]:
+        head = torch.empty(HEADER, dtype=torch.int64)
+        self.dist.recv(head, src, tag=TAG)
+        return head.tolist()
+
+    def recv_payload(self, src: int, buffer: torch.Tensor) -> torch.Tensor:
+        if buffer.device.type == "cuda" and self.payload_group is not None:
+            self.dist.recv(buffer, src, group=self.payload_group, tag=TAG)
+            return buffer
+        host = buffer if buffer.device.type == "cpu" else torch.empty_like(buffer, device="cpu")
+        self.dist.recv(host, src, tag=TAG)
+        return host if host is buffer else buffer.copy_(host, non_blocking=False)
+
+    @staticmethod
+    def done(handle) -> bool:
+        return handle[0].is_completed()
+
+    @staticmethod
+    def wait(handle) -> None:
+        handle[0].wait()
 
     def barrier(self) -> None:
         self.dist.barrier()
@@ -77,38 +124,57 @@ class TorchTransport:
 
 
 class MPITransport:
-    """MPI through mpi4py (CUDA-aware when the MPI build is; host buffers otherwise)."""
+    """MPI point-to-point through mpi4py (one communicator; headers and payloads share a tag)."""
 
-    name = "mpi"
-
-    def __init__(self):
-        from mpi4py import MPI  # noqa: F401  (ImportError: the caller reports it)
+    def __init__(self, launch: Launch | None = None, *, timeout_s: float = 300.0):
+        try:
+            import mpi4py
+            mpi4py.rc.thread_level = "multiple"
+            from mpi4py import MPI
+        except ImportError as exc:
+            raise TransportError(f"--transport mpi needs mpi4py ({exc}); install Open MPI "
+                                 "(apt install openmpi-bin libopenmpi-dev) and `pip install mpi4py`") from None
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise TransportError("this MPI library does not provide MPI_THREAD_MULTIPLE, which the runtime's "
+                                 "receiver threads need; use an MPI build with thread support or --transport gloo")
         self.MPI = MPI
         self.comm = MPI.COMM_WORLD
-        self.rank = self.comm.Get_rank()
-        self.world_size = self.comm.Get_size()
-        self.backend = "mpi"
-        self.device = torch.device("cpu")
+        self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
+        self._locks = {r: threading.Lock() for r in range(self.world_size)}
 
     @staticmethod
-    def _buf(t: torch.Tensor):
-        # mpi4py takes buffer-protocol objects; bytes view avoids dtype mapping (bf16 etc.)
-        return t.detach().contiguous().view(torch.uint8).numpy()
+    def _bytes(t: torch.Tensor):
+        # MPI sees raw bytes: bfloat16 and bool have no numpy/MPI type of their own.
+        return t.view(torch.uint8).numpy() if t.dtype != torch.bool else t.view(torch.uint8).numpy()
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int):
-        t = tensor.detach().contiguous().cpu()
-        req = self.comm.Isend(self._buf(t), dest=dst, tag=tag % (1 << 30))
+    def isend(self, dst: int, header: list[int], payload: torch.Tensor | None) -> list:
+        head = torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64)
+        works = []
+        with self._locks[dst]:
+            works.append((self.comm.Isend(head.numpy(), dest=dst, tag=TAG), head))
+            if payload is not None:
+                p = payload.detach().contiguous().to("cpu").reshape(-1)
+                works.append((self.comm.Isend(self._bytes(p), dest=dst, tag=TAG), p))
+        return works
 
-        class _H:
-            def wait(self_inner, _t=t):   # keeps the buffer alive until sent
-                req.Wait()
-        return _H()
+    def recv_header(self, src: int) -> list[int]:
+        head = torch.empty(HEADER, dtype=torch.int64)
+        self.comm.Recv(head.numpy(), source=src, tag=TAG)
+        return head.tolist()
 
-    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
-        host = tensor if tensor.device.type == "cpu" else torch.empty_like(tensor, device="cpu")
-        self.comm.Recv(self._buf(host), source=src, tag=tag % (1 << 30))
-        if host is not tensor:
-            tensor.copy_(host)
+    def recv_payload(self, src: int, buffer: torch.Tensor) -> torch.Tensor:
+        host = buffer if buffer.device.type == "cpu" else torch.empty_like(buffer, device="cpu")
+        flat = host.reshape(-1)
+        self.comm.Recv(self._bytes(flat), source=src, tag=TAG)
+        return host if host is buffer else buffer.copy_(host)
+
+    @staticmethod
+    def done(handle) -> bool:
+        return handle[0].Test()
+
+    @staticmethod
+    def wait(handle) -> None:
+        handle[0].Wait()
 
     def barrier(self) -> None:
         self.comm.Barrier()
@@ -116,34 +182,18 @@ class MPITransport:
     def close(self) -> None:
         pass
 
-
-def detect_launcher(env: dict | None = None) -> dict:
-    """Rank/world size/master address from torchrun's or mpirun's environment.
-
-    Returns ``{"launcher": "torchrun"|"mpirun"|"none", "rank", "world_size", "local_rank"}``.
-    """
-    env = os.environ if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return {"launcher": "torchrun", "rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"]),
-                "local_rank": int(env.get("LOCAL_RANK", env["RANK"]))}
-    if "OMPI_COMM_WORLD_RANK" in env:
-        return {"launcher": "mpirun", "rank": int(env["OMPI_COMM_WORLD_RANK"]),
-                "world_size": int(env["OMPI_COMM_WORLD_SIZE"]),
-                "local_rank": int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", env["OMPI_COMM_WORLD_RANK"]))}
-    if "PMI_RANK" in env:
-        return {"launcher": "mpirun", "rank": int(env["PMI_RANK"]), "world_size": int(env["PMI_SIZE"]),
-                "local_rank": int(env.get("MPI_LOCALRANKID", env["PMI_RANK"]))}
-    return {"launcher": "none", "rank": 0, "world_size": 1, "local_rank": 0}
+    def abort(self, code: int = 1) -> None:
+        self.comm.Abort(code)
 
 
-def make_transport(kind: str = "auto", *, timeout_s: float = 120.0):
-    """Open the transport: ``torch`` (gloo/nccl), ``mpi``, or ``auto`` (mpi under mpirun without MASTER_ADDR)."""
-    info = detect_launcher()
+def make_transport(kind: str, launch: Launch, *, device: torch.device, timeout_s: float = 300.0):
+    """``kind``: ``auto`` (MPI under mpirun, else gloo, NCCL payloads on CUDA), ``gloo``, ``nccl`` or ``mpi``."""
     if kind == "auto":
-        kind = "mpi" if info["launcher"] == "mpirun" and "MASTER_ADDR" not in os.environ else "torch"
+        kind = "mpi" if launch.launcher == "mpirun" else ("nccl" if device.type == "cuda" else "gloo")
     if kind == "mpi":
-        return MPITransport()
-    if info["launcher"] == "mpirun":
-        os.environ.setdefault("RANK", str(info["rank"]))
-        os.environ.setdefault("WORLD_SIZE", str(info["world_size"]))
-    return TorchTransport(timeout_s=timeout_s)
+        return MPITransport(launch, timeout_s=timeout_s)
+    if kind in ("gloo", "nccl"):
+        if kind == "nccl" and device.type != "cuda":
+            raise TransportError("--transport nccl needs --device cuda; use gloo on the CPU")
+        return TorchTransport(launch, backend=kind, timeout_s=timeout_s)
+    raise TransportError(f"unknown transport {kind!r}; choose auto, gloo, nccl or mpi")
