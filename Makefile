@@ -14,7 +14,7 @@ PYTEST_WORKERS ?= 2
 .PHONY: help setup demo test test-quick example clean
 
 help:
-	@echo "make demo        set up .venv and run 'ftcompile demo' (trace + profile gpt2-tiny on the CPU)"
+	@echo "make demo        set up .venv; compile gpt2-tiny into a package, verify it, train it on 2 processes"
 	@echo "make test        set up .venv and run the whole test suite (pytest, $(PYTEST_WORKERS) workers)"
 	@echo "make test-quick  the same without tests marked slow"
 	@echo "make example     regenerate examples/gpt2-tiny-mixed (the committed generated package)"
@@ -29,10 +29,14 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -e '.[partition,plot,test]'
+	@if command -v mpicc >/dev/null 2>&1; then $(BIN)/python -m pip install --quiet 'mpi4py>=3.1'; \
+	 else echo "note: no MPI compiler (mpicc): the MPI transport is off (apt install openmpi-bin libopenmpi-dev)"; fi
 	@touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/ftcompile demo
+	$(BIN)/ftcompile verify out/demo/plan
+	$(BIN)/ftcompile run out/demo/plan --nproc 2 --schedule 1f1b --steps 8 --data text
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS)

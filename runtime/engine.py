@@ -107,6 +107,14 @@ def programs(manifest: Manifest, cfg: TrainConfig, steps: int) -> dict[int, Stag
             for s in manifest.stages}
 
 
+def _call(module: torch.nn.Module, weights: dict, live: dict, args: tuple, seed: int):
+    # The live weights are the module's own: call it directly, skipping functional_call's
+    # re-parametrisation, which costs more than a small stage's compute.
+    if weights is live:
+        return module(*args, seed=seed)
+    return functional_call(module, weights, args, {"seed": seed}, strict=False)
+
+
 def micro_batch_seed(seed: int, k: int) -> int:
     """The dropout seed of global micro-batch ``k``: the same in forward and recomputation, on any rank."""
     return mix_seed(seed, k)
@@ -379,14 +387,14 @@ class RankEngine:
         if prog.recompute:
             weights = self._predicted(st, k, self._weights(st, version, across_update=False))
             with torch.no_grad():
-                outs = functional_call(st.module, weights, tuple(inputs), {"seed": seed}, strict=False)
+                outs = _call(st.module, weights, st.params, tuple(inputs), seed)
             st.saved[k] = (inputs, None, None)
         else:
             across = k in st.spans_update
             weights = self._weights(st, version, across_update=across)
             args = [self._leaf(v, x) for v, x in zip(spec.inputs, inputs)]
             with torch.enable_grad():
-                outs = functional_call(st.module, weights, tuple(args), {"seed": seed}, strict=False)
+                outs = _call(st.module, weights, st.params, tuple(args), seed)
             st.saved[k] = (args, outs, weights)
         st.times.forward_s += time.perf_counter() - t0
         st.times.forwards += 1
@@ -419,7 +427,7 @@ class RankEngine:
             weights = self._weights(st, version, across_update=False)
             args = [self._leaf(v, x) for v, x in zip(spec.inputs, args)]
             with torch.enable_grad():
-                outs = functional_call(st.module, weights, tuple(args), {"seed": seed}, strict=False)
+                outs = _call(st.module, weights, st.params, tuple(args), seed)
             t1 = time.perf_counter()
             st.times.recompute_s += t1 - t0
             t0 = t1
@@ -742,7 +750,7 @@ def merge_records(parts: list[dict]) -> dict:
     """One log line for a step from every rank's record: the loss, the slowest rank's time, all stages."""
     seconds = max(p["seconds"] for p in parts)
     out = {"step": parts[0]["step"], "seconds": seconds, "samples_per_s": None, "loss": None, "lr": None,
-           "stages": {}, "ranks": {}}
+           "stages": {}, "ranks": {}, "stage_ranks": {}}
     for p in parts:
         if p.get("loss") is not None:
             out["loss"] = p["loss"]
@@ -753,6 +761,7 @@ def merge_records(parts: list[dict]) -> dict:
         if p.get("samples_per_s") and seconds > 0:
             out["samples_per_s"] = p["samples_per_s"] * p["seconds"] / seconds
         out["stages"].update(p["stages"])
+        out["stage_ranks"].update({sid: str(p["rank"]) for sid in p["stages"]})
         out["ranks"][str(p["rank"])] = {"seconds": p["seconds"], "wait_s": p["wait_s"],
                                         "memory_bytes": p["memory_bytes"]}
     return out

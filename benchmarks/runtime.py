@@ -1,0 +1,118 @@
+"""Runtime overhead and measured-vs-simulated throughput of `ftcompile run` on this machine.
+
+For each model: profile it by measurement on this CPU (one thread, as each rank gets),
+compile it for the 2-worker `2xcpu` cluster with that profile, and train it with
+every schedule on 2 processes (gloo over loopback). Prints, per schedule:
+
+* the simulator's predicted samples/s for the plan (same profile, same schedule, M);
+* the measured samples/s (steps after the first, which includes warm-up);
+* their ratio (measured / predicted);
+* per micro-batch and rank, the overhead: wall time that is neither a stage's
+  forward, backward, recomputation or update, nor waiting for a message
+  (scheduling, bookkeeping, send/receive calls, Python).
+
+With a GPU (`--device cuda`) the package also runs on CUDA in one process (all stages,
+one rank) and each stage's measured forward and backward times are compared with the
+profile's.
+
+    python benchmarks/runtime.py                      # gpt2-tiny and bert-tiny, all schedules
+    python benchmarks/runtime.py --models gpt2-tiny --schedules 1f1b,async --steps 30
+    python benchmarks/runtime.py --device cuda --models gpt2-small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SCHEDULES = ["gpipe", "1f1b", "async", "pipedream", "2bw", "2gw"]
+
+
+def sh(*cmd: str, env: dict | None = None) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr}")
+    return r.stdout
+
+
+def ftc(*args: str) -> str:
+    return sh(sys.executable, "-m", "ftcompile", *args)
+
+
+def measure(model: str, out: Path, schedules: list[str], steps: int, micro_batches: int, nproc: int,
+            device: str) -> list[dict]:
+    prof = out / "profile.measured.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    sh(sys.executable, "-m", "ftcompile", "-q", "profile", model, "--method", "measured",
+       "--device", "cuda" if device == "cuda" else "cpu", "--repeats", "5", "-o", str(prof), "--no-cache", env=env)
+    pkg = out / "pkg"
+    ftc("-q", "compile", model, "--cluster", "2xcpu", "--gpus", str(nproc), "--profile", str(prof),
+        "--micro-batches", str(micro_batches), "--strategy", "auto", "-o", str(pkg), "--json")
+    rows = []
+    for sched in schedules:
+        sim = json.loads(ftc("-q", "simulate", str(pkg), "--schedule", sched, "--micro-batches",
+                             str(micro_batches), "--steps", "4", "--json"))
+        predicted = sim.get("throughput") or sim.get("throughput_samples_per_s")
+        log = out / "runs" / sched
+        ftc("-q", "run", str(pkg), "--nproc", str(nproc), "--schedule", sched, "--steps", str(steps),
+            "--micro-batches", str(micro_batches), "--log-dir", str(log), "--progress", "off", "--device", device)
+        lines = [json.loads(x) for x in (log / "train.jsonl").read_text().splitlines()]
+        steady = [x for x in lines if not x.get("summary")][1:]
+        seconds = sum(x["seconds"] for x in steady)
+        samples = sum(x["samples_per_s"] * x["seconds"] for x in steady)
+        measured = samples / seconds if seconds else float("nan")
+        overhead = []
+        for r in sorted(steady[0]["ranks"]):
+            wall = sum(x["ranks"][r]["seconds"] for x in steady)
+            wait = sum(x["ranks"][r]["wait_s"] for x in steady)
+            mine = {s for s in steady[0]["stages"]}
+            busy = 0.0
+            for x in steady:
+                for sid, st in x["stages"].items():
+                    if sid in mine and _rank_of(x, sid) == r:
+                        busy += st["forward_s"] + st["backward_s"] + st["recompute_s"] + st["update_s"]
+            overhead.append(max(0.0, wall - wait - busy) / (len(steady) * micro_batches) * 1e3)
+        rows.append({"model": model, "schedule": sched, "predicted_sps": predicted, "measured_sps": measured,
+                     "ratio": measured / predicted if predicted else None, "overhead_ms_per_micro_batch": overhead,
+                     "loss_first": lines[0].get("loss"), "loss_last": [x for x in lines if not x.get("summary")][-1]
+                     .get("loss")})
+    return rows
+
+
+def _rank_of(line: dict, sid: str) -> str:
+    return line.get("stage_ranks", {}).get(sid, "?")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="gpt2-tiny,bert-tiny")
+    ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", help="also write the rows to this file")
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models.split(","):
+            rows += measure(model, Path(tmp) / model, args.schedules.split(","), args.steps, args.micro_batches,
+                            args.nproc, args.device)
+    print(f"{'model':<10} {'schedule':<10} {'predicted/s':>12} {'measured/s':>11} {'ratio':>6}  "
+          f"overhead ms/micro-batch per rank")
+    for r in rows:
+        ov = ", ".join(f"{x:.2f}" for x in r["overhead_ms_per_micro_batch"])
+        print(f"{r['model']:<10} {r['schedule']:<10} {r['predicted_sps']:>12.1f} {r['measured_sps']:>11.1f} "
+              f"{(r['ratio'] or float('nan')):>6.2f}  {ov}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
