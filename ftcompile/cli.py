@@ -401,14 +401,33 @@ def _build(name: str, options):
     return build_model(name, options)
 
 
-def _trace_built(built, blocks: Sequence[str], note: Callable[[str], None] = lambda _p: None):
+def _trace_built(built, blocks: Sequence[str], note: Callable[[str], None] = lambda _p: None,
+                 ui: "_Ui | None" = None, debug: bool = False):
+    """Trace a built model; torch's tracing logs and warnings only with ``--debug``.
+
+    With ``ui``, block classes of a ``--basic-blocks`` list that this model never
+    calls are noted (one list may serve several models: T5Block,GPT2Block).
+    """
     from .trace import trace
 
     source = {"model": built.name, "options": asdict(built.options)}
     graph = trace(built.model, built.args, built.kwargs, basic_blocks=tuple(blocks), source=source,
-                  progress=note)
+                  progress=note, verbose=debug)
     graph.validate()
+    absent = graph.source.get("absent_basic_blocks")
+    if ui is not None and absent:
+        ui.note(f"--basic-blocks: {', '.join(absent)} not called by {built.name}; "
+                f"kept {', '.join(graph.basic_blocks)} whole")
     return graph
+
+
+def _check_cache_dir(args: argparse.Namespace) -> None:
+    """Refuse a --cache-dir that is a file before any work is done."""
+    if getattr(args, "no_cache", False) or not getattr(args, "cache_dir", None):
+        return
+    from .profile import check_cache_dir
+
+    check_cache_dir(args.cache_dir)
 
 
 def _save(obj, path: str, what: str) -> None:
@@ -577,7 +596,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         built = _build(args.model, options)
         blocks = _parse_blocks(args.basic_blocks, built.basic_blocks)
         t1 = time.perf_counter()
-        graph = _trace_built(built, blocks, note)
+        graph = _trace_built(built, blocks, note, ui, debug=bool(getattr(args, "debug", False)))
         t2 = time.perf_counter()
         if args.output:
             _save(graph, args.output, "graph")
@@ -608,6 +627,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         flags = ["--" + k.replace("_", "-") for k in given] + (["--basic-blocks"] if args.basic_blocks else [])
         raise UsageError(f"{', '.join(flags)}: model options only apply when TARGET is a model; the graph "
                          f"file {args.target} was traced with fixed options (re-trace it to change them)")
+    _check_cache_dir(args)
     measured = args.method == "measured"
     hw = device = None
     if measured:
@@ -634,7 +654,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
             with ui.phases(f"trace {args.target}", TRACE_PHASES) as note:
                 note("build")
                 built = _build(args.target, options)
-                graph = _trace_built(built, _parse_blocks(args.basic_blocks, built.basic_blocks), note)
+                graph = _trace_built(built, _parse_blocks(args.basic_blocks, built.basic_blocks), note, ui,
+                                     debug=bool(getattr(args, "debug", False)))
             model_name = built.name
         t1 = time.perf_counter()
 
@@ -778,7 +799,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         problem = Problem(graph, analytic, PRESETS["2xcpu"], schedule="1f1b", micro_batches=4)
         result = compile_plan(problem, "auto")
         doc = plan_document(result, model=graph.source)
-        if out_dir:
+        if out_dir and result.chosen is not None:
+            from .codegen import compile_package
+
+            write_report(os.path.join(out_dir, "plan"), doc, result)
+            # The chosen plan as a package: `ftcompile verify` and `ftcompile run` take it from here.
+            compile_package(built=built, graph=graph, doc=doc, out_dir=os.path.join(out_dir, "plan"))
+        elif out_dir:
             write_report(os.path.join(out_dir, "plan"), doc, result)
         report["compile"] = {"chosen": result.chosen, "lower_bound_ms": result.lower_bound_ms,
                              "strategies": doc["strategies"], "seconds": round(time.perf_counter() - t, 3)}
@@ -807,7 +834,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
           f"(the 'cpu' preset is a generic CPU; per-operator overheads dominate tiny models)")
     if report["files"]:
         print(f"  files: {', '.join(report['files'])}")
-    print("\nnext: ftcompile models; ftcompile trace MODEL -o graph.json; ftcompile profile graph.json;\n"
+    print("\nnext: ftcompile verify out/demo/plan; ftcompile run out/demo/plan --nproc 2 --data text;\n"
           "      ftcompile compile t5-tiny --gpus 3 -o out/t5-tiny; ftcompile diff out/demo/plan out/t5-tiny")
     return 0
 

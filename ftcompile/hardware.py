@@ -8,8 +8,10 @@ A user spec is a JSON file with the same fields (see ``HardwareSpec``).
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 GB = 1e9
 TFLOPS = 1e12
@@ -51,6 +53,10 @@ class HardwareSpec:
 
     @staticmethod
     def from_json(d: dict) -> "HardwareSpec":
+        """A spec from its JSON form, every field checked; errors name the field and the fix."""
+        fix = "fix the hardware spec file (fields: see ftcompile.hardware.HardwareSpec, or copy a preset's)"
+        if not isinstance(d, dict):
+            raise HardwareError(f"a hardware spec must be a JSON object of fields, got a {type(d).__name__}; {fix}")
         required = ("name", "peak_flops", "memory_bandwidth", "memory_bytes", "link_bandwidth", "host_bandwidth")
         missing = [k for k in required if k not in d]
         if missing:
@@ -59,14 +65,49 @@ class HardwareSpec:
         unknown = sorted(set(d) - known)
         if unknown:
             raise HardwareError(f"hardware spec has unknown field(s) {unknown}; known fields: {sorted(known)}")
-        try:
-            spec = HardwareSpec(**{**d, "peak_flops": {str(k): float(v) for k, v in d["peak_flops"].items()}})
-        except (TypeError, ValueError, AttributeError) as exc:
-            raise HardwareError(f"bad hardware spec: {exc}") from None
-        for k in ("memory_bandwidth", "memory_bytes", "link_bandwidth", "host_bandwidth"):
-            if not float(getattr(spec, k)) > 0:
-                raise HardwareError(f"hardware spec field {k} must be positive, got {getattr(spec, k)!r}")
-        return spec
+
+        def number(key: str, value: Any, *, what: str = "a positive number", low: float = 0.0,
+                   low_ok: bool = False, high: float | None = None) -> float:
+            # bool is an int to Python, but `true` for a bandwidth is a mistake, not 1.
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise HardwareError(f"hardware spec field {key} must be {what}, got {value!r} "
+                                    f"({type(value).__name__}); write it as a JSON number")
+            v = float(value)
+            if not math.isfinite(v) or v < low or (v == low and not low_ok) or (high is not None and v > high):
+                raise HardwareError(f"hardware spec field {key} must be {what}, got {value!r}")
+            return v
+
+        if not isinstance(d["name"], str) or not d["name"].strip():
+            raise HardwareError(f"hardware spec field name must be a non-empty string, got {d['name']!r}")
+        peaks = d["peak_flops"]
+        if not isinstance(peaks, dict) or not peaks:
+            raise HardwareError("hardware spec field peak_flops must be a non-empty object mapping dtype names to "
+                                f"FLOP/s, e.g. {{\"float32\": 15.7e12}}; got {peaks!r}")
+        peak_flops = {str(k): number(f"peak_flops[{k!r}]", v, what="a positive FLOP/s figure")
+                      for k, v in peaks.items()}
+        fields = {"name": d["name"], "peak_flops": peak_flops}
+        for k in ("memory_bandwidth", "link_bandwidth", "host_bandwidth"):
+            fields[k] = number(k, d[k], what="a positive number of bytes per second")
+        mem = number("memory_bytes", d["memory_bytes"], what="a positive whole number of bytes")
+        if mem != int(mem):
+            raise HardwareError(f"hardware spec field memory_bytes must be a whole number of bytes, "
+                                f"got {d['memory_bytes']!r}")
+        fields["memory_bytes"] = int(mem)
+        if "kernel_overhead_s" in d:
+            fields["kernel_overhead_s"] = number("kernel_overhead_s", d["kernel_overhead_s"],
+                                                 what="a number of seconds >= 0", low_ok=True)
+        for k in ("matmul_efficiency", "memory_efficiency"):
+            if k in d:
+                fields[k] = number(k, d[k], what="a fraction in (0, 1] (share of the peak reached)", high=1.0)
+        if "description" in d:
+            if not isinstance(d["description"], str):
+                raise HardwareError(f"hardware spec field description must be a string, got {d['description']!r}")
+            fields["description"] = d["description"]
+        if "extra" in d:
+            if not isinstance(d["extra"], dict):
+                raise HardwareError(f"hardware spec field extra must be an object, got {d['extra']!r}")
+            fields["extra"] = dict(d["extra"])
+        return HardwareSpec(**fields)
 
 
 PRESETS: dict[str, HardwareSpec] = {

@@ -457,10 +457,18 @@ class OpGraph:
                 loss=d.get("loss"), granularity=d.get("granularity", "op"),
                 basic_blocks=list(d.get("basic_blocks", [])), source=dict(d.get("source", {})),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            # Malformed content (a list where an object belongs, a number for a shape...)
+            # surfaces as whichever error the first bad access raises.
             raise GraphError(f"OpGraph file is corrupt ({type(exc).__name__}: {exc}); "
                              "re-run `ftcompile trace` to regenerate it") from None
-        g.validate()
+        try:
+            g.validate()
+        except GraphError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise GraphError(f"OpGraph file is corrupt ({type(exc).__name__}: {exc}); "
+                             "re-run `ftcompile trace` to regenerate it") from None
         return g
 
     def save(self, path: str | os.PathLike) -> None:

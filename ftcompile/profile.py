@@ -26,7 +26,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -265,11 +265,58 @@ class _KernelCounter(TorchDispatchMode):
         is_view = bool(getattr(func, "is_view", False))
         nbytes = 0.0
         if not is_view:
-            for t in tree_flatten((args, kwargs, out))[0]:
-                if isinstance(t, torch.Tensor):
-                    nbytes += t.numel() * t.element_size()
+            gathered = _gather_bytes(func, args, kwargs, out)
+            if gathered is not None:
+                nbytes = gathered
+            else:
+                for t in tree_flatten((args, kwargs, out))[0]:
+                    if isinstance(t, torch.Tensor):
+                        nbytes += t.numel() * t.element_size()
         self.kernels.append((flops, nbytes, is_view))
         return out
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _gather_bytes(func, args: tuple, kwargs: dict, out: Any) -> float | None:
+    """Memory traffic of a row lookup (``embedding``, ``index_select``), else None.
+
+    A lookup reads only the rows it gathers, not the whole table: the indices, the
+    gathered rows (as many bytes as the output) and the output written. Charging the
+    table would price GPT-2's 50k-token embedding as if every token read all of it.
+    Its backward (``embedding_dense_backward``) does write a dense, table-sized
+    gradient once, which the generic count (inputs + output) already gets right.
+    """
+    packet = getattr(func, "_overloadpacket", None)
+    if packet is torch.ops.aten.embedding:
+        index = args[1] if len(args) > 1 else kwargs.get("indices")
+    elif packet is torch.ops.aten.index_select:
+        index = args[2] if len(args) > 2 else kwargs.get("index")
+    else:
+        return None
+    return float(_nbytes(index) + 2 * _nbytes(out))
+
+
+def _as_gpu_kernels(instrs: list) -> list:
+    """The instructions as both profilers run them: as a GPU runs them.
+
+    ``aten.dropout`` is composite: off CUDA (and so on ``meta``) it runs as four
+    kernels (``empty_like``, ``bernoulli_``, ``div_``, ``mul``) and keeps a float
+    mask for backward; on CUDA it is the one fused ``native_dropout`` kernel with a
+    boolean mask. Graphs hold either form (those torch functionalized hold
+    ``native_dropout``), so running both as the fused kernel keeps their times and
+    activation memory equal, and the memory figures the same for every method.
+    """
+    out = []
+    for ins in instrs:
+        if (ins.target == "aten.dropout.default" and not ins.unpack and len(ins.args) == 3 and not ins.kwargs
+                and isinstance(ins.args[1], (int, float)) and 0 < ins.args[1] < 1 and ins.args[2] is True):
+            ins = replace(ins, name=f"{ins.name}__fused", target="aten.native_dropout.default", out=None,
+                          unpack={0: ins.name}, unpack_meta={0: ins.out} if ins.out is not None else {})
+        out.append(ins)
+    return out
 
 
 @dataclass
@@ -305,12 +352,13 @@ def _run_node_once(node: Node, inputs: dict[str, Any], params: Mapping[str, torc
 
     fwd = _KernelCounter() if count else None
     env: dict[str, Any] = dict(inputs)
+    instrs = _as_gpu_kernels(node.instrs)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         if fwd is not None:
             with fwd:
-                run_instrs(node.instrs, env, params, device)
+                run_instrs(instrs, env, params, device)
         else:
-            run_instrs(node.instrs, env, params, device)
+            run_instrs(instrs, env, params, device)
     outputs = {v: env[v] for v in node.outputs if v in env}
 
     saved_inputs = set()
@@ -555,7 +603,8 @@ def measured_profile(graph: OpGraph, params: Mapping[str, torch.Tensor], inputs:
     name, inputs by graph input value name (see :func:`host_params` and
     :func:`graph_input_values`). Only one node's inputs and parameters are on the
     device at a time; its outputs return to host memory and are freed after their
-    last consumer has run.
+    last consumer has run. On the CPU the nodes run with one intra-op thread
+    (``torch.set_num_threads(1)``, restored afterwards) so that times are stable.
     """
     device = torch.device(device)
     if optimizer not in OPTIMIZERS:
@@ -571,6 +620,22 @@ def measured_profile(graph: OpGraph, params: Mapping[str, torch.Tensor], inputs:
     if any(isinstance(t, torch.Tensor) and t.is_meta for t in [*params.values(), *inputs.values()]):
         raise ProfileError("measured profiling needs real weights and inputs, but got tensors on the meta "
                            "device; build the model with --device cpu, or use --method analytic")
+    # On the CPU, time with one intra-op thread: a parallel kernel waits for its slowest
+    # thread, so on a shared machine a descheduled worker stalls even tiny ops, and the
+    # profiler would fight other processes for the cores. Restored on the way out.
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        return _measured_profile(graph, params, inputs, device, optimizer, warmup, repeats, progress)
+    finally:
+        if device.type == "cpu":
+            torch.set_num_threads(threads)
+
+
+def _measured_profile(graph: OpGraph, params: Mapping[str, torch.Tensor], inputs: Mapping[str, torch.Tensor],
+                      device: torch.device, optimizer: str, warmup: int, repeats: int,
+                      progress: Callable[[int, int], None] | None) -> Profile:
     timer = _Timer(device)
     pin = device.type == "cuda"
     host: dict[str, Any] = {}
@@ -617,10 +682,11 @@ def measured_profile(graph: OpGraph, params: Mapping[str, torch.Tensor], inputs:
             raise ProfileError(f"node {node.id} ({node.name}, {node.op}) failed on {device}: "
                                f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from exc
         outputs = run.outputs
+        instrs = _as_gpu_kernels(node.instrs)
         fwd_times, bwd_times = [], []
         for r in range(warmup + repeats):
             env = dict(ins)
-            f_ms = timer(lambda: run_instrs(node.instrs, env, ps, device))
+            f_ms = timer(lambda: run_instrs(instrs, env, ps, device))
             outs = [env[v] for v in node.outputs if isinstance(env.get(v), torch.Tensor) and env[v].requires_grad]
             wrt = [t for t in list(ins.values()) + list(ps.values())
                    if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -669,8 +735,17 @@ def measured_hardware_name(device: str | torch.device) -> str:
 
 # --------------------------------------------------------------------------- cache
 
+def check_cache_dir(path_dir: str | os.PathLike) -> None:
+    """Refuse a cache directory that is an existing regular file (it may not exist yet)."""
+    d = os.fspath(path_dir)
+    if os.path.exists(d) and not os.path.isdir(d):
+        raise ProfileError(f"--cache-dir {d} is a file; give a directory (profiles are cached as files in it), "
+                           "or --no-cache")
+
+
 def cached(path_dir: str | os.PathLike, key: str) -> Profile | None:
     """The profile saved under ``key`` in ``path_dir``, or None."""
+    check_cache_dir(path_dir)
     p = os.path.join(os.fspath(path_dir), key + ".json")
     if os.path.exists(p):
         try:
@@ -681,6 +756,7 @@ def cached(path_dir: str | os.PathLike, key: str) -> Profile | None:
 
 
 def store(path_dir: str | os.PathLike, profile: Profile) -> str:
+    check_cache_dir(path_dir)
     p = os.path.join(os.fspath(path_dir), profile.key + ".json")
     profile.save(p)
     return p
@@ -689,5 +765,5 @@ def store(path_dir: str | os.PathLike, profile: Profile) -> str:
 __all__ = [
     "NodeCost", "ParamCost", "Profile", "ProfileError", "OPTIMIZERS", "analytic_profile", "measured_profile",
     "graph_input_values", "host_params", "optimizer_state_bytes", "param_costs", "profile_key", "cached", "store",
-    "graph_dtype", "measured_hardware_name",
+    "graph_dtype", "measured_hardware_name", "check_cache_dir",
 ]

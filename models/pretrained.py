@@ -7,7 +7,9 @@ mismatch, the offending tensors.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -110,12 +112,38 @@ def check_checkpoint(directory: str, model: torch.nn.Module) -> None:
         raise ZooError(f"checkpoint {directory!r} does not fit {cls}: shape mismatch in {listed}")
 
 
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """transformers' "Loading weights" bar off for the duration, then back as it was.
+
+    ftcompile draws its own progress (and none with --quiet or --json); a second bar
+    from inside the library would interleave with it on stderr.
+    """
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    try:
+        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
+    except ImportError:  # pragma: no cover - transformers always brings huggingface_hub
+        are_progress_bars_disabled = disable_progress_bars = None
+    hub_was_disabled = are_progress_bars_disabled() if are_progress_bars_disabled else None
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()   # also re-enables the hub's bars...
+            if hub_was_disabled and disable_progress_bars is not None:
+                disable_progress_bars()        # ...which someone had switched off on their own
+
+
 def load_weights(directory: str, model_cls, config, options: ModelOptions) -> torch.nn.Module:
     """Load the checkpoint into a fresh ``model_cls`` on ``options.device``, in training mode."""
     try:
-        model = model_cls.from_pretrained(
-            directory, config=config, local_files_only=True, dtype=DTYPES[options.dtype]
-        )
+        with no_progress_bars():
+            model = model_cls.from_pretrained(
+                directory, config=config, local_files_only=True, dtype=DTYPES[options.dtype]
+            )
     except Exception as exc:
         raise ZooError(f"cannot load pretrained weights from {directory!r}: {exc}") from exc
     # from_pretrained returns the model in eval mode; the compiler traces training.

@@ -263,6 +263,24 @@ def test_pretrained_round_trip(gpt2_checkpoint):
     assert torch.isfinite(_loss(built))
 
 
+def test_pretrained_load_draws_no_progress_bar(gpt2_checkpoint, capfd):
+    from transformers.utils import logging as hf_logging
+
+    directory, _source = gpt2_checkpoint
+    assert hf_logging.is_progress_bar_enabled()
+    capfd.readouterr()
+    build_model("gpt2-tiny", ModelOptions(pretrained=str(directory)))
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "it/s" not in err
+    assert hf_logging.is_progress_bar_enabled()          # the bar is back for everyone else
+    hf_logging.disable_progress_bar()                    # and off stays off
+    try:
+        build_model("gpt2-tiny", ModelOptions(pretrained=str(directory)))
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()
+
+
 def test_pretrained_t5_keeps_tying(tmp_path):
     source = build_model("t5-tiny", ModelOptions(seed=5)).model
     source.save_pretrained(tmp_path)

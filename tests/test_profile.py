@@ -125,6 +125,79 @@ def test_analytic_on_meta_layer_graph():
     assert p.info["distinct_nodes"] < sum(1 for _ in g.op_nodes())
 
 
+TINY = ["gpt2-tiny", "bert-tiny", "t5-tiny", "vit-tiny", "mlp", "skipnet", "encdec"]
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_analytic_profile_of_every_tiny_zoo_model(name):
+    _b, g = zoo_graph(name)
+    p = analytic_profile(g, PRESETS["cpu"])
+    ops = list(g.op_nodes())
+    assert set(p.nodes) == {n.id for n in g.nodes}
+    t = p.totals()
+    for key in ("forward_ms", "backward_ms", "flops_forward", "flops_backward", "activation_bytes", "param_bytes",
+                "grad_bytes", "optimizer_bytes"):
+        assert t[key] > 0, key
+    for n in ops:
+        c = p.nodes[n.id]
+        assert c.forward_ms >= 0 and c.backward_ms >= 0 and c.activation_bytes >= 0
+        assert math.isfinite(c.forward_ms) and math.isfinite(c.backward_ms)
+    # every node that moves bytes or does FLOPs costs time; only views and no-ops (dropout
+    # with p=0) dispatch no kernel and are free
+    for n in ops:
+        c = p.nodes[n.id]
+        if c.bytes_forward > 0 or c.flops_forward > 0:
+            assert c.forward_ms > 0, n.op
+    assert sum(1 for n in ops if p.nodes[n.id].forward_ms > 0) >= len(ops) // 3
+    heavy = [n for n in ops if p.nodes[n.id].flops_forward > 0]
+    assert heavy and all(p.nodes[n.id].forward_ms > 0 and p.nodes[n.id].backward_ms > 0 for n in heavy)
+
+
+def test_embedding_lookup_is_charged_for_rows_not_table():
+    """A lookup reads the rows it gathers; its backward writes a table-sized gradient once."""
+    hw = PRESETS["cpu"]
+
+    def wte(batch):
+        _b, g = zoo_graph("gpt2-tiny", batch)
+        node = next(n for n in g.op_nodes()
+                    if n.op == "aten.embedding.default" and n.params == ["transformer.wte.weight"])
+        return g, node, analytic_profile(g, hw).nodes[node.id]
+
+    g2, n2, c2 = wte(2)
+    g4, _n4, c4 = wte(4)
+    table = g2.params["transformer.wte.weight"].bytes
+    out = next(iter(n2.outputs.values())).bytes
+    tokens = out // (g2.params["transformer.wte.weight"].meta.shape[1] * 4)
+    assert c4.bytes_forward == pytest.approx(2 * c2.bytes_forward)       # scales with tokens
+    assert c2.bytes_forward == 2 * out + 8 * tokens                     # rows read, output written, int64 ids
+    assert c2.bytes_forward < table                                     # not the 1000-row table
+    # backward reads the output's gradient and the ids and writes a dense gradient of the table, once
+    assert c2.bytes_backward == table + out + 8 * tokens
+    assert c4.bytes_backward - c2.bytes_backward == out + 8 * tokens
+
+
+def test_dropout_is_priced_as_the_fused_gpu_kernel():
+    """aten.dropout and native_dropout cost the same: one kernel, a boolean mask kept for backward."""
+    class Drop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 32)
+
+        def forward(self, x):
+            return torch.nn.functional.dropout(self.fc(x), 0.5, True).sum()
+
+    m = Drop()
+    x = torch.randn(8, 16)
+    g = trace(m, (x,))
+    (node,) = [n for n in g.op_nodes() if n.op == "aten.dropout.default"]
+    a = analytic_profile(g, PRESETS["v100-32gb"]).nodes[node.id]
+    assert a.activation_bytes == 8 * 32                        # the bool mask, not a float one
+    assert a.bytes_forward == 8 * 32 * (4 + 4 + 1)             # read x, write y and the mask: one kernel
+    assert a.forward_ms == pytest.approx(8 * 32 * 9 / (900e9 * 0.7) * 1e3 + 5e-3)
+    measured = measured_profile(g, host_params(g, m), graph_input_values(g, (x,), {}), warmup=0, repeats=1)
+    assert measured.nodes[node.id].activation_bytes == a.activation_bytes
+
+
 # --------------------------------------------------------------------------- hardware
 
 def test_presets_all_load():
@@ -172,6 +245,45 @@ def test_bad_spec_rejected_naming_field(tmp_path, change, field):
     with pytest.raises(HardwareError) as ei:
         load_hardware(str(p))
     assert field in str(ei.value)
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"matmul_efficiency": 0}, ["matmul_efficiency", "(0, 1]"]),
+    ({"memory_efficiency": -0.5}, ["memory_efficiency", "(0, 1]"]),
+    ({"matmul_efficiency": 1.5}, ["matmul_efficiency", "(0, 1]"]),
+    ({"peak_flops": {"float32": 0}}, ["peak_flops['float32']", "positive"]),
+    ({"peak_flops": {"float32": -1e12}}, ["peak_flops['float32']", "positive"]),
+    ({"peak_flops": {}}, ["peak_flops", "non-empty"]),
+    ({"peak_flops": [1e12]}, ["peak_flops", "object"]),
+    ({"memory_bandwidth": "900e9"}, ["memory_bandwidth", "JSON number"]),
+    ({"link_bandwidth": True}, ["link_bandwidth", "JSON number"]),
+    ({"memory_bytes": 0}, ["memory_bytes", "positive"]),
+    ({"memory_bytes": 1.5}, ["memory_bytes", "whole number"]),
+    ({"kernel_overhead_s": -1e-6}, ["kernel_overhead_s", ">= 0"]),
+    ({"name": ""}, ["name", "non-empty"]),
+])
+def test_bad_spec_values_rejected_with_field_and_remedy(change, words):
+    spec = {**PRESETS["v100-32gb"].to_json(), **change}
+    with pytest.raises(HardwareError) as ei:
+        HardwareSpec.from_json(spec)
+    msg = str(ei.value)
+    assert all(w in msg for w in words), msg
+    assert "must be" in msg                      # says what the field should hold
+
+
+@pytest.mark.parametrize("doc", [[], "rtx2080ti", 3, None])
+def test_spec_file_must_hold_an_object(tmp_path, doc):
+    p = tmp_path / "hw.json"
+    p.write_text(json.dumps(doc))
+    with pytest.raises(HardwareError, match="JSON object"):
+        load_hardware(str(p))
+
+
+def test_good_spec_edge_values_accepted():
+    spec = {**PRESETS["cpu"].to_json(), "matmul_efficiency": 1, "kernel_overhead_s": 0, "memory_bytes": 8e9}
+    hw = HardwareSpec.from_json(spec)
+    assert hw.matmul_efficiency == 1.0 and hw.kernel_overhead_s == 0.0
+    assert hw.memory_bytes == 8_000_000_000 and isinstance(hw.memory_bytes, int)
 
 
 def test_bad_hardware_names_and_files(tmp_path):
@@ -272,6 +384,28 @@ def test_profile_save_load_round_trip(tmp_path):
     assert cached(d, "nope") is None
 
 
+def test_cache_dir_that_is_a_file_is_refused(tmp_path, capsys, gpt2_tiny_graph_file):
+    from ftcompile.cli import main
+    from ftcompile.profile import check_cache_dir
+
+    f = tmp_path / "cache"
+    f.write_text("not a directory")
+    _b, g = zoo_graph("mlp")
+    p = analytic_profile(g, PRESETS["cpu"])
+    with pytest.raises(ProfileError, match="is a file; give a directory"):
+        store(f, p)
+    with pytest.raises(ProfileError, match="is a file; give a directory"):
+        cached(f, p.key)
+    check_cache_dir(tmp_path / "not-yet")        # a directory that does not exist yet is fine
+    rc = main(["profile", str(gpt2_tiny_graph_file), "--cache-dir", str(f), "-q"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert f"--cache-dir {f} is a file; give a directory" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    # --no-cache does not look at it
+    assert main(["profile", str(gpt2_tiny_graph_file), "--cache-dir", str(f), "--no-cache", "-q"]) == 0
+
+
 def test_profile_for_another_graph_is_refused():
     _b, g = zoo_graph("skipnet")
     _b2, other = zoo_graph("mlp")
@@ -336,6 +470,50 @@ def test_measured_profile_on_cpu_with_host_swapping():
     assert t["activation_bytes"] == a.totals()["activation_bytes"]
     # the profiler did not touch the model's weights
     assert all(not t.requires_grad for t in params.values())
+
+
+def test_measured_profile_on_cpu_runs_on_one_thread_and_restores():
+    b, g = zoo_graph("mlp")
+    params = host_params(g, b.model)
+    inputs = graph_input_values(g, b.args, b.kwargs)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        during = []
+        measured_profile(g, params, inputs, warmup=0, repeats=1,
+                         progress=lambda i, n: during.append(torch.get_num_threads()))
+        assert during and set(during) == {1}
+        assert torch.get_num_threads() == 2
+        # restored when profiling fails too
+        with pytest.raises(ProfileError):
+            measured_profile(g, params, {k: v[:0].reshape(0) for k, v in inputs.items()}, warmup=0, repeats=1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_measured_profile_on_cuda_with_host_swapping():
+    """CUDA events time every node; weights and activations stay in host memory between nodes."""
+    b, g = zoo_graph("gpt2-tiny")
+    b.model.eval()
+    params = host_params(g, b.model)
+    inputs = graph_input_values(g, b.args, b.kwargs)
+    p = measured_profile(g, params, inputs, device="cuda", warmup=1, repeats=3)
+    assert p.method == "measured" and p.hardware["device"].startswith("cuda")
+    assert p.hardware["name"] == torch.cuda.get_device_name(0)
+    for n in _heavy(g):
+        c = p.nodes[n.id]
+        assert c.forward_ms > 0 and c.backward_ms > 0
+    t = p.totals()
+    assert t["forward_ms"] > 0 and t["backward_ms"] > 0
+    # one node at a time on the device: its peak stays below all weights plus all activations
+    everything = sum(w.numel() * w.element_size() for w in params.values()) + g.activation_bytes
+    assert 0 < p.info["peak_device_bytes"] < everything + 64 * 2**20
+    assert all(w.device.type == "cpu" for w in params.values())
+    # memory figures are the same as the analytic profile's
+    a = analytic_profile(g, PRESETS["cpu"])
+    assert t["activation_bytes"] == a.totals()["activation_bytes"]
 
 
 @pytest.fixture

@@ -197,6 +197,18 @@ def test_unknown_basic_block_lists_module_classes():
     assert "GPT2Block" in msg and "GPT2Attention" in msg and "GPT2MLP" in msg
 
 
+def test_basic_blocks_list_may_name_classes_the_model_lacks():
+    """One --basic-blocks list serves several models: absent classes are skipped and noted."""
+    b = built("gpt2-tiny")
+    g = traced("gpt2-tiny", ("T5Block", "GPT2Block"))
+    only = traced("gpt2-tiny", ("GPT2Block",))
+    assert g.granularity == "layer" and g.basic_blocks == ["GPT2Block"]
+    assert g.source["absent_basic_blocks"] == ["T5Block"]
+    assert sum(1 for n in g.nodes if n.op == "block:GPT2Block") == b.model.config.n_layer
+    assert g.content_hash() == only.content_hash()       # the same graph, so the same cached profiles
+    assert "absent_basic_blocks" not in only.source
+
+
 # --------------------------------------------------------------------------- failures
 
 class Gate(nn.Module):
@@ -293,3 +305,94 @@ def test_other_full_sizes_on_meta_layer_granularity(name, approx):
     assert abs(g.num_parameters - approx) / approx < 0.02
     assert g.num_parameters == b.num_parameters
     assert sum(1 for n in g.nodes if n.op.startswith("block:")) >= 24
+
+
+# --------------------------------------------------------------------------- functionalization
+
+class WritesThroughViews(nn.Module):
+    """In-place writes on a tensor the model makes, through slice/select views and directly;
+    ``row`` is a view taken before the writes and read after them (it must see them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        z = h.new_zeros(h.shape)
+        row = z[:, 1:]
+        z[:, 1:] = h[:, :-1]          # copy_ through a slice
+        z[:, 0] = 2.0                 # fill_ through a select
+        z[1:][:, 2] = 3.0             # through a slice of a slice's select
+        z.masked_fill_(z > 2.5, -1.0)
+        w = z.add_(h)                 # the in-place result, read below
+        return (w * row.sum()).sum() + row.mean() + z[0, 0]
+
+
+class WritesThroughTranspose(nn.Module):
+    """A write through a transpose: no scatter inverse, so torch's own pass must run."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        z = h * 1
+        z.t().mul_(2)
+        return (z + h).sum()
+
+
+@pytest.mark.parametrize("cls,how", [(WritesThroughViews, "local"), (WritesThroughTranspose, "run_decompositions")])
+def test_in_place_writes_through_views_are_functionalized(cls, how):
+    torch.manual_seed(0)
+    m = cls()
+    x = torch.randn(3, 6)
+    g = trace(m, (x,))
+    assert g.source["functionalized"] == how
+    targets = [ins.target for n in g.op_nodes() for ins in n.instrs]
+    assert not any(t.split(".")[1].endswith("_") for t in targets if t.startswith("aten."))
+    env = run_graph(g, m, (x,), {})
+    with torch.no_grad():
+        assert torch.equal(env[g.loss], m(x))
+
+
+def test_t5_is_functionalized_without_retracing():
+    """T5 mutates only tensors it makes (_shift_right, position buckets): the local pass suffices."""
+    g = traced("t5-tiny")
+    assert g.source["functionalized"] == "local"
+    targets = {ins.target for n in g.op_nodes() for ins in n.instrs}
+    assert {"aten.slice_scatter.default", "aten.select_scatter.default"} <= targets
+
+
+# --------------------------------------------------------------------------- quiet tracing
+
+def test_tracing_is_quiet_and_leaves_logging_and_warnings_as_they_were(capfd):
+    import logging
+    import warnings
+
+    name = "torch.fx.experimental.symbolic_shapes"
+    level = logging.getLogger(name).level
+    filters = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inner = list(warnings.filters)
+        with pytest.raises(TraceError):
+            trace(GatedNet(), (torch.randn(2, 8),))     # export fails on a data-dependent branch
+        b = built("t5-tiny")
+        trace(b.model, b.args, b.kwargs)               # export's pytree helpers warn on every call
+        assert list(warnings.filters) == inner
+    err = capfd.readouterr().err
+    assert "symbolic_shapes" not in err and "Unable to find user code" not in err and "def forward" not in err
+    assert not [w for w in caught if issubclass(w.category, (UserWarning, FutureWarning, DeprecationWarning))]
+    assert logging.getLogger(name).level == level
+    assert list(warnings.filters) == filters
+
+
+def test_verbose_tracing_lets_torch_logs_through(capfd, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING), pytest.raises(TraceError):
+        trace(GatedNet(), (torch.randn(2, 8),), verbose=True)
+    text = capfd.readouterr().err + caplog.text
+    assert "Unable to find user code" in text or "symbolic_shapes" in text

@@ -223,6 +223,18 @@ def test_fallback_layer_granularity():
         trace(m, args, kwargs, basic_blocks=["NoSuchBlock"])
 
 
+def test_fallback_basic_blocks_list_may_name_classes_the_model_lacks():
+    m, args, kwargs = checked_lm()
+    m.eval()
+    g = trace(m, args, kwargs, basic_blocks=["T5Block", "Block"])
+    assert g.source["tracer"] == "torch.fx.symbolic_trace"
+    assert g.granularity == "layer" and g.basic_blocks == ["Block"]
+    assert g.source["absent_basic_blocks"] == ["T5Block"]
+    assert [n.scope for n in g.nodes if n.op == "block:Block"] == ["blocks.0", "blocks.1"]
+    direct = trace_fx(m, args, kwargs, basic_blocks=["Block", "GPT2Block"])
+    assert direct.basic_blocks == ["Block"] and direct.content_hash() == g.content_hash()
+
+
 def test_fallback_non_tensor_arguments_are_specialised():
     m, args, kwargs = checked_lm()
     m.eval()
