@@ -78,7 +78,7 @@ def child(name: str, options: dict) -> dict:
     return {
         "model": name, "options": options, "parameters": graph.num_parameters,
         "nodes": len(graph.nodes), "edges": len(graph.edges), "tracer": graph.source.get("tracer"),
-        "trace_phases_s": graph.source.get("timings_s"),
+        "trace_phases_s": graph.source.get("timings_s"), "functionalized": graph.source.get("functionalized"),
         "import_s": round(import_s, 2), "build_s": round(build_s, 2), "trace_s": round(trace_s, 2),
         "profile_s": round(profile_s, 2), "rss_after_imports": rss_imports, "trace_peak_rss": rss_trace,
         "peak_rss": _peak_rss(), "distinct_nodes": profile.info.get("distinct_nodes"),

@@ -162,6 +162,42 @@ def test_load_refuses_missing_fields_and_missing_file(tmp_path):
         OpGraph.load(tmp_path / "missing.json")
 
 
+def _nodes_outputs_list(d):
+    d["nodes"][1]["outputs"] = ["linear"]                 # a list where an object belongs
+
+
+def _instr_unpack_list(d):
+    d["nodes"][1]["instrs"][0]["unpack"] = [0]
+
+
+def _param_shape_number(d):
+    d["params"][0]["shape"] = 8
+
+
+def _edge_meta_string(d):
+    d["edges"][0]["meta"] = "tensor"
+
+
+def _node_is_list(d):
+    d["nodes"][2] = [2, "relu", "op"]
+
+
+def _inputs_number(d):
+    d["inputs"] = 7
+
+
+@pytest.mark.parametrize("spoil", [_nodes_outputs_list, _instr_unpack_list, _param_shape_number, _edge_meta_string,
+                                   _node_is_list, _inputs_number])
+def test_load_refuses_malformed_content_as_corrupt(tmp_path, spoil):
+    """Wrong JSON types deep inside (AttributeError, TypeError...) read as a corrupt file, not a crash."""
+    d = small_graph().to_json()
+    spoil(d)
+    _write_json(tmp_path / "g.json", d)
+    with pytest.raises(GraphError, match="corrupt") as ei:
+        OpGraph.load(tmp_path / "g.json")
+    assert "re-run `ftcompile trace`" in str(ei.value)
+
+
 def test_load_validates_structure(tmp_path):
     d = small_graph().to_json()
     d["edges"][0]["src"], d["edges"][0]["dst"] = 1, 0
