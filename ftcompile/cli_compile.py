@@ -163,8 +163,16 @@ def cmd_compile(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     hw = load_hardware(args.hardware or cluster.hardware)
     t0 = time.perf_counter()
+    phases: dict[str, float] = {}      # seconds per phase, for the --json summary and plan.json
+
+    def lap(name: str, since: float) -> float:
+        now = time.perf_counter()
+        phases[name] = round(now - since, 3)
+        return now
+
     with base._stdout_for(args):
         graph, built = _graph_and_built(args, ui)
+        t = lap("trace", t0)
         if args.profile_file:
             prof = Profile.load(args.profile_file)
             prof.check_graph(graph)
@@ -172,7 +180,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
             prof = _analytic_profile(graph, hw, args.optimizer, args.cache_dir, ui)
         problem = Problem(graph, prof, cluster, schedule=args.schedule, micro_batches=args.micro_batches,
                           recompute=args.recompute)
-        t1 = time.perf_counter()
+        t = lap("profile", t)
 
         from .compile import resolve_strategies
 
@@ -186,25 +194,32 @@ def cmd_compile(args: argparse.Namespace) -> int:
                                          f"bound" if r.feasible else f"no plan ({r.reason})") + f" [{r.seconds:.1f} s]")
 
             result = compile_plan(problem, args.strategy, jobs=args.jobs, progress=progress)
+        t = lap("partition_and_simulate", t)
         doc = plan_document(result, model=graph.source)
-        doc["compile_seconds"] = round(time.perf_counter() - t0, 3)
         if result.chosen is None:
             doc["requirements"] = minimum_requirements(problem)
+            t = lap("requirements", t)
+        doc["compile_seconds"] = round(time.perf_counter() - t0, 3)
+        doc["phase_seconds"] = dict(phases)
         os.makedirs(args.output, exist_ok=True)
         base._save(graph, os.path.join(args.output, "graph.json"), "graph")
         base._save(prof, os.path.join(args.output, "profile.json"), "profile")
         paths = write_report(args.output, doc, result)
+        t = lap("report", t)
         package = None
         if result.chosen is not None:
             package = _generate_package(args, graph, doc, built, ui)
+            t = lap("codegen", t)
     if result.chosen is None:
         reasons = "; ".join(f"{r.name}: {r.reason}" for r in result.results)
         raise CompileError(f"no strategy found a plan that fits ({reasons}). To fit: {doc['requirements']}. "
                            f"The table is in {paths['report']}")
     summary = {"output": args.output, "chosen": result.chosen, "lower_bound_ms": result.lower_bound_ms,
                "strategies": doc["strategies"], "files": paths, "package": package,
-               "seconds": {"trace_and_profile": round(t1 - t0, 3), "partition": round(result.seconds, 3),
-                           "total": doc["compile_seconds"]}}
+               "seconds": {**phases, "trace_and_profile": round(phases["trace"] + phases["profile"], 3),
+                           "partition": round(result.seconds, 3),
+                           "strategies": {r.name: round(r.seconds, 3) for r in result.results},
+                           "total": round(time.perf_counter() - t0, 3)}}
     if args.json:
         base._emit_json(summary)
         return 0

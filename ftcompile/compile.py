@@ -23,7 +23,10 @@ from .plan import PLAN_FORMAT, PLAN_VERSION, Plan, PlanCost, PlanError, Problem,
 
 #: Strategies ``auto`` runs. ``exact`` joins when the graph is small enough to solve.
 AUTO_STRATEGIES = ("mixed", "seq", "acyclic", "metis", "uniform", "params")
-EXACT_AUTO_MAX_NODES = 400
+#: Up to this many op nodes ``auto`` runs ``exact`` too (the tiny zoo models have 100 to 400; it
+#: solves them in well under a second). Larger graphs would be coarsened into 60 blocks, whose
+#: optimum is far from the heuristics' plans and whose bound holds only for whole blocks.
+EXACT_AUTO_MAX_NODES = 1000
 
 
 class CompileError(ValueError):
@@ -121,6 +124,7 @@ def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs
     """
     names = resolve_strategies(strategies, problem)
     t0 = time.perf_counter()
+    bound = lower_bound(problem)     # once, before the workers fork: each evaluate() reuses it
     jobs = jobs if jobs is not None else min(len(names), os.cpu_count() or 1)
     results: dict[str, StrategyResult] = {}
     if jobs > 1 and len(names) > 1:
@@ -146,48 +150,64 @@ def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs
             thr = r.sim["throughput_samples_per_s"] if r.sim else 0.0
             return (-thr, r.cost.objective_ms) if simulate_plans else (r.cost.objective_ms,)
         chosen = min(feasible, key=score).name
-    return CompileResult(problem, ordered_results, chosen, lower_bound(problem), time.perf_counter() - t0)
+    return CompileResult(problem, ordered_results, chosen, bound, time.perf_counter() - t0)
 
 
-def minimum_requirements(problem: Problem, max_gpus: int = 64) -> str:
-    """What would make the model fit: the per-GPU memory a balanced plan needs, and the GPU count.
+def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: float = 0.02) -> str:
+    """What would make the model fit: the smallest per-GPU memory and the fewest GPUs.
 
-    Memory: the Seq-pipe plan on the same GPUs with the memory limit lifted, and
-    the largest GPU memory it uses. GPUs: the fewest GPUs of this memory on which
-    Seq-pipe finds a plan that fits, searched from the count the weights alone
-    need (doubling, then bisection), up to ``max_gpus``.
+    Both are found with the Seq-pipe DP, which is exact among contiguous plans under
+    a memory limit (another strategy may fit with less). Memory: the Seq-pipe plan on
+    the same GPUs with the limit lifted uses some most-loaded GPU memory ``need``; the
+    smallest limit at which the DP still finds a plan is bisected between what the
+    weights alone need per GPU and ``need``, to ``precision``, and rounded up. GPUs:
+    the fewest GPUs of the given memory on which the DP finds a plan, searched from
+    the count the weights alone need (doubling, then bisection), up to ``max_gpus``.
     """
     from dataclasses import replace
 
     from .units import format_bytes
 
+    P = problem.num_gpus
     limit = problem.cluster.gpu_memory
     static = sum(p.total for p in problem.profile.params.values())
     parts = [f"weights, gradients and optimizer state take {format_bytes(static)} in all"]
-    relaxed = replace(problem, cluster=replace(problem.cluster, gpu_memory=10**18))
-    try:
-        need = evaluate(relaxed, run_strategy("seq", relaxed)).max_memory_bytes
-        parts.append(f"on {problem.num_gpus} GPUs a balanced plan needs {format_bytes(need)} per GPU "
-                     f"(have {format_bytes(limit)}): use --gpu-memory {format_bytes(need * 1.05)} or more")
-    except (Infeasible, PlanError, ValueError):
-        pass
 
-    def fits(p: int) -> bool:
+    def with_memory(m: int) -> Problem:
+        return replace(problem, cluster=replace(problem.cluster, gpu_memory=int(m)))
+
+    def seq_fits(pb: Problem) -> bool:
         try:
-            run_strategy("seq", replace(problem, cluster=problem.cluster.with_overrides(gpus=p)))
+            run_strategy("seq", pb)
             return True
         except (Infeasible, PlanError, ValueError):
             return False
 
-    lo = max(problem.num_gpus, -(-static // max(limit, 1)) - 1)
-    hi = lo + 1
-    while hi <= max_gpus and not fits(hi):
-        lo, hi = hi, hi * 2
-    if hi <= max_gpus:
+    relaxed = with_memory(10**18)
+    try:
+        need = evaluate(relaxed, run_strategy("seq", relaxed)).max_memory_bytes
+    except (Infeasible, PlanError, ValueError):
+        need = None
+    if need is not None:
+        lo, hi = max(limit, static // P), need          # lo does not fit (else we would not be here)
+        while hi - lo > precision * hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if seq_fits(with_memory(mid)) else (mid, hi)
+        parts.append(f"on {P} GPUs a Seq-pipe plan fits in {format_bytes(hi)} per GPU (have "
+                     f"{format_bytes(limit)}): use --gpu-memory {format_bytes(hi * 1.005)} or more")
+
+    def fits(p: int) -> bool:
+        return seq_fits(replace(problem, cluster=problem.cluster.with_overrides(gpus=p)))
+
+    lo = max(P, -(-static // max(limit, 1)) - 1)       # lo GPUs do not fit
+    hi = min(lo + 1, max_gpus)
+    while hi < max_gpus and not fits(hi):
+        lo, hi = hi, min(hi * 2, max_gpus)
+    if hi > lo and (hi < max_gpus or fits(hi)):
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-        parts.append(f"with {format_bytes(limit)} GPUs it needs at least {hi} GPUs (--gpus {hi})")
+        parts.append(f"with {format_bytes(limit)} per GPU a Seq-pipe plan fits on {hi} GPUs (--gpus {hi})")
     else:
         parts.append(f"it does not fit on up to {max_gpus} GPUs of {format_bytes(limit)}: some single "
                      "operator needs more memory than one GPU has")
@@ -197,7 +217,7 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64) -> str:
 # --------------------------------------------------------------------------- plan.json
 
 def _stage_rows(problem: Problem, plan: Plan, cost: PlanCost) -> list[dict]:
-    from .plan import stage_graph
+    from .plan import stage_graph, total_param_memory
 
     graph = problem.graph
     sg = stage_graph(graph, plan)
@@ -222,7 +242,12 @@ def _stage_rows(problem: Problem, plan: Plan, cost: PlanCost) -> list[dict]:
             "forward_ms": c.forward_ms, "backward_ms": c.backward_ms, "recompute_ms": c.recompute_ms,
             "compute_ms": c.forward_ms + c.backward_ms + c.recompute_ms, "period_ms": c.period_ms,
             "comm_fwd_ms": c.comm_fwd_ms, "comm_bwd_ms": c.comm_bwd_ms,
-            "activation_bytes": c.activation_bytes, "memory_bytes": c.memory_bytes,
+            # Memory of the stage alone: the weights, gradients and optimizer state of the parameters
+            # it reads, plus the activations it keeps for its micro-batches in flight. (A GPU's
+            # total in "gpus" counts a parameter shared by its stages once, and weight versions.)
+            "activation_bytes": c.activation_bytes, "activation_memory_bytes": c.memory_bytes,
+            "param_memory_bytes": total_param_memory(problem, s.nodes),
+            "memory_bytes": c.memory_bytes + total_param_memory(problem, s.nodes),
             "inputs": values(((u, sg.edges[u, s.id]) for u in sg.predecessors(s.id)), "from_stage"),
             "outputs": values(((t, sg.edges[s.id, t]) for t in sg.successors(s.id)), "to_stage"),
             "graph_inputs": sorted({e.value for n in s.nodes for e in graph.in_edges(n)
@@ -244,7 +269,8 @@ def plan_document(result: CompileResult, *, model: dict | None = None) -> dict:
         "cluster": p.cluster.to_json(),
         "schedule": p.schedule, "micro_batches": p.micro_batches, "recompute": p.recompute,
         "lower_bound": {"objective_ms": result.lower_bound_ms,
-                        "note": "total compute / GPUs (recompute-aware); no plan can beat it"},
+                        "note": "total compute / GPUs, less the most recomputation the last stage can skip "
+                                "within its period and one GPU's memory; no plan that fits can beat it"},
         "strategies": [r.row() for r in result.results],
         "chosen": result.chosen,
         "compile_seconds": round(result.seconds, 3),
@@ -306,10 +332,11 @@ def report_text(doc: dict) -> str:
                          f"{g['compute_ms']:.3f} | {g['comm_ms']:.3f} | {g['utilisation']:.1%} | "
                          f"{_fmt_bytes(g['memory_bytes'])} | {g['memory_bytes'] / g['memory_limit']:.0%} |")
         lines.append("")
-        lines.append("| stage | GPU | depth | nodes | period ms | sends | receives |")
-        lines.append("|---|---|---|---|---|---|---|")
+        lines.append("| stage | GPU | depth | nodes | period ms | memory | sends | receives |")
+        lines.append("|---|---|---|---|---|---|---|---|")
         for s in doc["stages"]:
             lines.append(f"| {s['id']} | {s['gpu']} | {s['depth']} | {len(s['nodes'])} | {s['period_ms']:.3f} | "
+                         f"{_fmt_bytes(s.get('memory_bytes'))} | "
                          f"{_fmt_bytes(sum(v['bytes'] for v in s['outputs']))} | "
                          f"{_fmt_bytes(sum(v['bytes'] for v in s['inputs']))} |")
     else:

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
 import networkx as nx
+import numpy as np
 
 from .cluster import ClusterSpec
 from .ir import OpGraph, atomic_write_text
@@ -255,52 +256,146 @@ def _extra_weight_versions(schedule: str, depth: int, group0: bool) -> int:
     return 0
 
 
+#: The last few problems' lower bounds: evaluate() is called thousands of times per problem.
+_LB_CACHE: list[tuple[Problem, float]] = []
+_LB_CACHE_SIZE = 8
+#: Larger graphs skip the closure rule of lower_bound (its n x n bits would pass 100 MB).
+_CLOSURE_MAX_NODES = 30_000
+
+
 def lower_bound(problem: Problem) -> float:
-    """A proven lower bound on any plan's objective, in ms per micro-batch.
+    """A proven lower bound on the objective of any plan that fits, in ms per micro-batch.
 
     With total work ``W`` (forward + backward, plus recomputation where stages
     recompute) spread over ``P`` GPUs, the period ``T`` is at least ``W / P``.
     Under schedules where the last stage skips recomputation (async), that stage
-    saves at most ``f(T)``: the most recomputation a set of nodes whose
-    non-recompute work fits in ``T`` can carry (a fractional knapsack, best
-    recompute-to-work ratio first). So ``P T >= W - f(T)``; the smallest such
-    ``T`` is found by bisection, as ``f`` is increasing and concave.
-    """
-    prof = problem.profile
-    recompute_all = problem.schedule == "async" or bool(problem.recompute)
-    items = []
-    work = 0.0
-    for n in problem.graph.op_nodes():
-        c = prof.nodes[n.id]
-        base = c.forward_ms + c.backward_ms
-        rec = c.recompute_ms if recompute_all else 0.0
-        work += base + rec
-        if rec > 0:
-            items.append((base, rec))
-    P = problem.num_gpus
-    if not items:
-        return work / P
-    items.sort(key=lambda br: -(br[1] / br[0]) if br[0] > 0 else -float("inf"))
+    saves at most ``f(T)``, so ``P T >= W - f(T)``; the smallest such ``T`` is
+    found by bisection (``f`` increases with ``T``).
 
-    def skip(budget: float) -> float:
-        got = 0.0
-        for base, rec in items:
-            if base <= budget:
-                budget -= base
-                got += rec
-            else:
-                got += rec * budget / base
-                break
+    ``f(T)`` is a fractional knapsack: the most recomputation a set of nodes
+    whose forward + backward fits in ``T`` can carry, best recompute-to-work
+    ratio first, over the nodes that *may* be in the last stage. The last stage
+    holds the loss and is a sink of the stage graph, so with node ``v`` it holds
+    every descendant of ``v`` and of the loss: ``v`` is eligible only if that
+    closure's forward + backward fits in ``T`` (the last stage's load) and the
+    closure's weights, gradients and optimizer state (each parameter charged to
+    one of its users) plus one micro-batch of its activations (the last stage
+    keeps them, as it does not recompute) fit in one GPU's memory. On T5 this
+    keeps the encoder, whose closure is the whole decoder, out of the knapsack.
+    Graphs without a loss node let every sink stage skip recomputation; there
+    the knapsack's budget is ``P T`` with no closure rule. Graphs of more than
+    30,000 op nodes skip the closure rule (a weaker, still valid bound).
+
+    The value depends only on the problem, so it is remembered for the last few
+    problems (by identity: a Problem is frozen, its graph and profile are not
+    changed once a problem holds them).
+    """
+    for p, v in _LB_CACHE:
+        if p is problem:
+            return v
+    v = _lower_bound(problem)
+    _LB_CACHE.insert(0, (problem, v))
+    del _LB_CACHE[_LB_CACHE_SIZE:]
+    return v
+
+
+def _lower_bound(problem: Problem) -> float:
+    graph, prof = problem.graph, problem.profile
+    recompute_all = problem.schedule == "async" or bool(problem.recompute)
+    ops = [n for n in graph.op_nodes()]
+    P = problem.num_gpus
+    base = np.array([prof.nodes[n.id].forward_ms + prof.nodes[n.id].backward_ms for n in ops], dtype=float)
+    rec = np.array([prof.nodes[n.id].recompute_ms for n in ops], dtype=float) if recompute_all \
+        else np.zeros(len(ops))
+    work = float(base.sum() + rec.sum())
+    if not ops or not (rec > 0).any():
+        return work / P
+    loss = next((i for i, n in enumerate(ops) if n.is_loss), None)
+    closure = loss is not None and len(ops) <= _CLOSURE_MAX_NODES
+    costs = _closure_costs(problem, ops, base) if closure else None
+    closure = costs is not None
+    if closure:
+        clos_base, clos_mem = costs
+        with_rec = rec > 0
+        clos_base, clos_mem = clos_base[with_rec], clos_mem[with_rec]
+    b_items, r_items = base[rec > 0], rec[rec > 0]
+    # Best recompute-to-work ratio first; items without work (pure gain) lead.
+    ratio = np.where(b_items > 0, r_items / np.where(b_items > 0, b_items, 1.0), np.inf)
+    order = np.argsort(-ratio, kind="stable")
+    b_items, r_items = b_items[order], r_items[order]
+    if closure:
+        clos_base, clos_mem = clos_base[order], clos_mem[order]
+        # (float sums: a hair of slack, so that rounding only ever admits more nodes)
+        fits_memory = clos_mem <= problem.cluster.gpu_memory * (1 + 1e-9)
+
+    def skip(budget: float, eligible) -> float:
+        b, r = (b_items, r_items) if eligible is None else (b_items[eligible], r_items[eligible])
+        if not len(b):
+            return 0.0
+        cum_b, cum_r = np.cumsum(b), np.cumsum(r)
+        # Whole items while their work fits the budget, then a fraction of the next one.
+        i = int(np.searchsorted(cum_b, budget, side="right"))
+        got = float(cum_r[i - 1]) if i > 0 else 0.0
+        if i < len(b):
+            left = budget - (float(cum_b[i - 1]) if i > 0 else 0.0)
+            got += float(r[i]) * left / float(b[i])
         return got
 
-    lo, hi = work / (P + 1.0), work / P
-    for _ in range(60):
+    def saved(T: float) -> float:
+        if loss is None:
+            return skip(P * T, None)
+        if not closure:
+            return skip(T, None)
+        return skip(T, fits_memory & (clos_base <= T * (1 + 1e-9)))
+
+    lo, hi = 0.0, work / P
+    for _ in range(64):
         mid = (lo + hi) / 2
-        if P * mid >= work - skip(mid):
+        if P * mid >= work - saved(mid):
             hi = mid
         else:
             lo = mid
     return hi
+
+
+def _closure_costs(problem: Problem, ops: list, base: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per op node ``v``: forward + backward, and a lower bound on the memory, of ``v``, the loss
+    and all their descendants (the least a last stage holding ``v`` holds).
+
+    Memory: each parameter's weights, gradients and optimizer state charged to its last
+    user (so a set holding that user holds the parameter), plus activations. ``ops`` must
+    be in topological order (as ``graph.nodes`` is); None if an edge says otherwise.
+    """
+    graph, prof = problem.graph, problem.profile
+    n = len(ops)
+    pos = {node.id: i for i, node in enumerate(ops)}
+    last_user: dict[str, int] = {}
+    for i, node in enumerate(ops):
+        for prm in node.params:
+            last_user[prm] = i
+    mem = np.array([prof.nodes[node.id].activation_bytes for node in ops], dtype=float)
+    for prm, i in last_user.items():
+        mem[i] += prof.params[prm].total
+    # Descendant sets as bit rows (n x n bits), built in reverse topological order.
+    width = (n + 7) // 8
+    reach = np.zeros((n, width), dtype=np.uint8)
+    for i in range(n - 1, -1, -1):
+        row = reach[i]
+        row[i >> 3] |= 128 >> (i & 7)
+        for e in graph.out_edges(ops[i].id):
+            j = pos.get(e.dst)
+            if j is None or j == i:
+                continue
+            if j < i:
+                return None
+            row |= reach[j]
+    loss = next(i for i, node in enumerate(ops) if node.is_loss)
+    reach |= reach[loss].copy()
+    weights = np.stack([base, mem], axis=1)
+    sums = np.empty((n, 2))
+    for a in range(0, n, 1024):
+        sums[a:a + 1024] = np.unpackbits(reach[a:a + 1024], axis=1, count=n).astype(np.float64) @ weights
+    return sums[:, 0], sums[:, 1]
 
 
 def evaluate(problem: Problem, plan: Plan) -> PlanCost:

@@ -46,6 +46,7 @@ exactly flush-to-flush.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 import math
 from dataclasses import asdict, dataclass, field, replace
 
@@ -259,8 +260,12 @@ def simulate(problem: Problem, plan: Plan, *, micro_batches: int | None = None, 
     fwd_in: set[tuple[int, int, int]] = set()      # (producer u, consumer t, k) arrived
     grad_in: set[tuple[int, int, int]] = set()     # (consumer t, producer u, k) arrived
     gpu_free = {g: True for g in stages_on}
-    links: dict[tuple[int, int], list] = {}        # (src, dst) -> FIFO of pending messages
+    links: dict[tuple[int, int], deque] = {}       # (src, dst) -> FIFO of pending messages
     link_free: dict[tuple[int, int], bool] = {}
+    # Only GPUs and links whose state changed since they were last looked at can start
+    # something; the others are skipped (same choices, in the same order, as a full scan).
+    dirty_gpus: set[int] = set(stages_on)
+    dirty_links: set[tuple[int, int]] = set()
     events: list[Event] = []
     mem: dict[int, list[tuple[float, int, int]]] = {g: [] for g in range(plan.num_gpus)}  # (t, order, delta)
     live: dict[int, int] = {s: 0 for s in gpu_of}
@@ -288,30 +293,36 @@ def simulate(problem: Problem, plan: Plan, *, micro_batches: int | None = None, 
         if t <= 0:
             deliver_now(deliver)
             return
-        links.setdefault(key, []).append((t, src_stage, k, deliver, dst_stage, nbytes))
+        links.setdefault(key, deque()).append((t, src_stage, k, deliver, dst_stage, nbytes))
         link_free.setdefault(key, True)
+        dirty_links.add(key)
 
     def deliver_now(deliver: tuple) -> None:
         if deliver[0] == "fwd":
             _, u, ts, k = deliver
             for t in ts:
                 fwd_in.add((u, t, k))
+                dirty_gpus.add(gpu_of[t])
         else:
             _, t, u, k = deliver
             grad_in.add((t, u, k))
+            dirty_gpus.add(gpu_of[u])
 
     now = 0.0
     remaining = sum(len(p) for p in programs.values())
     while True:
         # Start whatever can start at `now`: transfers first (they only need a free link).
         for key, q in links.items():
+            if key not in dirty_links:
+                continue
             if q and link_free[key]:
-                t, src_stage, k, deliver, dst_stage, nbytes = q.pop(0)
+                t, src_stage, k, deliver, dst_stage, nbytes = q.popleft()
                 link_free[key] = False
                 events.append(Event(key[0], src_stage, "send", k, now, now + t, key[1], dst_stage, nbytes))
                 push(now + t, ("link", key, deliver))
+        dirty_links.clear()
         for g, stages in stages_on.items():
-            if not gpu_free[g]:
+            if g not in dirty_gpus or not gpu_free[g]:
                 continue
             cands = [s for s in stages if head[s] < len(programs[s]) and ready(s)]
             if not cands:
@@ -328,6 +339,7 @@ def simulate(problem: Problem, plan: Plan, *, micro_batches: int | None = None, 
             elif kind == "R":
                 mem[g].append((now, 1, sc_of[s].activation_bytes))
             push(end, ("task", s, kind, k))
+        dirty_gpus.clear()
         if not heap:
             break
         now = heap[0][0]
@@ -335,10 +347,12 @@ def simulate(problem: Problem, plan: Plan, *, micro_batches: int | None = None, 
             _, _, what = heapq.heappop(heap)
             if what[0] == "link":
                 link_free[what[1]] = True
+                dirty_links.add(what[1])
                 deliver_now(what[2])
                 continue
             _, s, kind, k = what
             gpu_free[gpu_of[s]] = True
+            dirty_gpus.add(gpu_of[s])
             head[s] += 1
             remaining -= 1
             if kind == "F":

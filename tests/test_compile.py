@@ -64,6 +64,20 @@ def test_plan_json_schema_and_choice(compiled):
     assert sent == got and sent
     assert all(i["bytes"] > 0 for s in doc["stages"] for i in s["inputs"] if "shape" in i)
     assert len(doc["gpus"]) == 3 and all(g["memory_bytes"] <= g["memory_limit"] for g in doc["gpus"])
+    # Every field the issue lists: each strategy's row, and each stage's id, GPU, nodes,
+    # compute, memory and the values it receives and sends with their sizes.
+    for r in doc["strategies"]:
+        assert {"name", "feasible", "reason", "objective_ms", "throughput", "efficiency",
+                "max_gpu_memory_bytes"} <= set(r)
+        assert r["feasible"] or r["reason"]
+    assert doc["model"]["options"]["batch_size"] == 2
+    assert {"gpu_memory", "intra_node_bandwidth", "gpus_per_node"} <= set(doc["cluster"])
+    for st in doc["stages"]:
+        assert {"id", "gpu", "nodes", "compute_ms", "memory_bytes", "inputs", "outputs"} <= set(st)
+        assert st["compute_ms"] >= 0 and st["memory_bytes"] == st["param_memory_bytes"] + st["activation_memory_bytes"]
+        assert all({"value", "bytes"} <= set(v) for v in st["inputs"] + st["outputs"])
+    assert sorted(n for st in doc["stages"] for n in st["nodes"]) == sorted(int(k) for k in doc["node_names"])
+    assert set(doc["phase_seconds"]) >= {"trace", "profile", "partition_and_simulate"}
 
 
 def test_plan_in_output_checks_against_its_graph(compiled):
@@ -124,6 +138,22 @@ def test_compile_that_cannot_fit_says_what_would(tmp_path, capsys):
     # The table of what was tried is still written.
     doc = load_plan_file(tmp_path / "o")
     assert doc["chosen"] is None and not any(r["feasible"] for r in doc["strategies"])
+    # What the message suggests works, and is the least that does (to 2 %) for a Seq-pipe.
+    import re
+
+    memory = re.search(r"--gpu-memory ([0-9.]+ [kMGT]?B)", err).group(1).replace(" ", "")
+    gpus = int(re.search(r"--gpus (\d+)\)", err).group(1))
+
+    def seq(*extra):
+        return main(["compile", "t5-tiny", "--strategy", "seq", "-q", "--json", "-o", str(tmp_path / "s"),
+                     "--cache-dir", str(tmp_path / "c"), *extra])
+
+    assert seq("--gpus", "2", "--gpu-memory", memory) == 0
+    assert seq("--gpus", str(gpus), "--gpu-memory", "2MB") == 0
+    assert seq("--gpus", str(gpus - 1), "--gpu-memory", "2MB") == 2
+    less = float(memory[:-2]) * 0.97
+    assert seq("--gpus", "2", "--gpu-memory", f"{less:.3f}{memory[-2:]}") == 2
+    capsys.readouterr()
 
 
 @pytest.mark.parametrize("argv, message", [

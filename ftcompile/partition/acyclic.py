@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from ..plan import Plan, Problem, Stage, _extra_weight_versions, _in_flight, evaluate
+from ..units import format_bytes
 from .base import Infeasible
 
 __all__ = ["partition_acyclic"]
@@ -620,8 +621,8 @@ def partition_acyclic(problem: Problem, *, seeds: int = 3) -> Plan:
         raise Infeasible("the graph has no op nodes")
     need = sum(data.ptotal)
     if need > P * problem.cluster.gpu_memory:
-        raise Infeasible(f"parameters, gradients and optimizer state need {need / 1e9:.2f} GB, more than "
-                         f"{P} GPUs x {problem.cluster.gpu_memory / 1e9:.2f} GB")
+        raise Infeasible(f"parameters, gradients and optimizer state need {format_bytes(need)}, more than "
+                         f"{P} GPUs x {format_bytes(problem.cluster.gpu_memory)}")
     best: tuple | None = None
     reasons = []
     for seed in range(max(1, seeds)):

@@ -48,6 +48,7 @@ import networkx as nx
 import numpy as np
 
 from ..plan import Plan, Problem, Stage, _in_flight, evaluate, stage_graph
+from ..units import format_bytes
 from .base import Infeasible
 from .seq import OpSequence, op_sequence
 
@@ -346,7 +347,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 60, time_limit: float 
         if not has_solution:
             if status == highspy.HighsModelStatus.kInfeasible:
                 why = ("no assignment fits weights, gradients and optimizer state in "
-                       f"{limit / 1e9:.2f} GB per GPU" if cut_off == 0 else
+                       f"{format_bytes(limit)} per GPU" if cut_off == 0 else
                        f"every assignment that fits its weights ran out of memory once activations "
                        f"were counted ({cut_off} cut off)")
                 raise Infeasible(f"exact ({space}): {why}")

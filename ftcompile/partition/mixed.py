@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from ..plan import Plan, Problem, Stage, _extra_weight_versions, _in_flight, evaluate
+from ..units import format_bytes
 from .base import Infeasible
 from .coarsen import Quotient, coarsen, grow_around_centers, split_contiguous
 
@@ -54,10 +55,13 @@ def assign_lpt(problem: Problem, q: Quotient, *, balance_memory: bool = False) -
     """GPU of each block of ``q``: Longest-Processing-Time-first under an estimate of memory.
 
     A GPU's memory is estimated as the weights, gradients and optimizer state of
-    the parameters its blocks read (each once), plus, per block, the inputs of
-    ``depth + 1`` micro-batches (the async/1F1B in-flight count, with the depth
-    taken in the block DAG), plus the largest block's full activations (what
-    recomputation rebuilds). Returns None when some block fits no GPU.
+    the parameters its blocks read (each once), the extra weight versions the
+    schedule keeps for them (PipeDream: the block's depth), plus, per block, the
+    micro-batches the schedule keeps in flight (``depth + 1`` for async and 1F1B,
+    ``M`` for GPipe, with the depth taken in the block DAG): their inputs where the
+    schedule recomputes, plus the largest block's full activations (what
+    recomputation rebuilds), else their full activations. Returns None when some
+    block fits no GPU.
 
     With ``balance_memory`` the blocks are sorted by the larger of their shares
     of total compute and total memory, and each goes to the GPU that minimises
@@ -69,16 +73,33 @@ def assign_lpt(problem: Problem, q: Quotient, *, balance_memory: bool = False) -
     depth = _depths(succ, blocks)
     P = problem.num_gpus
     limit = problem.cluster.gpu_memory
-    held = {b: (depth[b] + 1) * _block_inputs(problem, q.members[b]) for b in blocks}
-    if problem.schedule == "gpipe":
-        held = {b: problem.micro_batches * _block_inputs(problem, q.members[b]) for b in blocks}
+    # Micro-batches in flight per block (its depth in the block DAG), each keeping the block's
+    # inputs where the schedule recomputes, else its full activations.
+    recomputes = problem.recomputes(False)
+    held = {b: _in_flight(problem.schedule, depth[b], problem.micro_batches, True)
+            * (_block_inputs(problem, q.members[b]) if recomputes else q.act[b]) for b in blocks}
     load = [0.0] * P
     params: list[set[str]] = [set() for _ in range(P)]
     act = [0] * P
     peak = [0] * P
     where: dict[int, int] = {}
+    # Extra weight versions the schedule keeps (PipeDream: depth, 2BW: one...), per GPU and
+    # parameter the most any of its blocks needs, as evaluate counts them.
+    wbytes = {prm: c.bytes for prm, c in problem.profile.params.items()}
+    xv = {b: _extra_weight_versions(problem.schedule, depth[b], True) for b in blocks}
+    versions: list[dict[str, int]] = [{} for _ in range(P)]
+    vbytes = [0] * P
+
+    def versions_after(g: int, b: int) -> int:
+        if not xv[b]:
+            return vbytes[g]
+        cur = versions[g]
+        return vbytes[g] + sum(wbytes[prm] * (xv[b] - cur.get(prm, 0)) for prm in q.params[b]
+                               if cur.get(prm, 0) < xv[b])
+
     total_work = sum(q.work[b] for b in blocks) or 1.0
-    bmem = {b: q.param_memory(q.params[b]) + held[b] for b in blocks}
+    bmem = {b: q.param_memory(q.params[b]) + held[b] + xv[b] * sum(wbytes[prm] for prm in q.params[b])
+            for b in blocks}
     total_mem = sum(bmem.values()) or 1
     if balance_memory:
         order = sorted(blocks, key=lambda b: (-max(q.work[b] / total_work, bmem[b] / total_mem), q.pos[b]))
@@ -88,7 +109,8 @@ def assign_lpt(problem: Problem, q: Quotient, *, balance_memory: bool = False) -
         best = None
         best_key = None
         for g in sorted(range(P), key=lambda g: (load[g], g)):
-            mem = (q.param_memory(params[g] | q.params[b]) + act[g] + held[b] + max(peak[g], q.act[b]))
+            mem = (q.param_memory(params[g] | q.params[b]) + versions_after(g, b) + act[g] + held[b]
+                   + (max(peak[g], q.act[b]) if recomputes else 0))
             if mem > limit:
                 continue
             if not balance_memory:
@@ -102,6 +124,9 @@ def assign_lpt(problem: Problem, q: Quotient, *, balance_memory: bool = False) -
         where[b] = best
         load[best] += q.work[b]
         params[best] |= q.params[b]
+        vbytes[best] = versions_after(best, b)
+        for prm in q.params[b]:
+            versions[best][prm] = max(versions[best].get(prm, 0), xv[b])
         act[best] += held[b]
         peak[best] = max(peak[best], q.act[b])
     return where
@@ -545,9 +570,9 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
                 worst_reason = worst_reason or rcost.reason
     if best is None:
         need = sum(c.total for c in problem.profile.params.values())
-        raise Infeasible(f"mixed: no plan fits in memory for L in {ls} ({worst_reason}); weights, gradients "
-                         f"and optimizer state alone need {need / 1e9:.2f} GB against "
-                         f"{P} x {limit / 1e9:.2f} GB")
+        raise Infeasible(f"no Mixed-pipe (mixed) plan fits in memory for L in {ls} ({worst_reason}); weights, gradients "
+                         f"and optimizer state alone need {format_bytes(need)} against "
+                         f"{P} x {format_bytes(limit)}")
     plan = _best_simulated(problem, finals, simulate_top) if simulate_top else best[1]
     plan.info["seconds"] = round(time.perf_counter() - t0, 3)
     return plan

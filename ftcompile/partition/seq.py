@@ -29,6 +29,7 @@ import numpy as np
 
 from ..ir import OpGraph
 from ..plan import Plan, Problem, Stage, _extra_weight_versions, _in_flight, evaluate
+from ..units import format_bytes
 from .base import Infeasible
 
 #: Module classes that are one "layer" (basic block) of the usual model families.
@@ -173,17 +174,17 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
         results.append((cost.objective_ms if cost.feasible else _INF, S, plan, cost, best[model, S], model))
     feasible = [r for r in results if r[0] < _INF]
     if not feasible:
-        gb = problem.cluster.gpu_memory / 1e9
+        gb = format_bytes(problem.cluster.gpu_memory)
         if results:
-            raise Infeasible(f"the best contiguous splits do not fit {gb:.2f} GB per GPU once every "
+            raise Infeasible(f"the best contiguous splits do not fit {gb} per GPU once every "
                              f"micro-batch in flight is counted ({results[0][3].reason})")
         S = max(counts)
-        params = int(seq.param_total.sum()) / 1e9
-        acts = int(seq.activation_bytes.sum()) / 1e9
+        params = format_bytes(int(seq.param_total.sum()))
+        acts = format_bytes(int(seq.activation_bytes.sum()))
         k_in = _in_flight(problem.schedule, S - 1, problem.micro_batches, True)
-        raise Infeasible(f"no contiguous split of {N} op nodes into at most {S} stages fits {gb:.2f} GB "
+        raise Infeasible(f"no contiguous split of {N} op nodes into at most {S} stages fits {gb} "
                          f"per GPU under the {problem.schedule} schedule (weights, gradients and optimizer "
-                         f"state are {params:.2f} GB in all; activations {acts:.2f} GB per micro-batch, "
+                         f"state are {params} in all; activations {acts} per micro-batch, "
                          f"of which the first stage keeps up to {k_in} micro-batches"
                          f"{' as inputs only (recomputation)' if problem.recomputes(False) else ''})")
     obj, S, plan, cost, dp_obj, model = min(feasible, key=lambda r: (r[0], r[1]))

@@ -1,0 +1,238 @@
+"""Per-GPU memory as plan.evaluate prices it, and the lower bound every plan is measured against.
+
+Memory: weights, gradients and optimizer state once per GPU that uses a parameter,
+the weight versions each schedule keeps (GPipe, 1F1B and async one; PipeDream
+``depth + 1``; 2BW two; WPipe's 2GW two for group G0 and one for G1, WPipe Table 1)
+and the activations of the micro-batches in flight.
+
+Lower bound: checked against every plan of small graphs (all set partitions of the
+nodes into stages, all GPU assignments), with and without memory limits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from dataclasses import replace
+
+import pytest
+
+from ftcompile.cluster import ClusterSpec
+from ftcompile.ir import Edge, Node, OpGraph, ParamInfo, TensorMeta, ValueMeta
+from ftcompile.plan import Plan, PlanError, Problem, Stage, evaluate, lower_bound
+from ftcompile.profile import NodeCost, ParamCost, Profile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_partition_exact import synthetic_problem  # noqa: E402
+
+S = 1_000_000           # weight bytes of each node's parameter
+ACT = 10_000            # activation bytes kept per node and micro-batch
+VALUE = 400             # bytes of each value between nodes (float32[100])
+
+
+def chain(n: int, *, shared: dict[int, str] | None = None, gpus: int | None = None, schedule: str = "async",
+          M: int = 4, memory: int = 10**15, recompute=None, loss: bool = True,
+          costs: list[tuple[float, float, float]] | None = None) -> Problem:
+    """Op nodes 1..n in a chain after one input node 0; node i reads parameter ``w{i}`` (or
+    ``shared[i]``), a weight of ``S`` bytes with ``S`` of gradient and ``2 S`` of Adam state."""
+    shared = shared or {}
+    meta = ValueMeta(TensorMeta((VALUE // 4,), "float32"))
+    nodes = [Node(0, "x", "input", outputs={"x": meta})]
+    edges = [Edge(0, 1, "x", meta)]
+    params, pcost, ncost = {}, {}, {}
+    for i in range(1, n + 1):
+        p = shared.get(i, f"w{i}")
+        params.setdefault(p, ParamInfo(p, "parameter", TensorMeta((S // 4,), "float32")))
+        pcost[p] = ParamCost(S, S, 2 * S)
+        nodes.append(Node(i, f"op{i}", "op", params=[p], outputs={f"h{i}": meta}, is_loss=loss and i == n))
+        if i < n:
+            edges.append(Edge(i, i + 1, f"h{i}", meta))
+        f, b, r = costs[i - 1] if costs else (1.0, 2.0, 1.0)
+        ncost[i] = NodeCost(forward_ms=f, backward_ms=b, recompute_ms=r, activation_bytes=ACT)
+    g = OpGraph(nodes=nodes, edges=edges, params=params, loss=f"h{n}" if loss else None)
+    prof = Profile(graph_hash=g.content_hash(), method="analytic", hardware={"name": "test"}, dtype="float32",
+                   batch_size=1, optimizer="adam", nodes=ncost, params=pcost)
+    P = gpus or n
+    cluster = ClusterSpec("test", 1, P, memory, 1e30, 1e30, 1e30)
+    return Problem(g, prof, cluster, schedule=schedule, micro_batches=M, recompute=recompute)
+
+
+def one_per_gpu(n: int) -> Plan:
+    return Plan("hand", n, [Stage(i - 1, i - 1, [i]) for i in range(1, n + 1)])
+
+
+# --------------------------------------------------------------------------- weight versions
+
+@pytest.mark.parametrize("schedule, versions", [
+    ("gpipe", lambda depth, g0: 1),
+    ("1f1b", lambda depth, g0: 1),
+    ("async", lambda depth, g0: 1),            # FTPipe: no stashing (recomputation instead)
+    ("pipedream", lambda depth, g0: depth + 1),  # weight stashing: the first of N stages keeps N
+    ("2bw", lambda depth, g0: 2),
+    ("2gw", lambda depth, g0: 2 if g0 else 1),   # WPipe: only group G0 keeps a second version
+])
+def test_weight_versions_per_schedule(schedule, versions):
+    N = 6
+    pb = chain(N, schedule=schedule)
+    cost = evaluate(pb, one_per_gpu(N))
+    for g in cost.gpus:
+        depth = N - 1 - g.gpu
+        g0 = g.gpu < N // 2                      # the first half of the stages is G0
+        assert g.param_bytes == S and g.grad_bytes == S and g.optimizer_bytes == 2 * S
+        assert g.param_bytes + g.weight_version_bytes == versions(depth, g0) * S, g.gpu
+        # Everything adds up: static part plus activations.
+        assert g.memory_bytes == 4 * S + g.weight_version_bytes + g.activation_bytes
+
+
+def test_weight_buffers_match_wpipe_table_1():
+    """Totals over an evenly split model of size S_m = N S: PipeDream (N+1)/2 S_m, 2BW 2 S_m, and
+    2GW's two versions of G0 (half the model) make S_m."""
+    N = 6
+    S_m = N * S
+
+    def weights(schedule, gpus=None):
+        cost = evaluate(chain(N, schedule=schedule), one_per_gpu(N))
+        return sum(g.param_bytes + g.weight_version_bytes for g in cost.gpus if gpus is None or g.gpu in gpus)
+
+    assert weights("gpipe") == S_m
+    assert weights("pipedream") == (N + 1) * S_m // 2
+    assert weights("2bw") == 2 * S_m
+    assert weights("2gw", gpus=range(N // 2)) == S_m          # G0's buffer: 2 x M_G0 = S_m
+    assert weights("2gw", gpus=range(N // 2, N)) == S_m // 2  # G1: one version
+
+
+def test_shared_parameter_counts_once_per_gpu_with_the_most_versions():
+    # Nodes 1 and 4 read the same tensor (tied embedding); stages 0 and 3 share GPU 0.
+    pb = chain(4, shared={1: "tied", 4: "tied"}, gpus=2, schedule="pipedream")
+    plan = Plan("hand", 2, [Stage(0, 0, [1]), Stage(1, 1, [2]), Stage(2, 1, [3]), Stage(3, 0, [4])])
+    cost = evaluate(pb, plan)
+    g0 = cost.gpus[0]
+    assert g0.param_bytes == S and g0.grad_bytes == S and g0.optimizer_bytes == 2 * S
+    assert g0.weight_version_bytes == 3 * S          # stage 0 has depth 3: 4 versions in all
+    # On two GPUs the tied tensor is held by each.
+    split = Plan("hand", 2, [Stage(0, 0, [1, 2]), Stage(1, 1, [3, 4])])
+    c2 = evaluate(replace(pb, schedule="gpipe"), split)
+    assert [g.param_bytes for g in c2.gpus] == [2 * S, 2 * S]
+
+
+# --------------------------------------------------------------------------- activations in flight
+
+@pytest.mark.parametrize("schedule, recompute, expect", [
+    # (depth, is_last) -> activation bytes the stage holds (M = 4, 6 stages)
+    ("gpipe", None, lambda d, last: 4 * ACT),
+    ("1f1b", None, lambda d, last: min(4, d + 1) * ACT),
+    ("pipedream", None, lambda d, last: (d + 1) * ACT),
+    # async: every stage but the last recomputes, keeping only its inputs (depth + 1 of them)
+    # plus one micro-batch's activations rebuilt at a time; the last keeps one micro-batch.
+    ("async", None, lambda d, last: ACT if last else (d + 1) * VALUE + ACT),
+    ("gpipe", True, lambda d, last: 4 * ACT if last else 4 * VALUE + ACT),
+])
+def test_activations_in_flight(schedule, recompute, expect):
+    N = 6
+    cost = evaluate(chain(N, schedule=schedule, recompute=recompute), one_per_gpu(N))
+    for g in cost.gpus:
+        depth = N - 1 - g.gpu
+        assert g.activation_bytes == expect(depth, depth == 0), g.gpu
+
+
+def test_plan_over_the_limit_is_infeasible_and_says_which_gpu():
+    pb = chain(4, memory=5 * S)        # one node's static memory is 4 S: two do not fit on a GPU
+    ok = evaluate(pb, one_per_gpu(4))
+    assert ok.feasible and ok.reason is None
+    two = Plan("hand", 4, [Stage(0, 0, [1, 2]), Stage(1, 1, [3]), Stage(2, 2, [4])])
+    bad = evaluate(pb, two)
+    assert not bad.feasible and "GPU 0 needs" in bad.reason
+    assert bad.max_memory_bytes > 5 * S
+
+
+# --------------------------------------------------------------------------- lower bound
+
+def _set_partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _set_partitions(rest):
+        for i in range(len(part)):
+            yield part[:i] + [[first] + part[i]] + part[i + 1:]
+        yield [[first]] + part
+
+
+def _best_of_all_plans(problem: Problem) -> float:
+    """The lowest objective of any plan that fits: every set partition, every GPU assignment."""
+    ids = [n.id for n in problem.graph.op_nodes()]
+    P, best = problem.num_gpus, float("inf")
+    for part in _set_partitions(ids):
+        for gpus in itertools.product(range(P), repeat=len(part)):
+            plan = Plan("all", P, [Stage(i, g, sorted(ns)) for i, (g, ns) in enumerate(zip(gpus, part))])
+            try:
+                cost = evaluate(problem, plan)
+            except PlanError:          # a cyclic stage graph
+                continue
+            if cost.feasible:
+                best = min(best, cost.objective_ms)
+    return best
+
+
+@pytest.mark.parametrize("seed, n, gpus, fanout, memory, schedule", [
+    (0, 6, 2, False, None, "async"),
+    (4, 6, 2, False, None, "async"),        # the bound is attained here
+    (1, 6, 2, True, 0.6, "async"),
+    (2, 5, 3, True, 0.6, "async"),
+    (3, 5, 3, False, 0.4, "async"),
+    (5, 6, 2, True, None, "gpipe"),         # with --recompute
+])
+def test_lower_bound_holds_for_every_plan(seed, n, gpus, fanout, memory, schedule):
+    pb = synthetic_problem(n, gpus, seed=seed, fanout=fanout, schedule=schedule)
+    if schedule != "async":
+        pb = replace(pb, recompute=True)
+    if memory:
+        ids = [x.id for x in pb.graph.op_nodes()]
+        one = evaluate(pb, Plan("one", gpus, [Stage(0, 0, ids)])).max_memory_bytes
+        pb = replace(pb, cluster=pb.cluster.with_overrides(gpu_memory=int(one * memory)))
+    lb = lower_bound(pb)
+    best = _best_of_all_plans(pb)
+    assert best >= lb * (1 - 1e-9)
+    if seed == 4:
+        assert best == pytest.approx(lb, rel=1e-6)
+
+
+def test_lower_bound_without_recomputation_is_work_over_gpus():
+    pb = chain(6, gpus=3, schedule="1f1b")
+    assert lower_bound(pb) == pytest.approx(6 * 3.0 / 3)
+
+
+def test_lower_bound_counts_what_the_last_stage_can_skip():
+    # 6 nodes of forward + backward 3 and recompute 1 (async): W = 24 on 2 GPUs.
+    roomy = chain(6, gpus=2)
+    # The last stage (a suffix, as it holds the loss and is a sink) skips its recomputation: it
+    # holds whole nodes, each with its successors, so with k nodes T >= 3k and 2T >= 24 - k:
+    # k = 3, T >= 10.5. (The best plan reaches 12: whole nodes on two GPUs.)
+    assert lower_bound(roomy) == pytest.approx(10.5)
+    assert _best_of_all_plans(roomy) == pytest.approx(12.0)
+    # If no suffix of the chain fits one GPU's memory, no stage skips anything: T >= W / P.
+    tight = chain(6, gpus=2, memory=4 * S + ACT - 1)
+    assert lower_bound(tight) == pytest.approx(12.0)
+    # One node's suffix fits (4 S + one activation): the last stage can skip one recompute.
+    one = chain(6, gpus=2, memory=4 * S + ACT)
+    assert lower_bound(one) == pytest.approx(23 / 2)
+    assert _best_of_all_plans(one) >= lower_bound(one) - 1e-9
+
+
+def test_lower_bound_without_a_loss_lets_every_sink_skip():
+    pb = chain(4, gpus=2, loss=False)
+    # Every sink stage skips its recomputation; the bound stays valid for all plans.
+    assert _best_of_all_plans(pb) >= lower_bound(pb) - 1e-9
+    assert lower_bound(pb) < 16 / 2
+
+
+def test_lower_bound_is_cached_per_problem():
+    from ftcompile import plan as plan_mod
+
+    pb = chain(5, gpus=2)
+    first = lower_bound(pb)
+    assert any(p is pb for p, _ in plan_mod._LB_CACHE)
+    assert lower_bound(pb) == first
+    other = replace(pb, cluster=pb.cluster.with_overrides(gpus=5))
+    assert lower_bound(other) < first
