@@ -233,11 +233,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _generate_package(args, graph, doc, built, ui):
-    """Code generation, when the codegen module is present (writes the stage modules into OUT)."""
-    try:
-        from .codegen import compile_package
-    except ImportError:
-        return None
+    """Code generation: writes the stage modules, manifest and weights into OUT."""
+    from .codegen import compile_package
+
     return compile_package(built=built, graph=graph, doc=doc, out_dir=args.output)
 
 

@@ -40,7 +40,18 @@ schedules, enough to fill the deepest pipeline otherwise) followed by ``steps``
 measured ones. Mini-batch ``s`` ends when the last backward of its
 micro-batches ends; the measured window runs from the end of the last warm-up
 mini-batch to the end of the last one, so for the flushing schedules it is
-exactly flush-to-flush.
+exactly flush-to-flush, and the time per mini-batch is the window over ``steps``.
+
+Without flushes, mini-batches need not end evenly: where several stages share a
+GPU, completions come in bursts, and a window of a few mini-batch ends can hold
+much more or much less than ``steps`` mini-batches' worth of work. There the
+window covers at least twice as many micro-batches as the pipeline is deep, and
+the time per micro-batch is measured by the work done in it: the window times
+the work of one micro-batch (every stage's F, R and B) over the compute the GPUs
+did inside the window. Stages that nothing holds back (no gradient returns to
+them and their inputs come from such stages only) may run ahead of the
+pipeline and are left out of both. In a periodic steady state both measures
+agree.
 """
 
 from __future__ import annotations
@@ -215,6 +226,7 @@ def simulate(problem: Problem, plan: Plan, *, micro_batches: int | None = None, 
         # keep both transients out of the measured window.
         ahead = max_depth + 1 if problem.schedule != "2gw" else M + max_depth + 1
         warm_steps = tail_steps = math.ceil(ahead / M) + 1
+        steps = max(steps, math.ceil(2 * ahead / M))
     total_steps = warm_steps + steps + tail_steps
 
     g0_base = min((depth[s] for s in gpu_of if group0[s]), default=0)
@@ -383,6 +395,20 @@ def simulate(problem: Problem, plan: Plan, *, micro_batches: int | None = None, 
     used = sorted(stages_on)
     idle = sum(window - busy[g] for g in used)
     minibatch_ms = window / steps
+    if problem.schedule not in FLUSHING and window > 0:
+        # Work-based (see the module docstring): robust to bursts of mini-batch ends. Stages
+        # that nothing holds back (no gradient comes back to them, and their inputs come from
+        # such stages or the graph's inputs) may run ahead of the pipeline, so they do not count.
+        free: set[int] = set()
+        for st in topo:
+            if not grad_from[st] and all(u in free for u in producers[st]):
+                free.add(st)
+        paced = [st for st in gpu_of if st not in free]
+        work_mb = sum(dur[st]["F"] + dur[st]["R"] + dur[st]["B"] for st in paced)
+        done = sum(max(0.0, min(e.end, w1) - max(e.start, w0))
+                   for e in events if e.kind != "send" and e.stage not in free)
+        if done > 0 and work_mb > 0:
+            minibatch_ms = M * work_mb * window / done
     mbs = _micro_batch_size(problem)
     peak_mem = []
     for g in range(plan.num_gpus):
