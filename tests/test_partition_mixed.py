@@ -185,12 +185,14 @@ def test_non_adjacent_stages_may_share_a_gpu_for_t5():
     plan = Plan("hand", 2, [Stage(0, 0, e1), Stage(1, 1, e2), Stage(2, 0, d1), Stage(3, 1, d2)])
     check_plan(pr.graph, plan)
     assert nx.is_directed_acyclic_graph(stage_graph(pr.graph, plan))
-    # And the partitioner produces such plans when asked for more blocks than GPUs.
-    pr = _problem("t5-tiny", 3)
+    # And the partitioner produces such plans when asked for more blocks than GPUs (on 4 GPUs
+    # T5-tiny's best Mixed-pipe plan folds blocks of the decoder onto encoder GPUs).
+    pr = _problem("t5-tiny", 4)
     plan = partition_mixed(pr, l_factors=(2, 3), seeds=(0, 1))
     check_plan(pr.graph, plan)
-    assert evaluate(pr, plan).feasible
-    per_gpu = [sum(1 for s in plan.stages if s.gpu == g) for g in range(3)]
+    ev = evaluate(pr, plan)
+    assert ev.feasible
+    per_gpu = [sum(1 for s in plan.stages if s.gpu == g) for g in range(4)]
     assert max(per_gpu) >= 2
 
 
