@@ -8,7 +8,7 @@ run time. Strategies run one after another (``--jobs 1``, the default), so each
 one's time is its own; ``ftcompile compile`` runs them in parallel on the cores.
 
 Cases: the paper's T5-3B, GPT2-xl and BERT-large on its server (8 x RTX 2080 Ti,
-11 GB, 12 GB/s), T5-11B on 4 x 32 GB V100, and two graphs of more than 5,000 op
+11 GB, 12 GB/s), T5-11B (one example per micro-batch) on 4 x 32 GB V100, and two graphs of more than 5,000 op
 nodes for the partitioners' run time: ``gpt2-5k`` (GPT-2 XL widths, 120 layers)
 and ``t5-5k`` (T5-3B widths, 48 + 48 layers), on 8 x 32 GB V100 (their weights do
 not fit the paper's server).
@@ -41,20 +41,26 @@ from ftcompile.plan import Problem
 from ftcompile.profile import analytic_profile
 from ftcompile.trace import trace
 
+# Optimizers as in the paper's Appendix A: Adafactor for T5, Adam(W) for GPT-2 and BERT.
+# The optimizer decides the state memory: T5-11B with Adam needs 181 GB for weights,
+# gradients and optimizer state alone, more than 4 x 32 GB; with Adafactor it fits.
 CASES = {
     "t5-3b": dict(model="t5-3b", options=dict(batch_size=4, encoder_len=512, decoder_len=4),
-                  cluster="paper-8x2080ti", hardware="rtx2080ti"),
+                  cluster="paper-8x2080ti", hardware="rtx2080ti", optimizer="adafactor"),
     "gpt2-xl": dict(model="gpt2-xl", options=dict(batch_size=1, seq_len=1024),
                     cluster="paper-8x2080ti", hardware="rtx2080ti"),
     "bert-large": dict(model="bert-large", options=dict(batch_size=1, seq_len=384),
                        cluster="paper-8x2080ti", hardware="rtx2080ti"),
-    "t5-11b": dict(model="t5-11b", options=dict(batch_size=4, encoder_len=512, decoder_len=4),
-                   cluster="4xv100-32gb", hardware="v100-32gb"),
+    # T5-11B keeps about 20 GB of activations per 512-token example (128 heads, d_ff 65,536):
+    # a micro-batch of 4 (79 GB) cannot fit 4 x 32 GB next to 90.5 GB of weights, gradients
+    # and Adafactor state under any plan, so one example per micro-batch (paper §5.8).
+    "t5-11b": dict(model="t5-11b", options=dict(batch_size=1, encoder_len=512, decoder_len=4),
+                   cluster="4xv100-32gb", hardware="v100-32gb", optimizer="adafactor"),
     # Deeper versions of zoo models, for graphs of more than 5,000 op nodes.
     "gpt2-5k": dict(model="gpt2-xl", config=dict(n_layer=120), options=dict(batch_size=1, seq_len=1024),
                     cluster="8xv100-32gb", hardware="v100-32gb"),
     "t5-5k": dict(model="t5-3b", config=dict(num_layers=48), options=dict(batch_size=4, encoder_len=512, decoder_len=4),
-                  cluster="8xv100-32gb", hardware="v100-32gb"),
+                  cluster="8xv100-32gb", hardware="v100-32gb", optimizer="adafactor"),
 }
 PAPER_CASES = ("t5-3b", "gpt2-xl", "bert-large", "t5-11b")
 HEURISTICS = ("mixed", "seq", "acyclic", "metis", "uniform", "params")
@@ -84,21 +90,31 @@ def run_case(name: str, schedule: str, micro_batches: int, jobs: int) -> dict:
     source = {"model": case["model"], "options": case["options"], **({"config": case["config"]} if "config" in case else {})}
     graph = trace(built.model, built.args, built.kwargs, source=source)
     t_trace = time.perf_counter() - t0 - t_build
-    prof = analytic_profile(graph, load_hardware(case["hardware"]))
+    prof = analytic_profile(graph, load_hardware(case["hardware"]), optimizer=case.get("optimizer", "adam"))
     t_prof = time.perf_counter() - t0 - t_build - t_trace
     problem = Problem(graph, prof, PRESETS[case["cluster"]], schedule=schedule, micro_batches=micro_batches)
     result = compile_plan(problem, "auto", jobs=jobs)
     total = time.perf_counter() - t0
     rows = [r.row() for r in result.results]
     return {"case": name, "nodes": len(graph.nodes), "op_nodes": sum(1 for _ in graph.op_nodes()),
-            "cluster": case["cluster"], "schedule": schedule, "jobs": jobs,
+            "cluster": case["cluster"], "optimizer": case.get("optimizer", "adam"), "schedule": schedule, "jobs": jobs,
             "lower_bound_ms": result.lower_bound_ms, "chosen": result.chosen, "strategies": rows,
             "seconds": {"build": round(t_build, 2), "trace": round(t_trace, 2), "profile": round(t_prof, 2),
                         "partition_and_simulate": round(result.seconds, 2), "total": round(total, 2)}}
 
 
+def note(s: dict) -> str:
+    """Why a strategy failed, or what the exact MIP proved."""
+    info = s.get("info") or {}
+    if s["name"] == "exact" and "mip_bound_ms" in info:
+        whole = f" keeping {info.get('blocks')} blocks whole" if info.get("coarsened") else ""
+        return (f"{info.get('space')} plans{whole}: {'optimum' if info.get('optimal') else 'bound'} "
+                f"{info['mip_bound_ms']:.2f} ms" + ("" if info.get("optimal") else f", gap {info.get('gap', 0):.1%}"))
+    return s["reason"] or ""
+
+
 def print_case(r: dict) -> list[tuple[str, bool]]:
-    print(f"\n== {r['case']}: {r['op_nodes']} op nodes, {r['cluster']}, {r['schedule']}; lower bound "
+    print(f"\n== {r['case']}: {r['op_nodes']} op nodes, {r['cluster']}, {r['schedule']}, {r['optimizer']}; lower bound "
           f"{r['lower_bound_ms']:.2f} ms; chosen {r['chosen']}; times {r['seconds']}")
     print(f"{'strategy':10}{'feasible':>9}{'obj ms':>10}{'eff':>8}{'speedup':>9}{'thr/s':>9}{'bubble':>8}"
           f"{'mem GB':>8}{'time s':>8}  note")
@@ -108,7 +124,7 @@ def print_case(r: dict) -> list[tuple[str, bool]]:
         mem = None if s["max_gpu_memory_bytes"] is None else s["max_gpu_memory_bytes"] / 1e9
         print(f"{s['name']:10}{str(s['feasible']):>9}{f(s['objective_ms'], '.2f'):>10}{f(s['efficiency'], '.1%'):>8}"
               f"{f(s['speedup'], '.2f'):>9}{f(s['throughput'], '.2f'):>9}{f(s['bubble_fraction'], '.1%'):>8}"
-              f"{f(mem, '.2f'):>8}{s['seconds']:>8.1f}  {(s['reason'] or '')[:70]}")
+              f"{f(mem, '.2f'):>8}{s['seconds']:>8.1f}  {note(s)[:70]}")
         if s["name"] in HEURISTICS and r["op_nodes"] >= LARGE_GRAPH:
             checks.append((f"{r['case']} ({r['op_nodes']} op nodes) {s['name']} under 20 s: {s['seconds']:.1f} s",
                            s["seconds"] < 20))

@@ -110,7 +110,9 @@ def main() -> int:
         print(f"{r['model']:<10} {r['schedule']:<10} {r['predicted_sps']:>12.1f} {r['measured_sps']:>11.1f} "
               f"{(r['ratio'] or float('nan')):>6.2f}  {ov}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        from ftcompile.runtime.atomic import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps(rows, indent=1))
     return 0
 
 

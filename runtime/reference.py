@@ -9,6 +9,12 @@ recomputes the stage from the same inputs with version
 come from :func:`~ftcompile.runtime.engine.programs`, the ones the
 multi-process engine runs, so the engine must end with the weights this gives
 (up to floating-point summation order).
+
+With weight prediction (FTPipe §4.2), a forward whose backward will use a
+later version runs on weights predicted that many updates ahead from version
+``forward_version[k]`` and the optimizer state that came with it: the
+prediction is made when the version is created, since the optimizer state
+moves on with every later update.
 """
 
 from __future__ import annotations
@@ -37,9 +43,6 @@ def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig,
     """Train ``steps`` steps of ``cfg.schedule`` in one process; see the module docstring."""
     from .data import split_micro_batches
 
-    if cfg.weight_prediction:
-        raise ValueError("the reference does not model weight prediction (it would need every optimizer "
-                         "state version); compare with weight_prediction=False")
     m, M = package.manifest, cfg.micro_batches
     device = torch.device(device)
     progs = programs(m, cfg, steps)
@@ -50,6 +53,23 @@ def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig,
     live = {s: {n: p for n, p in mod.named_parameters() if p.requires_grad} for s, mod in modules.items()}
     opts = {s: _optim.build(list(live[s].values()), ocfg) for s in modules}
     history = {s: {0: {n: p.detach().clone() for n, p in live[s].items()}} for s in modules}
+    # (version, delay) -> predicted weights, made while the optimizer state is that version's.
+    predicted: dict[int, dict[tuple[int, int], dict[str, torch.Tensor]]] = {s: {} for s in modules}
+
+    def make_predictions(s: int, v: int) -> None:
+        if not cfg.weight_prediction:
+            return
+        for k, fv in progs[s].forward_version.items():
+            d = progs[s].staleness(k)
+            if fv == v and d > 0 and (v, d) not in predicted[s]:
+                predicted[s][(v, d)] = _optim.predict(opts[s][0], live[s], history[s][v], d)
+
+    def forward_weights(s: int, k: int) -> dict[str, torch.Tensor]:
+        v, d = progs[s].forward_version[k], progs[s].staleness(k)
+        return predicted[s][(v, d)] if cfg.weight_prediction and d > 0 else history[s][v]
+
+    for s in modules:
+        make_predictions(s, 0)
     shared = m.shared_params()
     inputs_of = {i.value for i in m.inputs if i.shape is not None}
     losses = []
@@ -66,7 +86,7 @@ def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig,
                 args = [values[v] if (v in inputs_of or m.values[v].is_tensor) else m.values[v].literal
                         for v in spec.inputs]
                 saved[s] = args
-                w = history[s][progs[s].forward_version[k]]
+                w = forward_weights(s, k)
                 with torch.no_grad():
                     outs = functional_call(modules[s], w, tuple(args), {"seed": seed}, strict=False)
                 for v, o in zip(spec.outputs, outs):
@@ -141,10 +161,13 @@ def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig,
             for p in live[s].values():
                 p.grad = None
             history[s][j + 1] = {n: p.detach().clone() for n, p in live[s].items()}
+            make_predictions(s, j + 1)
             # Keep only the versions a later micro-batch still uses.
             later = [v for k, v in {**progs[s].forward_version}.items() if k >= (j + 1) * M]
             later += [v for k, v in progs[s].backward_version.items() if k >= (j + 1) * M]
             oldest = min(later, default=j + 1)
             for v in [v for v in history[s] if v < oldest]:
                 del history[s][v]
+            for key in [key for key in predicted[s] if key[0] < oldest]:
+                del predicted[s][key]
     return ReferenceResult(losses, {s: {n: p.detach().clone() for n, p in live[s].items()} for s in modules})

@@ -10,7 +10,12 @@ from the manifest, and hands it over. Sends are non-blocking.
   tensor is staged through host memory) or NCCL (CUDA tensors, headers over a
   gloo group).
 * :class:`MPITransport`: MPI through ``mpi4py`` (needs ``MPI_THREAD_MULTIPLE``;
-  CPU buffers, or device buffers when the MPI build is CUDA-aware).
+  CPU buffers, or device buffers when the MPI build is CUDA-aware, which Open
+  MPI's ``MPIX_Query_cuda_support`` tells).
+
+A CUDA payload that goes through host memory (gloo, MPI) is copied on a stream
+of its own into pinned memory, so copies do not queue behind the compute stream's
+kernels; NCCL runs its transfers on its own streams already.
 
 :func:`detect_launcher` reads the environment torchrun, mpirun or
 ``ftcompile run`` set up, so that nothing assumes one host.
@@ -57,6 +62,48 @@ def detect_launcher(env: dict | None = None) -> Launch:
     return Launch(0, 1, 0, "single")
 
 
+class _HostStaging:
+    """Device <-> pinned host copies on a dedicated CUDA stream per device."""
+
+    def __init__(self):
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        with self._lock:
+            idx = device.index if device.index is not None else torch.cuda.current_device()
+            if idx not in self._streams:
+                self._streams[idx] = torch.cuda.Stream(device=idx)
+            return self._streams[idx]
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cuda":
+            return t
+        s = self._stream(t.device)
+        # The copy must see the compute that produced t; only this thread waits for it.
+        s.wait_stream(torch.cuda.current_stream(t.device))
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        with torch.cuda.stream(s):
+            host.copy_(t, non_blocking=True)
+        s.synchronize()
+        return host
+
+    def host_buffer(self, buffer: torch.Tensor) -> torch.Tensor:
+        if buffer.device.type != "cuda":
+            return buffer
+        return torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
+
+    def to_device(self, host: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        if host is buffer:
+            return buffer
+        s = self._stream(buffer.device)
+        with torch.cuda.stream(s):
+            buffer.copy_(host, non_blocking=True)
+        # Done before the buffer is handed to a stage, which runs on the compute stream.
+        s.synchronize()
+        return buffer
+
+
 class TorchTransport:
     """``torch.distributed`` point-to-point: gloo on CPU, NCCL for CUDA payloads."""
 
@@ -78,9 +125,10 @@ class TorchTransport:
         # Headers always go over gloo; NCCL, when asked for, carries only CUDA payloads.
         self.payload_group = dist.new_group(backend="nccl", timeout=timeout) if backend == "nccl" else None
         self._locks = {r: threading.Lock() for r in range(self.world_size)}
+        self._staging = _HostStaging()
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
-        return t if t.device.type == "cpu" or self.payload_group is not None else t.to("cpu")
+        return t if t.device.type == "cpu" or self.payload_group is not None else self._staging.to_host(t)
 
     def isend(self, dst: int, header: list[int], payload: torch.Tensor | None) -> list:
         """Send a header and its payload to ``dst`` without waiting; returns handles to keep until done."""
@@ -103,9 +151,9 @@ class TorchTransport:
         if buffer.device.type == "cuda" and self.payload_group is not None:
             self.dist.recv(buffer, src, group=self.payload_group, tag=TAG)
             return buffer
-        host = buffer if buffer.device.type == "cpu" else torch.empty_like(buffer, device="cpu")
+        host = self._staging.host_buffer(buffer)
         self.dist.recv(host, src, tag=TAG)
-        return host if host is buffer else buffer.copy_(host, non_blocking=False)
+        return self._staging.to_device(host, buffer)
 
     @staticmethod
     def done(handle) -> bool:
@@ -141,11 +189,19 @@ class MPITransport:
         self.comm = MPI.COMM_WORLD
         self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
         self._locks = {r: threading.Lock() for r in range(self.world_size)}
+        self._staging = _HostStaging()
+        self.cuda_aware = mpi_cuda_aware()
 
     @staticmethod
     def _bytes(t: torch.Tensor):
         # MPI sees raw bytes: bfloat16 and bool have no numpy/MPI type of their own.
         return t.view(torch.uint8).numpy() if t.dtype != torch.bool else t.view(torch.uint8).numpy()
+
+    def _device_bytes(self, t: torch.Tensor):
+        # A CUDA-aware MPI reads device memory through __cuda_array_interface__; it knows no
+        # CUDA streams, so the kernels that wrote the tensor must have finished.
+        torch.cuda.current_stream(t.device).synchronize()
+        return t.reshape(-1).view(torch.uint8)
 
     def isend(self, dst: int, header: list[int], payload: torch.Tensor | None) -> list:
         head = torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64)
@@ -153,8 +209,13 @@ class MPITransport:
         with self._locks[dst]:
             works.append((self.comm.Isend(head.numpy(), dest=dst, tag=TAG), head))
             if payload is not None:
-                p = payload.detach().contiguous().to("cpu").reshape(-1)
-                works.append((self.comm.Isend(self._bytes(p), dest=dst, tag=TAG), p))
+                p = payload.detach().contiguous()
+                if p.device.type == "cuda" and self.cuda_aware:
+                    buf = self._device_bytes(p)
+                    works.append((self.comm.Isend(buf, dest=dst, tag=TAG), p))
+                else:
+                    p = self._staging.to_host(p).reshape(-1)
+                    works.append((self.comm.Isend(self._bytes(p), dest=dst, tag=TAG), p))
         return works
 
     def recv_header(self, src: int) -> list[int]:
@@ -163,10 +224,13 @@ class MPITransport:
         return head.tolist()
 
     def recv_payload(self, src: int, buffer: torch.Tensor) -> torch.Tensor:
-        host = buffer if buffer.device.type == "cpu" else torch.empty_like(buffer, device="cpu")
+        if buffer.device.type == "cuda" and self.cuda_aware:
+            self.comm.Recv(self._device_bytes(buffer), source=src, tag=TAG)
+            return buffer
+        host = self._staging.host_buffer(buffer)
         flat = host.reshape(-1)
         self.comm.Recv(self._bytes(flat), source=src, tag=TAG)
-        return host if host is buffer else buffer.copy_(host)
+        return self._staging.to_device(host, buffer)
 
     @staticmethod
     def done(handle) -> bool:
@@ -184,6 +248,34 @@ class MPITransport:
 
     def abort(self, code: int = 1) -> None:
         self.comm.Abort(code)
+
+
+def mpi_cuda_aware() -> bool:
+    """Whether the MPI library mpi4py loaded moves CUDA buffers itself (Open MPI's extension query).
+
+    False for MPI libraries without the query (MPICH, Intel MPI), where CUDA payloads
+    go through pinned host memory instead; ``FTCOMPILE_MPI_CUDA_AWARE=0|1`` overrides.
+    """
+    forced = os.environ.get("FTCOMPILE_MPI_CUDA_AWARE")
+    if forced in ("0", "1"):
+        return forced == "1"
+    import ctypes
+
+    try:
+        from mpi4py import MPI
+
+        libs = [ctypes.CDLL(None)]
+        path = getattr(MPI, "__file__", None)
+        if path:
+            libs.append(ctypes.CDLL(path))
+        for lib in libs:
+            query = getattr(lib, "MPIX_Query_cuda_support", None)
+            if query is not None:
+                query.restype = ctypes.c_int
+                return bool(query())
+    except (ImportError, OSError):
+        pass
+    return False
 
 
 def make_transport(kind: str, launch: Launch, *, device: torch.device, timeout_s: float = 300.0):

@@ -8,6 +8,7 @@ reference of each schedule's weight-version semantics (async, pipedream, 2bw, 2g
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -169,6 +170,8 @@ def cli_args(cfg: TrainConfig, pkg: Path, tmp: Path, nproc: int = 2) -> list[str
         a += ["--clip-grad-norm", repr(cfg.clip_grad_norm)]
     if cfg.recompute:
         a.append("--recompute")
+    if cfg.weight_prediction:
+        a.append("--weight-prediction")
     if cfg.optimizer == "momentum":
         a += ["--momentum", repr(cfg.momentum)]
     return a
@@ -461,3 +464,37 @@ def test_weight_prediction_changes_only_stale_forwards(packages):
     # later ones run on predicted weights and the losses move
     assert runs[True][0] == runs[False][0]
     assert runs[True][-1] != runs[False][-1]
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_weight_prediction_matches_its_reference(packages, optimizer):
+    """Predicted forwards (FTPipe §4.2) use the weights and optimizer state of the forward's version."""
+    pkg = load_package(packages["interleaved"])
+    lr = 0.05 if optimizer == "momentum" else 1e-3
+    cfg = cfg_for("async", micro_batches=2, steps=5, optimizer=optimizer, lr=lr, weight_prediction=True)
+    engine = RankEngine(pkg, cfg)
+    recs = engine.run(load_dataset("synthetic", pkg.manifest, micro_batches=2, seed=cfg.seed), 5,
+                      on_step=lambda r: None)
+    ref = reference_train(pkg, load_dataset("synthetic", pkg.manifest, micro_batches=2, seed=cfg.seed), cfg, 5)
+    plain = reference_train(pkg, load_dataset("synthetic", pkg.manifest, micro_batches=2, seed=cfg.seed),
+                            dataclasses.replace(cfg, weight_prediction=False), 5)
+    assert [r["loss"] for r in recs] == pytest.approx(ref.losses, rel=1e-6)
+    assert ref.losses != pytest.approx(plain.losses, rel=1e-9)      # prediction did change forwards
+    for sid, w in ref.weights.items():
+        live = dict(engine.modules[sid].named_parameters())
+        for n, t in w.items():
+            assert rel_error(live[n].detach(), t) < 1e-5, (sid, n)
+
+
+def test_weight_prediction_across_ranks_matches_its_reference(packages, tmp_path):
+    pkg = packages["interleaved"]
+    cfg = cfg_for("async", micro_batches=2, steps=4, weight_prediction=True)
+    r = run_cli(*cli_args(cfg, pkg, tmp_path))
+    assert r.returncode == 0, r.stderr
+    ref = reference_train(load_package(pkg), load_dataset("synthetic", load_package(pkg).manifest,
+                                                          micro_batches=2, seed=cfg.seed), cfg, cfg.steps)
+    got = final_weights(tmp_path / "ckpt")
+    for sid, w in ref.weights.items():
+        for n, t in w.items():
+            assert rel_error(got[sid][n], t) < TOL, (sid, n)
+    assert losses(tmp_path / "log") == pytest.approx(ref.losses, rel=1e-5)
