@@ -715,7 +715,9 @@ class RankEngine:
         rec = {"step": self.step_offset + j, "rank": self.rank, "seconds": seconds,
                "samples_per_s": M * self.m.micro_batch_size / seconds if seconds > 0 else None,
                "wait_s": wait_s, "stages": {str(s.id): s.times.take() for s in self.stages.values()},
-               "lr": None, "memory_bytes": memory_bytes(self.device)}
+               "lr": None, "memory_bytes": memory_bytes(self.device),
+               # Messages posted but not yet taken by the peer: bounded unless a peer falls behind.
+               "sends_in_flight": len(self.pending_sends)}
         if losses:
             rec["loss"] = sum(losses) / len(losses)
         if j in self._norms:
@@ -763,7 +765,8 @@ def merge_records(parts: list[dict]) -> dict:
         out["stages"].update(p["stages"])
         out["stage_ranks"].update({sid: str(p["rank"]) for sid in p["stages"]})
         out["ranks"][str(p["rank"])] = {"seconds": p["seconds"], "wait_s": p["wait_s"],
-                                        "memory_bytes": p["memory_bytes"]}
+                                        "memory_bytes": p["memory_bytes"],
+                                        "sends_in_flight": p.get("sends_in_flight", 0)}
     return out
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
 import threading
 from dataclasses import dataclass
 
@@ -104,6 +105,55 @@ class _HostStaging:
         return buffer
 
 
+class _Send:
+    """One message in flight: its works, the tensors they read, and when they are done."""
+
+    __slots__ = ("works", "keep", "finished", "error")
+
+    def __init__(self, works: list, keep: list):
+        self.works, self.keep = works, keep
+        self.finished = threading.Event()
+        self.error: BaseException | None = None
+
+
+def _wait_all(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+class _SendReaper:
+    """Waits on sends in the order they were posted, on a thread of its own."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="send-waiter")
+        self._thread.start()
+
+    def track(self, works: list, keep: list) -> _Send:
+        send = _Send(works, keep)
+        self._queue.put(send)
+        return send
+
+    def _loop(self) -> None:
+        while True:
+            send = self._queue.get()
+            if send is None:
+                return
+            finished = send.finished
+            try:
+                _wait_all(send.works)
+            except Exception as exc:  # noqa: BLE001 - handed to whoever waits on this send
+                send.error = TransportError(f"a send failed: {exc}")
+            # Free the payload now, and hold no gloo work past the process group's end.
+            send.works = send.keep = None
+            send = None
+            finished.set()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=timeout_s)
+
+
 class TorchTransport:
     """``torch.distributed`` point-to-point: gloo on CPU, NCCL for CUDA payloads."""
 
@@ -126,6 +176,9 @@ class TorchTransport:
         self.payload_group = dist.new_group(backend="nccl", timeout=timeout) if backend == "nccl" else None
         self._locks = {r: threading.Lock() for r in range(self.world_size)}
         self._staging = _HostStaging()
+        # gloo marks a send complete only inside wait(), so polling is_completed() never frees
+        # a payload: a thread per peer waits on its sends in order and flags each one done.
+        self._reapers = {r: _SendReaper() for r in range(self.world_size) if r != self.rank}
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.device.type == "cpu" or self.payload_group is not None else self._staging.to_host(t)
@@ -135,12 +188,14 @@ class TorchTransport:
         head = torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64)
         works = []
         with self._locks[dst]:
-            works.append((self.dist.isend(head, dst, tag=TAG), head))
+            works.append(self.dist.isend(head, dst, tag=TAG))
+            keep = [head]
             if payload is not None:
                 p = self._host(payload.contiguous())
                 group = self.payload_group if p.device.type == "cuda" else None
-                works.append((self.dist.isend(p, dst, group=group, tag=TAG), p))
-        return works
+                works.append(self.dist.isend(p, dst, group=group, tag=TAG))
+                keep.append(p)
+        return [self._reapers[dst].track(works, keep)]
 
     def recv_header(self, src: int) -> list[int]:
         head = torch.empty(HEADER, dtype=torch.int64)
@@ -157,16 +212,20 @@ class TorchTransport:
 
     @staticmethod
     def done(handle) -> bool:
-        return handle[0].is_completed()
+        return handle.finished.is_set()
 
     @staticmethod
     def wait(handle) -> None:
-        handle[0].wait()
+        handle.finished.wait()
+        if handle.error is not None:
+            raise handle.error
 
     def barrier(self) -> None:
         self.dist.barrier()
 
     def close(self) -> None:
+        for reaper in self._reapers.values():
+            reaper.stop()
         if self.dist.is_initialized():
             self.dist.destroy_process_group()
 

@@ -314,6 +314,24 @@ def test_log_lines_have_losses_times_and_memory(packages, tmp_path):
     assert all(steps[0]["stages"][str(s)]["recompute_s"] > 0 for s in recomputing)
 
 
+@pytest.mark.parametrize("transport", ["gloo", "mpi"])
+def test_sent_payloads_are_released_as_peers_take_them(packages, tmp_path, transport):
+    """gloo flags a send complete only when waited on: unreaped sends would pin every payload
+    of the run. The messages in flight stay bounded however many steps run."""
+    if transport == "mpi" and not _mpi_ok():
+        pytest.skip("needs Open MPI (mpirun) and mpi4py")
+    cfg = cfg_for("1f1b", steps=12)
+    args = cli_args(cfg, packages["seq"], tmp_path)
+    r = run_mpi(args) if transport == "mpi" else run_cli(*args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [json.loads(x) for x in (tmp_path / "log" / "train.jsonl").read_text().splitlines()][:-1]
+    # a step posts 2 messages (header + payload) per micro-batch per boundary value, and a stats record
+    per_step = 2 * cfg.micro_batches * 4 + 2
+    for x in lines:
+        for rank in x["ranks"].values():
+            assert rank["sends_in_flight"] <= 2 * per_step, (x["step"], rank)
+
+
 def test_checkpoint_resume_gives_the_same_losses(packages, tmp_path):
     pkg = packages["seq"]
     cfg = cfg_for("1f1b", steps=4)
@@ -409,20 +427,25 @@ def _mpi_ok() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _mpi_ok(), reason="needs Open MPI (mpirun) and mpi4py")
-@pytest.mark.parametrize("schedule", ["1f1b", "async"])
-def test_mpi_transport(packages, tmp_path, schedule):
-    pkg = packages["interleaved"]
-    cfg = cfg_for(schedule, steps=3)
-    args = cli_args(cfg, pkg, tmp_path)
+def run_mpi(args: list[str]) -> subprocess.CompletedProcess:
+    """`ftcompile run` arguments, run under mpirun with 2 ranks and the MPI transport."""
+    args = list(args)
     i = args.index("--nproc")
     del args[i:i + 2]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = ["mpirun", "-np", "2", "--oversubscribe"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
-    r = subprocess.run(cmd + [sys.executable, "-m", "ftcompile.runtime", *args, "--transport", "mpi"],
-                       capture_output=True, text=True, timeout=240, env=env)
+    return subprocess.run(cmd + [sys.executable, "-m", "ftcompile.runtime", *args, "--transport", "mpi"],
+                          capture_output=True, text=True, timeout=240, env=env)
+
+
+@pytest.mark.skipif(not _mpi_ok(), reason="needs Open MPI (mpirun) and mpi4py")
+@pytest.mark.parametrize("schedule", ["1f1b", "async"])
+def test_mpi_transport(packages, tmp_path, schedule):
+    pkg = packages["interleaved"]
+    cfg = cfg_for(schedule, steps=3)
+    r = run_mpi(cli_args(cfg, pkg, tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     ref = reference_train(load_package(pkg), load_dataset("synthetic", load_package(pkg).manifest, micro_batches=4,
                                                           seed=cfg.seed), cfg, cfg.steps)
