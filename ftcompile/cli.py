@@ -401,13 +401,14 @@ def _build(name: str, options):
     return build_model(name, options)
 
 
-def _trace_built(built, blocks: Sequence[str], note: Callable[[str], None] = lambda _p: None,
-                 ui: "_Ui | None" = None, debug: bool = False):
+def _trace_built(built, blocks: Sequence[str], note: Callable[[str], None], *, ui: "_Ui",
+                 args: argparse.Namespace):
     """Trace a built model; torch's tracing logs and warnings only with ``--debug``.
 
-    With ``ui``, block classes of a ``--basic-blocks`` list that this model never
-    calls are noted (one list may serve several models: T5Block,GPT2Block).
+    Block classes of a ``--basic-blocks`` list that this model never calls are
+    noted (one list may serve several models: T5Block,GPT2Block).
     """
+    debug = bool(getattr(args, "debug", False))
     from .trace import trace
 
     source = {"model": built.name, "options": asdict(built.options)}
@@ -415,7 +416,7 @@ def _trace_built(built, blocks: Sequence[str], note: Callable[[str], None] = lam
                   progress=note, verbose=debug)
     graph.validate()
     absent = graph.source.get("absent_basic_blocks")
-    if ui is not None and absent:
+    if absent:
         ui.note(f"--basic-blocks: {', '.join(absent)} not called by {built.name}; "
                 f"kept {', '.join(graph.basic_blocks)} whole")
     return graph
@@ -596,7 +597,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         built = _build(args.model, options)
         blocks = _parse_blocks(args.basic_blocks, built.basic_blocks)
         t1 = time.perf_counter()
-        graph = _trace_built(built, blocks, note, ui, debug=bool(getattr(args, "debug", False)))
+        graph = _trace_built(built, blocks, note, ui=ui, args=args)
         t2 = time.perf_counter()
         if args.output:
             _save(graph, args.output, "graph")
@@ -614,8 +615,6 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    import torch
-
     from .hardware import load_hardware
     from .ir import OpGraph
     from .profile import cached, store
@@ -654,8 +653,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
             with ui.phases(f"trace {args.target}", TRACE_PHASES) as note:
                 note("build")
                 built = _build(args.target, options)
-                graph = _trace_built(built, _parse_blocks(args.basic_blocks, built.basic_blocks), note, ui,
-                                     debug=bool(getattr(args, "debug", False)))
+                graph = _trace_built(built, _parse_blocks(args.basic_blocks, built.basic_blocks), note, ui=ui,
+                                     args=args)
             model_name = built.name
         t1 = time.perf_counter()
 
@@ -738,7 +737,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         say("[2/6] trace at operator granularity (every ATen operator is a node)")
         t = time.perf_counter()
         with ui.phases("trace", TRACE_PHASES) as note:
-            graph = _trace_built(built, (), note)
+            graph = _trace_built(built, (), note, ui=ui, args=args)
         s = _graph_summary(graph, {"trace": time.perf_counter() - t})
         if path("graph.json"):
             _save(graph, path("graph.json"), "graph")
@@ -751,7 +750,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if blocks:
             say(f"[3/6] trace at layer granularity (--basic-blocks {','.join(blocks)}: one node per block call)")
             t = time.perf_counter()
-            layer = _trace_built(built, blocks)
+            layer = _trace_built(built, blocks, lambda _phase: None, ui=ui, args=args)
             ls = _graph_summary(layer, {"trace": time.perf_counter() - t})
             if path("graph-layer.json"):
                 _save(layer, path("graph-layer.json"), "graph")
@@ -799,14 +798,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         problem = Problem(graph, analytic, PRESETS["2xcpu"], schedule="1f1b", micro_batches=4)
         result = compile_plan(problem, "auto")
         doc = plan_document(result, model=graph.source)
+        if out_dir:
+            write_report(os.path.join(out_dir, "plan"), doc, result)
         if out_dir and result.chosen is not None:
             from .codegen import compile_package
 
-            write_report(os.path.join(out_dir, "plan"), doc, result)
             # The chosen plan as a package: `ftcompile verify` and `ftcompile run` take it from here.
             compile_package(built=built, graph=graph, doc=doc, out_dir=os.path.join(out_dir, "plan"))
-        elif out_dir:
-            write_report(os.path.join(out_dir, "plan"), doc, result)
         report["compile"] = {"chosen": result.chosen, "lower_bound_ms": result.lower_bound_ms,
                              "strategies": doc["strategies"], "seconds": round(time.perf_counter() - t, 3)}
         if not args.json:
@@ -834,8 +832,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
           f"(the 'cpu' preset is a generic CPU; per-operator overheads dominate tiny models)")
     if report["files"]:
         print(f"  files: {', '.join(report['files'])}")
-    print("\nnext: ftcompile verify out/demo/plan; ftcompile run out/demo/plan --nproc 2 --data text;\n"
-          "      ftcompile compile t5-tiny --gpus 3 -o out/t5-tiny; ftcompile diff out/demo/plan out/t5-tiny")
+    plan_dir = os.path.join(out_dir, "plan") if out_dir else "OUT"
+    print(f"\nnext: ftcompile verify {plan_dir}; ftcompile run {plan_dir} --nproc 2 --data text;\n"
+          f"      ftcompile compile t5-tiny --gpus 3 -o out/t5-tiny; ftcompile diff {plan_dir} out/t5-tiny")
     return 0
 
 

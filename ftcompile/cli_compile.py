@@ -132,7 +132,8 @@ def _graph_and_built(args: argparse.Namespace, ui):
     with ui.phases(f"trace {args.model}", base.TRACE_PHASES) as note:
         note("build")
         built = base._build(args.model, options)
-        graph = base._trace_built(built, base._parse_blocks(args.basic_blocks, built.basic_blocks), note)
+        graph = base._trace_built(built, base._parse_blocks(args.basic_blocks, built.basic_blocks), note, ui=ui,
+                                  args=args)
     return graph, built
 
 
@@ -160,6 +161,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from .profile import Profile
 
     ui = base._Ui(args)
+    base._check_cache_dir(args)
     cluster = _cluster(args)
     hw = load_hardware(args.hardware or cluster.hardware)
     t0 = time.perf_counter()

@@ -118,8 +118,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from .runtime import load_package
     from .runtime.launch import spawn
-    from .runtime.worker import worker_argv
+    from .runtime.engine import PipelineError
+    from .runtime.worker import check_train_args, worker_argv
 
+    try:
+        check_train_args(args)
+    except (ValueError, PipelineError) as exc:
+        raise base.UsageError(str(exc)) from None
     package = load_package(args.package)   # refuse a damaged package before starting any rank
     nproc = args.nproc or package.manifest.num_gpus
     if nproc < 1:

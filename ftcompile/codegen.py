@@ -23,11 +23,9 @@ that recomputes, or runs in another order or process, draws the same masks.
 
 from __future__ import annotations
 
-import hashlib
 import keyword
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -38,7 +36,8 @@ from . import __version__
 from .ir import OpGraph, ValueMeta, atomic_write_text, iter_params, iter_refs
 from .plan import Plan, stage_depths, stage_graph
 from .runtime.atomic import atomic_path
-from .runtime.manifest import GraphInput, Manifest, ParamSpec, StageSpec, ValueSpec
+from .runtime.manifest import GraphInput, Manifest, ParamSpec, StageSpec, ValueSpec, call_leaves
+from .runtime.package import CHECKSUMS, PackageError, read_checksums, sha256_file
 from .weights import WeightSource
 
 
@@ -60,6 +59,7 @@ _SEEDED_DROPOUT_OPS = {"aten.alpha_dropout.default", "aten.feature_alpha_dropout
 _ATTENTION_OPS = {"aten.scaled_dot_product_attention.default": 4,
                   "torch._C._nn.scaled_dot_product_attention": 4,
                   "torch.nn.functional.scaled_dot_product_attention": 4}
+_ATTENTION_DROPOUT = "dropout_p"        # the keyword of the dropout probability, when not positional
 # Keys of other random operators (torch.rand in forward...) start here, apart from the dropout sequence.
 OTHER_RANDOM_KEYS = 1 << 20
 
@@ -85,13 +85,13 @@ class _Stage:
     params: list[str] = field(default_factory=list)
 
 
-def _random_kind(target: str, ins_args: list) -> str | None:
+def _random_kind(target: str, ins_args: list, ins_kwargs: dict) -> str | None:
     """``dropout``-like (keyed in eager call order), ``other`` (keyed apart), or None (deterministic)."""
     if target in _DROPOUT_OPS or target in _SEEDED_DROPOUT_OPS:
         return "dropout"
     if target in _ATTENTION_OPS:
         pos = _ATTENTION_OPS[target]
-        p = ins_args[pos] if len(ins_args) > pos else 0.0
+        p = ins_args[pos] if len(ins_args) > pos else ins_kwargs.get(_ATTENTION_DROPOUT, 0.0)
         return "dropout" if isinstance(p, (int, float)) and p > 0 else None
     parts = target.split(".")
     if len(parts) == 3 and parts[0] == "aten":
@@ -118,7 +118,7 @@ def random_keys(graph: OpGraph) -> dict[str, int]:
     n_drop = n_other = 0
     for node in graph.nodes:
         for ins in node.instrs:
-            kind = _random_kind(ins.target, ins.args)
+            kind = _random_kind(ins.target, ins.args, ins.kwargs)
             if kind == "dropout":
                 keys[ins.name] = n_drop
                 n_drop += 1
@@ -446,10 +446,17 @@ class _Emitter:
             return f"rt.dropout({x}, {p}, {train_s}, seed, {key})"
         if t in _ATTENTION_OPS:
             pos = _ATTENTION_OPS[t]
-            p = args[pos]
-            args[pos] = {"__code__": f"{self.literal(p)} if self.training else 0.0"}
-        parts = [self.expr(a) if not (isinstance(a, dict) and "__code__" in a) else a["__code__"] for a in args]
-        parts += [f"{k}={self.expr(v)}" for k, v in kwargs.items()]
+            # Dropout only in training, as the model's own attention does.
+            if len(args) > pos:
+                args[pos] = {"__code__": f"{self.literal(args[pos])} if self.training else 0.0"}
+            else:
+                kwargs[_ATTENTION_DROPOUT] = {"__code__": f"{self.literal(kwargs[_ATTENTION_DROPOUT])} "
+                                                          "if self.training else 0.0"}
+
+        def code(a):
+            return a["__code__"] if isinstance(a, dict) and "__code__" in a else self.expr(a)
+
+        parts = [code(a) for a in args] + [f"{k}={code(v)}" for k, v in kwargs.items()]
         if t.startswith("method:"):
             return f"rt.seeded_call(type({parts[0]}).{t[len('method:'):]}, seed, {key}, {', '.join(parts)})"
         return f"rt.seeded_call({self.callee(t)}, seed, {key}, {', '.join(parts)})"
@@ -751,23 +758,11 @@ def generate(graph: OpGraph, doc: dict, weights: WeightSource, *, name: str | No
 
 # --------------------------------------------------------------------------- writing
 
-CHECKSUMS = "SHA256SUMS"
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _previous_files(out: Path) -> set[str]:
     try:
-        text = (out / CHECKSUMS).read_text()
-    except OSError:
+        return set(read_checksums(out))
+    except PackageError:        # no earlier package there, or a damaged one: remove nothing
         return set()
-    return {line.split(None, 1)[1].strip().lstrip("*") for line in text.splitlines() if len(line.split(None, 1)) == 2}
 
 
 def write_package(pkg: GeneratedPackage, doc: dict, out_dir: str | os.PathLike) -> list[str]:
@@ -826,20 +821,15 @@ def compile_package(*, built, graph: OpGraph, doc: dict, out_dir: str) -> dict:
 
 def example_input_ranges(built) -> dict[str, tuple[float, float]]:
     """Each example input's smallest and largest value, by its path in the call (``args[0]``...)."""
-    from torch.utils._pytree import keystr, tree_flatten_with_path
-
     try:
         args, kwargs = built.make_inputs("cpu")
     except Exception:  # noqa: BLE001 - a user's make_inputs may not exist or fail: ranges are a nicety
         args, kwargs = built.args, built.kwargs
     out = {}
-    for path, leaf in tree_flatten_with_path((tuple(args), dict(kwargs)))[0]:
+    for path, leaf in call_leaves(args, kwargs):
         if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta" or leaf.numel() == 0:
             continue
-        s = keystr(path)
-        s = ("args" + s[3:]) if s.startswith("[0]") else ("kwargs" + s[3:]) if s.startswith("[1]") else s
-        lo, hi = leaf.min().item(), leaf.max().item()
-        out[s] = (float(lo), float(hi))
+        out[path] = (float(leaf.min().item()), float(leaf.max().item()))
     return out
 
 

@@ -124,7 +124,7 @@ def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs
     """
     names = resolve_strategies(strategies, problem)
     t0 = time.perf_counter()
-    bound = lower_bound(problem)     # once, before the workers fork: each evaluate() reuses it
+    bound = lower_bound(problem)     # before the workers start: the problem carries it to them
     jobs = jobs if jobs is not None else min(len(names), os.cpu_count() or 1)
     results: dict[str, StrategyResult] = {}
     if jobs > 1 and len(names) > 1:
@@ -183,6 +183,11 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
         except (Infeasible, PlanError, ValueError):
             return False
 
+    if seq_fits(problem):
+        # The strategies asked for failed, but the cluster is big enough.
+        parts.append(f"a Seq-pipe plan fits these {P} GPUs of {format_bytes(limit)}: use --strategy seq "
+                     "(or auto)")
+        return "; ".join(parts)
     relaxed = with_memory(10**18)
     try:
         need = evaluate(relaxed, run_strategy("seq", relaxed)).max_memory_bytes
@@ -224,6 +229,7 @@ def _stage_rows(problem: Problem, plan: Plan, cost: PlanCost) -> list[dict]:
     gpu_of = {s.id: s.gpu for s in plan.stages}
     rows = []
     by_id = {c.id: c for c in cost.stages}
+    param_bytes = {s.id: total_param_memory(problem, s.nodes) for s in plan.stages}
     for s in plan.stages:
         c = by_id[s.id]
 
@@ -246,8 +252,8 @@ def _stage_rows(problem: Problem, plan: Plan, cost: PlanCost) -> list[dict]:
             # it reads, plus the activations it keeps for its micro-batches in flight. (A GPU's
             # total in "gpus" counts a parameter shared by its stages once, and weight versions.)
             "activation_bytes": c.activation_bytes, "activation_memory_bytes": c.memory_bytes,
-            "param_memory_bytes": total_param_memory(problem, s.nodes),
-            "memory_bytes": c.memory_bytes + total_param_memory(problem, s.nodes),
+            "param_memory_bytes": param_bytes[s.id],
+            "memory_bytes": c.memory_bytes + param_bytes[s.id],
             "inputs": values(((u, sg.edges[u, s.id]) for u in sg.predecessors(s.id)), "from_stage"),
             "outputs": values(((t, sg.edges[s.id, t]) for t in sg.successors(s.id)), "to_stage"),
             "graph_inputs": sorted({e.value for n in s.nodes for e in graph.in_edges(n)

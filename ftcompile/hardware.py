@@ -66,14 +66,14 @@ class HardwareSpec:
         if unknown:
             raise HardwareError(f"hardware spec has unknown field(s) {unknown}; known fields: {sorted(known)}")
 
-        def number(key: str, value: Any, *, what: str = "a positive number", low: float = 0.0,
-                   low_ok: bool = False, high: float | None = None) -> float:
+        def number(key: str, value: Any, *, what: str = "a positive number", low_ok: bool = False,
+                   high: float | None = None) -> float:
             # bool is an int to Python, but `true` for a bandwidth is a mistake, not 1.
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise HardwareError(f"hardware spec field {key} must be {what}, got {value!r} "
                                     f"({type(value).__name__}); write it as a JSON number")
             v = float(value)
-            if not math.isfinite(v) or v < low or (v == low and not low_ok) or (high is not None and v > high):
+            if not math.isfinite(v) or v < 0.0 or (v == 0.0 and not low_ok) or (high is not None and v > high):
                 raise HardwareError(f"hardware spec field {key} must be {what}, got {value!r}")
             return v
 

@@ -21,6 +21,8 @@ holds in flight under asynchronous and 1F1B schedules.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -97,6 +99,12 @@ class Problem:
     @property
     def num_gpus(self) -> int:
         return self.cluster.num_gpus
+
+    @functools.cached_property
+    def lower_bound_ms(self) -> float:
+        """:func:`lower_bound`, computed once per problem: evaluate() asks for it thousands of
+        times. The value travels with the problem when it is pickled to worker processes."""
+        return _lower_bound(self)
 
     def recomputes(self, is_last: bool) -> bool:
         """Whether a stage recomputes its forward in backward under this schedule."""
@@ -256,9 +264,6 @@ def _extra_weight_versions(schedule: str, depth: int, group0: bool) -> int:
     return 0
 
 
-#: The last few problems' lower bounds: evaluate() is called thousands of times per problem.
-_LB_CACHE: list[tuple[Problem, float]] = []
-_LB_CACHE_SIZE = 8
 #: Larger graphs skip the closure rule of lower_bound (its n x n bits would pass 100 MB).
 _CLOSURE_MAX_NODES = 30_000
 
@@ -286,23 +291,17 @@ def lower_bound(problem: Problem) -> float:
     the knapsack's budget is ``P T`` with no closure rule. Graphs of more than
     30,000 op nodes skip the closure rule (a weaker, still valid bound).
 
-    The value depends only on the problem, so it is remembered for the last few
-    problems (by identity: a Problem is frozen, its graph and profile are not
-    changed once a problem holds them).
+    The value depends only on the problem, so it is kept on it
+    (:attr:`Problem.lower_bound_ms`; a Problem is frozen, and its graph and
+    profile are not changed once a problem holds them).
     """
-    for p, v in _LB_CACHE:
-        if p is problem:
-            return v
-    v = _lower_bound(problem)
-    _LB_CACHE.insert(0, (problem, v))
-    del _LB_CACHE[_LB_CACHE_SIZE:]
-    return v
+    return problem.lower_bound_ms
 
 
 def _lower_bound(problem: Problem) -> float:
     graph, prof = problem.graph, problem.profile
     recompute_all = problem.schedule == "async" or bool(problem.recompute)
-    ops = [n for n in graph.op_nodes()]
+    ops = list(graph.op_nodes())
     P = problem.num_gpus
     base = np.array([prof.nodes[n.id].forward_ms + prof.nodes[n.id].backward_ms for n in ops], dtype=float)
     rec = np.array([prof.nodes[n.id].recompute_ms for n in ops], dtype=float) if recompute_all \
@@ -311,10 +310,9 @@ def _lower_bound(problem: Problem) -> float:
     if not ops or not (rec > 0).any():
         return work / P
     loss = next((i for i, n in enumerate(ops) if n.is_loss), None)
-    closure = loss is not None and len(ops) <= _CLOSURE_MAX_NODES
-    costs = _closure_costs(problem, ops, base) if closure else None
-    closure = costs is not None
-    if closure:
+    costs = _closure_costs(problem, ops, base, loss) \
+        if loss is not None and len(ops) <= _CLOSURE_MAX_NODES else None
+    if costs is not None:
         clos_base, clos_mem = costs
         with_rec = rec > 0
         clos_base, clos_mem = clos_base[with_rec], clos_mem[with_rec]
@@ -323,7 +321,7 @@ def _lower_bound(problem: Problem) -> float:
     ratio = np.where(b_items > 0, r_items / np.where(b_items > 0, b_items, 1.0), np.inf)
     order = np.argsort(-ratio, kind="stable")
     b_items, r_items = b_items[order], r_items[order]
-    if closure:
+    if costs is not None:
         clos_base, clos_mem = clos_base[order], clos_mem[order]
         # (float sums: a hair of slack, so that rounding only ever admits more nodes)
         fits_memory = clos_mem <= problem.cluster.gpu_memory * (1 + 1e-9)
@@ -344,7 +342,7 @@ def _lower_bound(problem: Problem) -> float:
     def saved(T: float) -> float:
         if loss is None:
             return skip(P * T, None)
-        if not closure:
+        if costs is None:
             return skip(T, None)
         return skip(T, fits_memory & (clos_base <= T * (1 + 1e-9)))
 
@@ -358,9 +356,10 @@ def _lower_bound(problem: Problem) -> float:
     return hi
 
 
-def _closure_costs(problem: Problem, ops: list, base: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+def _closure_costs(problem: Problem, ops: list, base: np.ndarray,
+                   loss: int) -> tuple[np.ndarray, np.ndarray] | None:
     """Per op node ``v``: forward + backward, and a lower bound on the memory, of ``v``, the loss
-    and all their descendants (the least a last stage holding ``v`` holds).
+    (``ops[loss]``) and all their descendants (the least a last stage holding ``v`` holds).
 
     Memory: each parameter's weights, gradients and optimizer state charged to its last
     user (so a set holding that user holds the parameter), plus activations. ``ops`` must
@@ -389,7 +388,6 @@ def _closure_costs(problem: Problem, ops: list, base: np.ndarray) -> tuple[np.nd
             if j < i:
                 return None
             row |= reach[j]
-    loss = next(i for i, node in enumerate(ops) if node.is_loss)
     reach |= reach[loss].copy()
     weights = np.stack([base, mem], axis=1)
     sums = np.empty((n, 2))

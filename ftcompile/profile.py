@@ -339,9 +339,9 @@ def _make_leaf(meta: TensorMeta, device, requires_grad: bool) -> torch.Tensor:
 
 
 def _run_node_once(node: Node, inputs: dict[str, Any], params: Mapping[str, torch.Tensor], device,
-                   count: bool, grad_seed: Callable[[torch.Tensor], torch.Tensor]) -> _NodeRun:
+                   count: bool, grad_seed: Callable[[torch.Tensor], torch.Tensor],
+                   instrs: list | None = None) -> _NodeRun:
     """Run ``node`` forward then backward, counting kernels (optionally) and saved tensors."""
-    input_names = list(inputs)
     input_keys = {_storage_key(t): i for i, t in enumerate(inputs.values()) if isinstance(t, torch.Tensor)}
     param_keys = {_storage_key(params[p]) for p in node.params if isinstance(params.get(p), torch.Tensor)}
     saved: list[torch.Tensor] = []
@@ -352,7 +352,7 @@ def _run_node_once(node: Node, inputs: dict[str, Any], params: Mapping[str, torc
 
     fwd = _KernelCounter() if count else None
     env: dict[str, Any] = dict(inputs)
-    instrs = _as_gpu_kernels(node.instrs)
+    instrs = _as_gpu_kernels(node.instrs) if instrs is None else instrs
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         if fwd is not None:
             with fwd:
@@ -552,14 +552,9 @@ class _Timer:
 
 def graph_input_values(graph: OpGraph, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
     """Match a call's (args, kwargs) to the graph's input values by their paths."""
-    from torch.utils._pytree import keystr, tree_flatten_with_path
+    from .runtime.manifest import call_leaves
 
-    leaves, _ = tree_flatten_with_path((tuple(args), dict(kwargs)))
-    by_path = {}
-    for path, leaf in leaves:
-        s = keystr(path)
-        s = ("args" + s[3:]) if s.startswith("[0]") else ("kwargs" + s[3:]) if s.startswith("[1]") else s
-        by_path[s] = leaf
+    by_path = dict(call_leaves(args, kwargs))
     out = {}
     for inp in graph.inputs:
         if inp.get("node") is None:
@@ -676,13 +671,13 @@ def _measured_profile(graph: OpGraph, params: Mapping[str, torch.Tensor], inputs
             torch.cuda.reset_peak_memory_stats(device)
         ins, ps = stage_in()
         _sync(device)
+        instrs = _as_gpu_kernels(node.instrs)
         try:
-            run = _run_node_once(node, ins, ps, device, False, torch.randn_like)
+            run = _run_node_once(node, ins, ps, device, False, torch.randn_like, instrs)
         except Exception as exc:  # noqa: BLE001
             raise ProfileError(f"node {node.id} ({node.name}, {node.op}) failed on {device}: "
                                f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from exc
         outputs = run.outputs
-        instrs = _as_gpu_kernels(node.instrs)
         fwd_times, bwd_times = [], []
         for r in range(warmup + repeats):
             env = dict(ins)

@@ -388,25 +388,28 @@ def simulate(problem: Problem, plan: Plan, *, micro_batches: int | None = None, 
             step_end[s_idx] = max(step_end[s_idx], e.end)
     w0, w1 = step_end[warm_steps - 1], step_end[warm_steps + steps - 1]
     window = w1 - w0
+    # Without flushes the period is work-based (see the module docstring): robust to bursts of
+    # mini-batch ends. Stages that nothing holds back (no gradient comes back to them, and their
+    # inputs come from such stages or the graph's inputs) may run ahead of the pipeline, so their
+    # work does not count.
+    free: set[int] = set()
+    if problem.schedule not in FLUSHING:
+        for st in topo:
+            if not grad_from[st] and all(u in free for u in producers[st]):
+                free.add(st)
     busy = [0.0] * plan.num_gpus
+    done = 0.0          # compute of paced stages inside the window
     for e in events:
         if e.kind != "send":
-            busy[e.gpu] += max(0.0, min(e.end, w1) - max(e.start, w0))
+            inside = max(0.0, min(e.end, w1) - max(e.start, w0))
+            busy[e.gpu] += inside
+            if e.stage not in free:
+                done += inside
     used = sorted(stages_on)
     idle = sum(window - busy[g] for g in used)
     minibatch_ms = window / steps
     if problem.schedule not in FLUSHING and window > 0:
-        # Work-based (see the module docstring): robust to bursts of mini-batch ends. Stages
-        # that nothing holds back (no gradient comes back to them, and their inputs come from
-        # such stages or the graph's inputs) may run ahead of the pipeline, so they do not count.
-        free: set[int] = set()
-        for st in topo:
-            if not grad_from[st] and all(u in free for u in producers[st]):
-                free.add(st)
-        paced = [st for st in gpu_of if st not in free]
-        work_mb = sum(dur[st]["F"] + dur[st]["R"] + dur[st]["B"] for st in paced)
-        done = sum(max(0.0, min(e.end, w1) - max(e.start, w0))
-                   for e in events if e.kind != "send" and e.stage not in free)
+        work_mb = sum(dur[st]["F"] + dur[st]["R"] + dur[st]["B"] for st in gpu_of if st not in free)
         if done > 0 and work_mb > 0:
             minibatch_ms = M * work_mb * window / done
     mbs = _micro_batch_size(problem)

@@ -137,11 +137,6 @@ def value_meta(val: Any) -> ValueMeta:
         return ValueMeta(literal=None)
 
 
-def _is_mutating(node: torch.fx.Node) -> bool:
-    t = node.target
-    return isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable
-
-
 def _module_scopes(node: torch.fx.Node) -> list[list[str]]:
     stack = node.meta.get("nn_module_stack") or {}
     return [[path, cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"]
@@ -258,19 +253,9 @@ def _param_table(model: torch.nn.Module, ep: torch.export.ExportedProgram):
 
 
 def _input_paths(args: tuple, kwargs: dict) -> list[str]:
-    from torch.utils._pytree import keystr, tree_flatten_with_path
+    from .runtime.manifest import call_leaves
 
-    leaves, _ = tree_flatten_with_path((tuple(args), dict(kwargs)))
-    out = []
-    for path, _leaf in leaves:
-        s = keystr(path)  # e.g. "[0][1]" or "[1]['input_ids']"
-        if s.startswith("[0]"):
-            out.append("args" + s[3:])
-        elif s.startswith("[1]"):
-            out.append("kwargs" + s[3:])
-        else:
-            out.append(s)
-    return out
+    return [path for path, _leaf in call_leaves(args, kwargs)]
 
 
 # --------------------------------------------------------------------------- functionalization
@@ -420,8 +405,6 @@ def functionalize_locally(graph: torch.fx.Graph) -> torch.fx.Graph:
             b = base[src]
             base[n], chain[n], born[n] = b, None, version[b]
 
-    if not current:
-        return graph
     # views taken on the way down to a write but never read again
     for n in reversed(made):
         if not n.users:
@@ -733,7 +716,7 @@ def _trace(model: torch.nn.Module, args: tuple, kwargs: dict, basic_blocks: Sequ
     t1 = time.perf_counter()
     fx_graph = ep.graph
     functionalized = None
-    if any(_is_mutating(n) for n in ep.graph.nodes if n.op == "call_function"):
+    if any(_is_mutating_target(n.target) for n in ep.graph.nodes if n.op == "call_function"):
         # In-place ops would hide dependencies (a later reader of x depends on x.add_());
         # functionalization rewrites them into pure ops. The local pass handles what models
         # do and costs nothing; torch's pass re-traces the whole program.

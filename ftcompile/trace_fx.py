@@ -156,7 +156,9 @@ class _Tracer(torch.fx.Tracer):
 
 def _split_inputs(model: nn.Module, args: tuple, kwargs: dict):
     """Decide which forward arguments become placeholders (tensors) and which are concrete."""
-    from torch.utils._pytree import keystr, tree_flatten_with_path
+    from torch.utils._pytree import tree_flatten_with_path
+
+    from .runtime.manifest import input_path
 
     try:
         sig = inspect.signature(model.forward)
@@ -194,8 +196,7 @@ def _split_inputs(model: nn.Module, args: tuple, kwargs: dict):
                   if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     user_inputs: list[tuple[str, Any, str]] = []
     for path, leaf in tree_flatten_with_path((tuple(args), dict(kwargs)))[0]:
-        s = keystr(path)
-        p = ("args" + s[3:]) if s.startswith("[0]") else ("kwargs" + s[3:]) if s.startswith("[1]") else s
+        p = input_path(path)
         if isinstance(leaf, torch.Tensor):
             top = path[1]
             name = positional[top.idx] if hasattr(top, "idx") else top.key

@@ -9,16 +9,13 @@ arguments; it must return ``(model, args)`` or ``(model, args, kwargs)`` where
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib.util
-import re
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch.utils import _pytree as pytree
 
+from ..runtime.userfile import UserFileError, import_user_file
 from .base import BuiltModel, ModelOptions, ZooError
 from .common import LENGTH_FIELDS, assemble, check_options, seeded
 
@@ -34,32 +31,11 @@ def is_user_spec(name: str) -> bool:
     return bool(sep) and path.endswith(".py") and bool(fn)
 
 
-def _module_name(path: Path) -> str:
-    """A unique, importable module name for ``path``.
-
-    Derived from the resolved path so that two files with the same stem (``a/model.py``,
-    ``b/model.py``) never replace each other in ``sys.modules``.
-    """
-    stem = re.sub(r"\W", "_", path.stem)
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
-    return f"ftcompile_user_{stem}_{digest}"
-
-
 def _import_file(path: Path) -> ModuleType:
-    name = _module_name(path)
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ZooError(f"cannot import {str(path)!r} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    # Registered before execution, as a normal import does: dataclasses and pickling
-    # look the module up by name while it runs.
-    sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        sys.modules.pop(name, None)
-        raise ZooError(f"importing {str(path)!r} failed: {type(exc).__name__}: {exc}") from exc
-    return module
+        return import_user_file(path, "ftcompile_user")
+    except UserFileError as exc:
+        raise ZooError(str(exc)) from exc.__cause__
 
 
 def _call_user_function(spec: str, seed: int, device: str) -> tuple[torch.nn.Module, tuple, dict]:

@@ -26,7 +26,8 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success rename it onto ``path``.
 
     The temporary file is removed if the body raises, so an interrupted write
-    leaves any previous ``path`` untouched.
+    leaves any previous ``path`` untouched. Its contents reach the disk before the
+    rename, so a crash never leaves ``path`` naming an empty file.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -34,6 +35,8 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         os.chmod(tmp, _default_mode())
         os.replace(tmp, path)
     except BaseException:
@@ -45,10 +48,7 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder and a rename."""
     with atomic_path(path) as tmp:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        Path(tmp).write_bytes(data)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

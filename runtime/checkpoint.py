@@ -16,7 +16,6 @@ usable. Ranks on several hosts need ``DIR`` on a shared file system.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .atomic import atomic_path, atomic_write_bytes, atomic_write_text
+from .atomic import atomic_path, atomic_write_text
 
 FORMAT = "ftcompile.checkpoint"
 VERSION = 1
@@ -46,9 +45,8 @@ def save_shards(root: str | os.PathLike, step: int, rank: int, state: dict[int, 
     for sid, s in state.items():
         with atomic_path(d / f"stage_{sid}.safetensors") as tmp:
             save_file({n: t.detach().to("cpu").contiguous() for n, t in s["weights"].items()}, str(tmp))
-        buf = io.BytesIO()
-        torch.save({"optimizer": s["optimizer"], "scheduler": s["scheduler"]}, buf)
-        atomic_write_bytes(d / f"stage_{sid}.state.pt", buf.getvalue())
+        with atomic_path(d / f"stage_{sid}.state.pt") as tmp:
+            torch.save({"optimizer": s["optimizer"], "scheduler": s["scheduler"]}, tmp)
     atomic_write_text(d / f"rank_{rank}.done", json.dumps(sorted(state)))
 
 
@@ -93,6 +91,11 @@ def load_shards(folder: Path, stages: list[int], device: torch.device) -> dict[i
         if not w.exists() or not s.exists():
             raise CheckpointError(f"{folder} has no shard for stage {sid}: the checkpoint was written for another "
                                   "plan; resume with the package it was trained with")
-        extra = torch.load(s, map_location=device, weights_only=False)
-        out[sid] = {"weights": load_file(str(w), device=str(device)), **extra}
+        try:
+            extra = torch.load(s, map_location=device, weights_only=False)
+            out[sid] = {"weights": load_file(str(w), device=str(device)), **extra}
+        except Exception as exc:  # noqa: BLE001 - torch and safetensors raise many kinds on a damaged file
+            raise CheckpointError(f"{folder}: the shard of stage {sid} cannot be read ({type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0] if str(exc) else ''}); resume from an older step "
+                                  f"folder by writing its name into {folder.parent / 'latest'}") from None
     return out

@@ -29,21 +29,20 @@ library, never the compiler.
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import inspect
 import math
 import os
 import re
-import sys
 import sysconfig
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from .manifest import GraphInput, Manifest
+from .manifest import GraphInput, Manifest, torch_dtype
+from .userfile import UserFileError, import_user_file
 
 __all__ = ["Batch", "DataError", "corpus_bytes", "load_dataset", "split_micro_batches", "synthetic_batches",
            "text_batches"]
@@ -70,9 +69,8 @@ class DataError(ValueError):
 
 def _torch_dtype(gi: GraphInput) -> torch.dtype:
     """The torch dtype of a graph input; manifests spell it ``"int64"`` (``"torch.int64"`` is accepted)."""
-    name = str(gi.dtype or "")
-    dt = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dt, torch.dtype):
+    dt = torch_dtype(gi.dtype)
+    if dt is None:
         raise DataError(f"graph input {gi.value!r} ({gi.path}) has dtype {gi.dtype!r}, which is not a torch "
                         "dtype; the manifest is damaged: regenerate the package with `ftcompile compile`")
     return dt
@@ -517,23 +515,14 @@ def _load_user_function(path: str, name: str):
     if not os.path.isfile(path):
         raise DataError(f"dataset file {path} does not exist; `--data FILE.py:FUNCTION` names a Python file and "
                         "a function in it")
-    # A name unique per file, so two dataset files never replace each other's module.
-    mod_name = "ftcompile_user_data_" + hashlib.sha1(path.encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    if spec is None or spec.loader is None:
-        raise DataError(f"dataset file {path} cannot be imported as a Python module; give a .py file")
-    module = importlib.util.module_from_spec(spec)
-    # Registered so that dataclasses and pickling inside the file find their module.
-    sys.modules[mod_name] = module
     try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        sys.modules.pop(mod_name, None)
-        raise DataError(f"dataset file {path} failed to import: {type(exc).__name__}: {exc}") from exc
+        module = import_user_file(Path(path), "ftcompile_user_data")
+    except UserFileError as exc:
+        raise DataError(f"dataset file: {exc}") from exc.__cause__
     fn = getattr(module, name, None)
     if not callable(fn):
         names = sorted(k for k, v in vars(module).items()
-                       if inspect.isfunction(v) and v.__module__ == mod_name and not k.startswith("_"))
+                       if inspect.isfunction(v) and v.__module__ == module.__name__ and not k.startswith("_"))
         raise DataError(f"dataset file {path} has no function {name!r}; its functions: "
                         f"{', '.join(names) or 'none'}")
     return fn

@@ -44,17 +44,12 @@ import torch
 from torch.func import functional_call
 
 from . import optim as _optim
-from .manifest import Manifest
+from .manifest import Manifest, torch_dtype
 from .ops import mix_seed
 from .package import Package
 from .schedules import StageProgram, Task, groups_2gw, stage_program
 
 ACT, GRAD, SHARED, NORM, STATS, FIN = 1, 2, 3, 4, 5, 9
-DTYPES = {"torch.float32": torch.float32, "float32": torch.float32, "torch.float16": torch.float16,
-          "float16": torch.float16, "torch.bfloat16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "torch.float64": torch.float64, "float64": torch.float64, "torch.int64": torch.int64,
-          "int64": torch.int64, "torch.int32": torch.int32, "int32": torch.int32, "torch.bool": torch.bool,
-          "bool": torch.bool, "torch.uint8": torch.uint8, "uint8": torch.uint8}
 
 
 class PipelineError(RuntimeError):
@@ -87,6 +82,11 @@ class TrainConfig:
     dropout: bool = True              # train mode: dropout active (keyed per micro-batch, so recomputation agrees)
     timeout_s: float = 300.0
     total_steps: int | None = None    # for LR schedules across checkpoints; default ``steps``
+
+    def optim_config(self) -> _optim.OptimConfig:
+        """The optimizer and LR schedule every stage builds."""
+        return _optim.OptimConfig(self.optimizer, self.lr, self.momentum, self.betas, self.eps, self.weight_decay,
+                                  self.lr_schedule, self.warmup_steps, self.total_steps or self.steps)
 
 
 def stage_ranks(manifest: Manifest, world_size: int) -> dict[int, int]:
@@ -142,8 +142,6 @@ class _Stage:
     module: torch.nn.Module
     program: StageProgram
     params: dict[str, torch.nn.Parameter]
-    optimizer: object
-    scheduler: object
     pos: int = 0
     version: int = 0
     stash: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -151,7 +149,6 @@ class _Stage:
     saved: dict[int, tuple] = field(default_factory=dict)
     update_phase: int = 0             # U(j): 0 not begun, 1 shared grads sent, 2 norm sent
     times: StageTimes = field(default_factory=StageTimes)
-    spans_update: set[int] = field(default_factory=set)
 
     @property
     def next(self) -> Task | None:
@@ -191,7 +188,11 @@ class RankEngine:
         self._graph_inputs = {i.value for i in self.m.inputs if i.shape is not None}
         self._local_consumers = {v: [c for c in cs if self.ranks[c] == rank] for v, cs in self._consumers.items()}
         self._remote_ranks = {v: sorted({self.ranks[c] for c in cs} - {rank}) for v, cs in self._consumers.items()}
+        # Looked up on every scheduling pass: computed once.
+        self._spec = {s.id: s for s in self.m.stages}
+        self._shared = self.m.shared_params()
         self.step_offset = 0
+        self._parked: dict[int, list[tuple]] = {}     # messages of segments this rank has not begun
         self._refs: dict[tuple, int] = {}
         # The rank of the loss stage writes the log: every rank sends it its step records.
         self.log_rank = self.ranks[self.m.loss_stage] if self.m.loss_stage is not None else 0
@@ -199,10 +200,7 @@ class RankEngine:
 
     # ------------------------------------------------------------------ setup
     def _build_optimizers(self) -> None:
-        cfg = self.cfg
-        total = cfg.total_steps or cfg.steps
-        ocfg = _optim.OptimConfig(cfg.optimizer, cfg.lr, cfg.momentum, cfg.betas, cfg.eps, cfg.weight_decay,
-                                  cfg.lr_schedule, cfg.warmup_steps, total)
+        ocfg = self.cfg.optim_config()
         self._opt = {}
         for sid, mod in self.modules.items():
             params = {n: p for n, p in mod.named_parameters() if p.requires_grad}
@@ -221,7 +219,18 @@ class RankEngine:
             self.cv.notify_all()
 
     def _send(self, dst: int, header: list[int], payload: torch.Tensor | None) -> None:
-        self.pending_sends.extend(self.transport.isend(dst, header, payload))
+        # Indices are local to a run() segment; the segment's first step tells segments apart.
+        self.pending_sends.extend(self.transport.isend(dst, header + [self.step_offset], payload))
+
+    def _deliver(self, segment: int, key: tuple, value) -> None:
+        """A message from a peer: into the inbox, or parked until this rank starts its segment."""
+        with self.cv:
+            if segment != self.step_offset:
+                self._parked.setdefault(segment, []).append((key, value))
+                return
+            self.inbox[key] = value
+            self.arrivals += 1
+            self.cv.notify_all()
 
     def _reap_sends(self, wait: bool = False) -> None:
         keep = []
@@ -235,30 +244,30 @@ class RankEngine:
     def _buffer(self, kind: int, a: int, nbytes: int) -> torch.Tensor:
         if kind in (ACT, GRAD):
             spec = self.m.values[self.value_names[a]]
-            return torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=self.device)
+            return torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device)
         if kind == SHARED:
             p = self.m.params[self.param_names[a]]
-            return torch.empty(p.shape, dtype=DTYPES[p.dtype], device=self.device)
+            return torch.empty(p.shape, dtype=torch_dtype(p.dtype), device=self.device)
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def _receiver(self, src: int) -> None:
         try:
             while True:
-                kind, a, k, stage, nbytes, *_ = self.transport.recv_header(src)
+                kind, a, k, stage, nbytes, segment, *_ = self.transport.recv_header(src)
                 if kind == FIN:
                     return
                 buf = self._buffer(kind, a, nbytes)
                 buf = self.transport.recv_payload(src, buf)
                 if kind == ACT:
-                    self._put(("A", self.value_names[a], k), buf)
+                    self._deliver(segment, ("A", self.value_names[a], k), buf)
                 elif kind == GRAD:
-                    self._put(("G", self.value_names[a], k, stage), buf)
+                    self._deliver(segment, ("G", self.value_names[a], k, stage), buf)
                 elif kind == SHARED:
-                    self._put(("S", self.param_names[a], k, stage), buf)
+                    self._deliver(segment, ("S", self.param_names[a], k, stage), buf)
                 elif kind == NORM:
-                    self._put(("N", k, stage), pickle.loads(buf.numpy().tobytes()))
+                    self._deliver(segment, ("N", k, stage), pickle.loads(buf.numpy().tobytes()))
                 elif kind == STATS:
-                    self._put(("R", k, src), pickle.loads(buf.numpy().tobytes()))
+                    self._deliver(segment, ("R", k, src), pickle.loads(buf.numpy().tobytes()))
         except Exception as exc:  # noqa: BLE001 - any transport failure means the peer is gone
             stages = sorted(s for s, r in self.ranks.items() if r == src)
             with self.cv:
@@ -292,9 +301,6 @@ class RankEngine:
             raise PipelineError(self.failure)
 
     # ------------------------------------------------------------------ weights
-    def _live(self, st: _Stage) -> dict[str, torch.Tensor]:
-        return st.params
-
     def _copy(self, st: _Stage) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone().requires_grad_(True) for n, p in st.params.items()}
 
@@ -333,7 +339,7 @@ class RankEngine:
         return self.inbox.get(("A", v, k))
 
     def _missing(self, st: _Stage, task: Task, data) -> list[str]:
-        spec = self.m.stage(st.id)
+        spec = self._spec[st.id]
         miss = []
         if task.kind == "F":
             for v in spec.inputs:
@@ -353,7 +359,7 @@ class RankEngine:
         else:
             j = task.index
             mine = set(st.params) if st.update_phase < 2 else set()
-            for name, holders in self.m.shared_params().items():
+            for name, holders in self._shared.items():
                 if name in mine:
                     for h in holders:
                         if h != st.id and ("S", name, j, h) not in self.inbox:
@@ -367,7 +373,7 @@ class RankEngine:
 
     # ------------------------------------------------------------------ tasks
     def _forward(self, st: _Stage, k: int, data) -> None:
-        spec = self.m.stage(st.id)
+        spec = self._spec[st.id]
         prog = st.program
         version = prog.forward_version[k]
         inputs = [self._input(st, v, k, data) for v in spec.inputs]
@@ -390,7 +396,7 @@ class RankEngine:
                 outs = _call(st.module, weights, st.params, tuple(inputs), seed)
             st.saved[k] = (inputs, None, None)
         else:
-            across = k in st.spans_update
+            across = k in st.program.spans_update
             weights = self._weights(st, version, across_update=across)
             args = [self._leaf(v, x) for v, x in zip(spec.inputs, inputs)]
             with torch.enable_grad():
@@ -417,7 +423,7 @@ class RankEngine:
         return x
 
     def _backward(self, st: _Stage, k: int, data) -> None:
-        spec = self.m.stage(st.id)
+        spec = self._spec[st.id]
         prog = st.program
         version = prog.backward_version[k]
         args, outs, weights = st.saved.pop(k)
@@ -462,7 +468,7 @@ class RankEngine:
             if not self._needs_grad(v):
                 continue
             g = x.grad if isinstance(x, torch.Tensor) and x.grad is not None else torch.zeros(
-                self.m.values[v].shape, dtype=DTYPES[self.m.values[v].dtype], device=self.device)
+                self.m.values[v].shape, dtype=torch_dtype(self.m.values[v].dtype), device=self.device)
             producer = self.m.values[v].producer
             if self.ranks[producer] == self.rank:
                 self._put(("G", v, k, st.id), g)
@@ -474,7 +480,7 @@ class RankEngine:
 
     def _begin_update(self, st: _Stage, j: int) -> None:
         """Phase 1 of U(j): send this stage's gradients of shared parameters to the other holders."""
-        for name, holders in self.m.shared_params().items():
+        for name, holders in self._shared.items():
             if name not in st.params:
                 continue
             p = st.params[name]
@@ -489,7 +495,7 @@ class RankEngine:
         st.update_phase = 1
 
     def _sum_shared(self, st: _Stage, j: int) -> None:
-        for name, holders in self.m.shared_params().items():
+        for name, holders in self._shared.items():
             if name not in st.params:
                 continue
             p = st.params[name]
@@ -501,7 +507,7 @@ class RankEngine:
             p.grad = total
 
     def _norm_part(self, st: _Stage) -> float:
-        shared = self.m.shared_params()
+        shared = self._shared
         sq = 0.0
         for name, p in st.params.items():
             if p.grad is None:
@@ -561,21 +567,22 @@ class RankEngine:
         """Train ``steps`` steps on ``batches`` (mini-batches of ``M`` micro-batches, every rank the same
         iterator). Returns, per step, this rank's record (loss when it holds the loss stage, times)."""
         cfg, M = self.cfg, self.cfg.micro_batches
-        self.step_offset = step_offset
+        with self.cv:
+            self.step_offset = step_offset
+            # Gradient norms stay in the inbox until the segment ends (every local update reads
+            # them); those of the last segment would answer for this one's steps.
+            for key in [key for key in self.inbox if key[0] == "N"]:
+                del self.inbox[key]
+            for key, value in self._parked.pop(step_offset, []):
+                self.inbox[key] = value
+                self.arrivals += 1
         progs = programs(self.m, cfg, steps)
         from .data import split_micro_batches
 
         self.stages = {}
         for sid, mod in self.modules.items():
             prog = progs[sid]
-            params, opt, sched = self._opt[sid]
-            st = _Stage(sid, mod, prog, params, opt, sched, uses_left=dict(prog.version_uses))
-            pos = {t: i for i, t in enumerate(prog.tasks)}
-            for k in prog.forward_version:
-                f, b = pos[Task("F", k)], pos[Task("B", k)]
-                if any(t.kind == "U" for t in prog.tasks[f:b]):
-                    st.spans_update.add(k)
-            self.stages[sid] = st
+            self.stages[sid] = _Stage(sid, mod, prog, self._opt[sid][0], uses_left=dict(prog.version_uses))
         self._losses: dict[int, float] = {}
         self._norms: dict[int, float] = {}
         self._merged_next = 0
@@ -741,7 +748,12 @@ class RankEngine:
     def load_state(self, state: dict[int, dict]) -> None:
         for sid, (params, opt, sched) in self._opt.items():
             s = state[sid]
-            self.modules[sid].load_state_dict(s["weights"], strict=False)
+            try:
+                self.modules[sid].load_state_dict(s["weights"])
+            except RuntimeError as exc:
+                first = str(exc).splitlines()[1:2] or [str(exc)]
+                raise PipelineError(f"rank {self.rank}: the checkpoint's shard of stage {sid} does not fit it "
+                                    f"({first[0].strip()}); resume with the package it was trained with") from None
             if s.get("optimizer"):
                 opt.load_state_dict(s["optimizer"])
             if sched is not None and s.get("scheduler"):

@@ -18,27 +18,6 @@ from .manifest import Manifest, StageSpec
 from .package import Package
 
 
-def stage_order(manifest: Manifest) -> list[int]:
-    """Stage ids in an order where every stage comes after the stages it reads from."""
-    deps = {s.id: {manifest.values[v].producer for v in s.inputs
-                   if manifest.values[v].producer is not None} for s in manifest.stages}
-    done: list[int] = []
-    ready = sorted(s for s, d in deps.items() if not d)
-    remaining = {s: set(d) for s, d in deps.items() if d}
-    while ready:
-        s = ready.pop(0)
-        done.append(s)
-        for t in sorted(remaining):
-            remaining[t].discard(s)
-            if not remaining[t]:
-                del remaining[t]
-                ready.append(t)
-        ready.sort()
-    if remaining:
-        raise ValueError(f"the stages form a cycle through {sorted(remaining)}; the manifest is damaged")
-    return done
-
-
 @dataclass
 class StageRun:
     """A stage's forward on one micro-batch, kept for its backward."""
@@ -55,6 +34,11 @@ class LocalPipeline:
     package: Package
     device: torch.device
     modules: dict[int, torch.nn.Module] = field(default_factory=dict)
+
+    @property
+    def order(self) -> list[int]:
+        """Stage ids, every stage after those it reads from (checked when the manifest loaded)."""
+        return self.package.manifest.order
 
     @classmethod
     def build(cls, package: Package, device: str | torch.device = "cpu", *,
@@ -83,7 +67,7 @@ class LocalPipeline:
         values: dict[str, object] = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v)
                                      for k, v in inputs.items()}
         runs: list[StageRun] = []
-        for sid in stage_order(m):
+        for sid in self.order:
             spec = m.stage(sid)
             args = []
             for v in spec.inputs:

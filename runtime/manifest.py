@@ -13,6 +13,7 @@ reads in ``forward`` argument order and the values it returns in order.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,8 +23,58 @@ PACKAGE_VERSION = 1
 FLOATING = ("float64", "float32", "float16", "bfloat16")
 
 
+def torch_dtype(name: str):
+    """The torch dtype a manifest names (``"int64"``; ``"torch.int64"`` is accepted), or None if none is."""
+    import torch
+
+    dt = getattr(torch, str(name or "").removeprefix("torch."), None)
+    return dt if isinstance(dt, torch.dtype) else None
+
+
+def input_path(keypath) -> str:
+    """A pytree key path into ``(args, kwargs)`` as an input's path: ``args[0]``, ``kwargs['input_ids']``."""
+    from torch.utils._pytree import keystr
+
+    s = keystr(keypath)  # e.g. "[0][1]" or "[1]['input_ids']"
+    if s.startswith("[0]"):
+        return "args" + s[3:]
+    if s.startswith("[1]"):
+        return "kwargs" + s[3:]
+    return s
+
+
+def call_leaves(args: tuple = (), kwargs: dict | None = None) -> list[tuple[str, Any]]:
+    """Every leaf of a call's ``(args, kwargs)`` with its input path, in flattening order."""
+    from torch.utils._pytree import tree_flatten_with_path
+
+    leaves, _ = tree_flatten_with_path((tuple(args), dict(kwargs or {})))
+    return [(input_path(kp), leaf) for kp, leaf in leaves]
+
+
 class ManifestError(ValueError):
     """The package manifest is missing, of another version, or inconsistent."""
+
+
+def stage_order(manifest: "Manifest") -> list[int]:
+    """Stage ids in an order where every stage comes after the stages it reads from."""
+    deps = {s.id: {manifest.values[v].producer for v in s.inputs
+                   if manifest.values[v].producer is not None} for s in manifest.stages}
+    done: list[int] = []
+    ready = sorted(s for s, d in deps.items() if not d)
+    remaining = {s: set(d) for s, d in deps.items() if d}
+    while ready:
+        s = ready.pop(0)
+        done.append(s)
+        for t in sorted(remaining):
+            remaining[t].discard(s)
+            if not remaining[t]:
+                del remaining[t]
+                ready.append(t)
+        ready.sort()
+    if remaining:
+        raise ManifestError(f"the stages form a cycle through {sorted(remaining)}; the manifest is damaged: "
+                            "regenerate the package with `ftcompile compile`")
+    return done
 
 
 @dataclass(frozen=True)
@@ -197,6 +248,11 @@ class Manifest:
     generator: dict = field(default_factory=dict)      # ftcompile version, graph hash, strategy
 
     # ----------------------------------------------------------------- queries
+    @functools.cached_property
+    def order(self) -> list[int]:
+        """Stage ids, every stage after the stages it reads from (:func:`stage_order`)."""
+        return stage_order(self)
+
     def stage(self, stage_id: int) -> StageSpec:
         for s in self.stages:
             if s.id == stage_id:
@@ -257,10 +313,13 @@ class Manifest:
                 dropout_ops=int(d.get("dropout_ops", 0)), weights=d.get("weights", "stored"), imports=list(d.get("imports", [])),
                 generator=dict(d.get("generator", {})),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+            m.check(where)
+        except ManifestError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            # A value of the wrong type (a list where a name belongs) fails in the check too.
             raise ManifestError(f"{where}: the package manifest is corrupt ({type(exc).__name__}: {exc}); "
                                 "regenerate the package with `ftcompile compile`") from None
-        m.check(where)
         return m
 
     def check(self, where: str = "plan.json") -> None:
@@ -269,6 +328,9 @@ class Manifest:
         if len(set(ids)) != len(ids):
             raise ManifestError(f"{where}: stage ids repeat: {ids}")
         graph_inputs = {i.value for i in self.inputs}
+        for what, spec in [*self.values.items(), *self.params.items()]:
+            if getattr(spec, "shape", None) is not None and torch_dtype(spec.dtype) is None:
+                raise ManifestError(f"{where}: {what!r} has dtype {spec.dtype!r}, which torch does not know")
         for s in self.stages:
             if not 0 <= s.gpu < self.num_gpus:
                 raise ManifestError(f"{where}: stage {s.id} is on GPU {s.gpu}, but the plan has "
@@ -288,5 +350,17 @@ class Manifest:
             for p in s.params:
                 if p not in self.params:
                     raise ManifestError(f"{where}: stage {s.id} holds {p!r}, which the manifest does not describe")
+                if s.id not in self.params[p].holders:
+                    raise ManifestError(f"{where}: stage {s.id} holds {p!r}, but its holders are "
+                                        f"{list(self.params[p].holders)}")
+            for v in s.inputs:
+                spec = self.values[v]
+                if spec.producer is not None and spec.is_tensor and s.id not in spec.consumers:
+                    raise ManifestError(f"{where}: stage {s.id} reads {v!r}, but its consumers are "
+                                        f"{list(spec.consumers)}")
         if self.loss is not None and self.values.get(self.loss, None) is None:
             raise ManifestError(f"{where}: the loss value {self.loss!r} is not described")
+        try:
+            stage_order(self)
+        except ManifestError as exc:
+            raise ManifestError(f"{where}: {exc}") from None

@@ -73,6 +73,8 @@ def feature_dropout(x: torch.Tensor, p: float, train: bool, seed: int, key: int)
     """``aten.feature_dropout`` (``F.dropout1d/2d/3d``): one keyed draw per (sample, channel)."""
     if not train or p == 0.0:
         return x
+    if p == 1.0:
+        return x * torch.zeros_like(x)
     shape = list(x.shape[:2]) + [1] * (x.dim() - 2)
     noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(
         1.0 - p, generator=generator(seed, key, x.device))
@@ -131,6 +133,10 @@ class _KeyedRandomMode(torch.overrides.TorchFunctionMode):
             if func is F.dropout:
                 return dropout(x, p, training, self.seed, key)
             if func in (F.dropout1d, F.dropout2d, F.dropout3d):
+                # As torch does: unbatched input to dropout1d/3d gets a batch dimension first
+                # (dropout2d treats a 3-D input as batched 1-D).
+                if (func is F.dropout1d and x.dim() == 2) or (func is F.dropout3d and x.dim() == 4):
+                    return feature_dropout(x.unsqueeze(0), p, training, self.seed, key).squeeze(0)
                 return feature_dropout(x, p, training, self.seed, key)
             return self._call(seeded_call, func, self.seed, key, *args, **kwargs)
         if (self.depth == 0 and func is _SDPA

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import torch
 
 from .init import apply_recipe
-from .manifest import Manifest, ManifestError, StageSpec
+from .manifest import Manifest, ManifestError, StageSpec, call_leaves
 from .ops import StageModule
 
 CHECKSUMS = "SHA256SUMS"
@@ -44,13 +44,17 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def _read_checksums(root: Path) -> dict[str, str]:
+def read_checksums(root: Path) -> dict[str, str]:
+    """File (relative to ``root``) -> SHA-256 from ``root/SHA256SUMS``; PackageError if unreadable."""
     path = root / CHECKSUMS
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise PackageError(f"{root} is not an ftcompile package: {CHECKSUMS} is missing. Generate one with "
                            "`ftcompile compile MODEL -o DIR`") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PackageError(f"{path} cannot be read ({exc}); regenerate the package with `ftcompile compile`") \
+            from None
     sums: dict[str, str] = {}
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -176,14 +180,7 @@ class Package:
     # ----------------------------------------------------------------- inputs
     def inputs_from_call(self, args: tuple = (), kwargs: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
         """Map a call of the original model (``model(*args, **kwargs)``) to the graph's input values."""
-        from torch.utils._pytree import keystr, tree_flatten_with_path
-
-        leaves, _ = tree_flatten_with_path((tuple(args), dict(kwargs or {})))
-        by_path = {}
-        for path, leaf in leaves:
-            s = keystr(path)
-            s = ("args" + s[3:]) if s.startswith("[0]") else ("kwargs" + s[3:]) if s.startswith("[1]") else s
-            by_path[s] = leaf
+        by_path = dict(call_leaves(args, kwargs))
         out = {}
         for inp in self.manifest.inputs:
             if inp.shape is None:
@@ -205,7 +202,7 @@ def load_package(path: str | os.PathLike, *, verify: bool = True, seed: int = 0)
     root = Path(path).resolve()
     if not root.is_dir():
         raise PackageError(f"no package folder at {path}")
-    sums = _read_checksums(root)
+    sums = read_checksums(root)
     for rel in sums:
         if not (root / rel).is_file():
             raise PackageError(f"{root / rel} is missing (listed in {CHECKSUMS}); the package is incomplete: "
@@ -214,8 +211,9 @@ def load_package(path: str | os.PathLike, *, verify: bool = True, seed: int = 0)
         raise PackageError(f"{root / CHECKSUMS} does not list plan.json; regenerate the package")
     try:
         doc = json.loads((root / "plan.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PackageError(f"{root / 'plan.json'} is not valid JSON ({exc}); regenerate the package") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
+        raise PackageError(f"{root / 'plan.json'} cannot be read as JSON ({exc}); regenerate the package") \
+            from None
     try:
         manifest = Manifest.from_json(doc.get("package") if isinstance(doc, dict) else None,
                                       where=str(root / "plan.json"))

@@ -28,7 +28,6 @@ from torch.func import functional_call
 
 from . import optim as _optim
 from .engine import TrainConfig, micro_batch_seed, programs
-from .local import stage_order
 from .package import Package
 
 
@@ -46,10 +45,9 @@ def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig,
     m, M = package.manifest, cfg.micro_batches
     device = torch.device(device)
     progs = programs(m, cfg, steps)
-    order = stage_order(m)
+    order = m.order
     modules = {s.id: package.build_stage(s.id, device).train(cfg.dropout) for s in m.stages}
-    ocfg = _optim.OptimConfig(cfg.optimizer, cfg.lr, cfg.momentum, cfg.betas, cfg.eps, cfg.weight_decay,
-                              cfg.lr_schedule, cfg.warmup_steps, cfg.total_steps or cfg.steps)
+    ocfg = cfg.optim_config()
     live = {s: {n: p for n, p in mod.named_parameters() if p.requires_grad} for s, mod in modules.items()}
     opts = {s: _optim.build(list(live[s].values()), ocfg) for s in modules}
     history = {s: {0: {n: p.detach().clone() for n, p in live[s].items()}} for s in modules}

@@ -69,19 +69,26 @@ class StageProgram:
     backward_version: dict[int, int]
     recompute: bool                   # forward keeps no activations; backward runs it again
     group: int = 0                    # 2gw: 0 or 1
-    version_uses: dict[int, int] = field(default_factory=dict)   # version -> tasks that use it
+    version_uses: dict[int, int] = field(init=False)      # version -> tasks that use it
+    spans_update: frozenset[int] = field(init=False)      # micro-batches with an update between F and B
 
     def __post_init__(self):
         uses: dict[int, int] = {}
+        updates, updates_at_forward, spans = 0, {}, set()
         for t in self.tasks:
+            if t.kind == "U":
+                updates += 1
+                continue
             if t.kind == "F":
                 v = self.forward_version[t.index]
-            elif t.kind == "B":
-                v = self.backward_version[t.index]
+                updates_at_forward[t.index] = updates
             else:
-                continue
+                v = self.backward_version[t.index]
+                if updates > updates_at_forward.get(t.index, updates):
+                    spans.add(t.index)
             uses[v] = uses.get(v, 0) + 1
         self.version_uses = uses
+        self.spans_update = frozenset(spans)
 
     def staleness(self, k: int) -> int:
         """Updates between micro-batch ``k``'s forward weights and its backward weights."""
@@ -231,9 +238,3 @@ def check_program(prog: StageProgram) -> None:
             raise ScheduleError(f"stage {prog.stage}: {t} would need weight version {v} after only {done} "
                                 f"updates under {prog.schedule}")
 
-
-def updates_between(prog: StageProgram, k: int) -> bool:
-    """Whether an update of this stage falls between ``F(k)`` and ``B(k)`` in its program."""
-    pos = {t: i for i, t in enumerate(prog.tasks)}
-    f, b = pos[Task("F", k)], pos[Task("B", k)]
-    return any(t.kind == "U" for t in prog.tasks[f:b])

@@ -188,13 +188,17 @@ class TorchTransport:
         head = torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64)
         works = []
         with self._locks[dst]:
-            works.append(self.dist.isend(head, dst, tag=TAG))
-            keep = [head]
-            if payload is not None:
-                p = self._host(payload.contiguous())
-                group = self.payload_group if p.device.type == "cuda" else None
-                works.append(self.dist.isend(p, dst, group=group, tag=TAG))
-                keep.append(p)
+            try:
+                works.append(self.dist.isend(head, dst, tag=TAG))
+                keep = [head]
+                if payload is not None:
+                    p = self._host(payload.contiguous())
+                    group = self.payload_group if p.device.type == "cuda" else None
+                    works.append(self.dist.isend(p, dst, group=group, tag=TAG))
+                    keep.append(p)
+            except RuntimeError as exc:     # gloo: the connection to dst is gone
+                raise TransportError(f"rank {self.rank}: sending to rank {dst} failed, its process is gone "
+                                     f"({str(exc).splitlines()[0][:200]}); see rank {dst}'s error") from None
         return [self._reapers[dst].track(works, keep)]
 
     def recv_header(self, src: int) -> list[int]:

@@ -96,9 +96,24 @@ def worker_argv(args) -> list[str]:
     return out
 
 
+def check_train_args(args) -> None:
+    """Refuse training options that make no sense, before any rank starts (``ValueError``)."""
+    for flag, value in (("--steps", args.steps), ("--micro-batches", args.micro_batches),
+                        ("--checkpoint-every", args.checkpoint_every)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if args.checkpoint_every is not None and not args.checkpoint_dir:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir")
+    if args.resume and not args.checkpoint_dir:
+        raise ValueError("--resume needs --checkpoint-dir")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    _device(args.device, 0)
+
+
 def config_from_args(args, manifest) -> TrainConfig:
     schedule = args.schedule or (manifest.schedule if manifest.schedule in SCHEDULES else "1f1b")
-    M = args.micro_batches or manifest.micro_batches or 4
+    M = args.micro_batches if args.micro_batches is not None else (manifest.micro_batches or 4)
     return TrainConfig(schedule=schedule, micro_batches=M, steps=args.steps, optimizer=args.optimizer, lr=args.lr,
                        momentum=args.momentum, weight_decay=args.weight_decay, lr_schedule=args.lr_schedule,
                        warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm,
@@ -107,22 +122,29 @@ def config_from_args(args, manifest) -> TrainConfig:
 
 
 def _device(spec: str, local_rank: int) -> torch.device:
-    if spec.startswith("cuda"):
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu, cuda (each rank takes cuda:LOCAL_RANK) or cuda:N; got {spec!r}")
+    if device.type == "cuda":
         if not torch.cuda.is_available():
             raise PipelineError("--device cuda but torch sees no GPU; use --device cpu")
-        if spec == "cuda":
+        if device.index is None:
             return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device(spec)
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {spec}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return device
 
 
 def run(args) -> int:
     launch = detect_launcher()
     rank = launch.rank
+    check_train_args(args)
     package = load_package(args.package)
     m = package.manifest
     cfg = config_from_args(args, m)
-    if args.steps < 1:
-        raise PipelineError("--steps must be at least 1")
     device = _device(args.device, launch.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -135,8 +157,6 @@ def run(args) -> int:
                         device=device, ranks=ranks)
     start = 0
     if args.resume:
-        if not args.checkpoint_dir:
-            raise CheckpointError("--resume needs --checkpoint-dir")
         found = latest(args.checkpoint_dir)
         if found is None:
             raise CheckpointError(f"--resume: no checkpoint in {args.checkpoint_dir} (no 'latest' file)")
@@ -213,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     launch = detect_launcher()
     try:
         return run(args)
-    except (PipelineError, PackageError, CheckpointError, ScheduleError, TransportError, ValueError) as exc:
+    except (PipelineError, PackageError, CheckpointError, ScheduleError, TransportError, ValueError,
+            OSError) as exc:
         msg = str(exc)
         if not msg.startswith("rank "):
             msg = f"rank {launch.rank}: {msg}"

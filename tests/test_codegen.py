@@ -6,18 +6,17 @@ import json
 import math
 import os
 import py_compile
-import shutil
 import subprocess
 import sys
 import textwrap
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 
 from ftcompile.cluster import load_cluster
-from ftcompile.codegen import CodegenError, generate, random_keys, value_names, write_package
+from ftcompile.codegen import generate, random_keys, value_names, write_package
 from ftcompile.compile import compile_plan, plan_document
 from ftcompile.hardware import load_hardware
 from ftcompile.models import ModelOptions, build_model
@@ -273,7 +272,7 @@ def good_package(tmp_path):
 
 
 def _rewrite_sums(path: Path, rel: str) -> None:
-    from ftcompile.codegen import sha256_file
+    from ftcompile.runtime.package import sha256_file
 
     lines = (path / "SHA256SUMS").read_text().splitlines()
     out = [f"{sha256_file(path / rel)}  {rel}" if line.endswith(f"  {rel}") else line for line in lines]
@@ -329,6 +328,18 @@ def test_other_manifest_version_is_refused(good_package):
     (good_package / "plan.json").write_text(json.dumps(doc))
     _rewrite_sums(good_package, "plan.json")
     with pytest.raises(PackageError, match="version 99.*regenerate"):
+        load_package(good_package)
+
+
+def test_manifest_of_the_wrong_shape_is_refused(good_package):
+    doc = json.loads((good_package / "plan.json").read_text())
+    doc["package"]["stages"][0]["inputs"] = [["input_ids"]]       # a list where a value name belongs
+    (good_package / "plan.json").write_text(json.dumps(doc))
+    _rewrite_sums(good_package, "plan.json")
+    with pytest.raises(PackageError, match="manifest is corrupt.*regenerate"):
+        load_package(good_package)
+    (good_package / "SHA256SUMS").write_bytes(b"\xff\xfe not text")
+    with pytest.raises(PackageError, match="SHA256SUMS cannot be read"):
         load_package(good_package)
 
 
@@ -405,7 +416,7 @@ def test_package_runs_in_a_process_without_the_compiler(tmp_path):
 
 
 def test_package_folder_imports_as_a_python_package(tmp_path):
-    path = package_for(tmp_path / "gpt2_pkg", "gpt2-tiny", "seq", gpus=2)
+    package_for(tmp_path / "gpt2_pkg", "gpt2-tiny", "seq", gpus=2)
     script = BLOCKER + textwrap.dedent("""
         import gpt2_pkg
         pkg = gpt2_pkg.load()
@@ -497,3 +508,53 @@ def test_examples_package_verifies():
     per_gpu = [sorted(s.id for s in pkg.manifest.stages_on(g)) for g in range(pkg.manifest.num_gpus)]
     assert any(len(ids) > 1 for ids in per_gpu)
     assert_verified(example)
+
+
+def test_attention_dropout_given_by_keyword_is_keyed(tmp_path):
+    """torch.fx keeps `dropout_p=` as written: the attention call must still be keyed by the
+    micro-batch seed (so recomputation repeats its mask) and run without dropout in eval mode."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from ftcompile.trace_fx import trace_fx
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            return (F.scaled_dot_product_attention(q, k, v, dropout_p=0.25).sum(),)
+
+    torch.manual_seed(0)
+    model, x = Attention(), torch.randn(2, 8, 16)
+    graph = trace_fx(model, (x,), {})
+    assert list(random_keys(graph).values()) == [0]
+    prof = analytic_profile(graph, load_hardware("cpu"), optimizer="adam")
+    result = compile_plan(Problem(graph, prof, load_cluster("2xcpu").with_overrides(gpus=1), schedule="gpipe",
+                                  micro_batches=1), "seq", jobs=1)
+    doc = plan_document(result, model=graph.source)
+    write_package(generate(graph, doc, weight_source(model, graph)), doc, tmp_path)
+    assert "dropout_p=0.25 if self.training else 0.0" in (tmp_path / "stage_0.py").read_text()
+    stage = load_package(tmp_path).build_stage(0)
+    run = lambda seed: stage(x, seed=seed)[0]  # noqa: E731
+    stage.train()
+    assert torch.equal(run(1), run(1)) and not torch.equal(run(1), run(2))
+    stage.eval()
+    assert torch.equal(run(1), run(2))
+
+
+def test_feature_dropout_edges():
+    """p = 1 drops everything (no 0/0), and unbatched dropout1d masks whole channels as torch does."""
+    import torch.nn.functional as F
+
+    from ftcompile.runtime import ops
+
+    x = torch.ones(2, 3, 5)
+    out = ops.feature_dropout(x, 1.0, True, 0, 0)
+    assert torch.equal(out, torch.zeros_like(x))
+    with ops.keyed_random_mode(7):
+        y = F.dropout1d(torch.ones(64, 10), 0.5, True)       # (C, L): one draw per channel
+    assert all(len(set(row.tolist())) == 1 for row in y)
+    assert set(y[:, 0].tolist()) == {0.0, 2.0}

@@ -299,6 +299,10 @@ def test_user_dataset_errors(manifests, user_file):
         load_dataset(f"{user_file}:nope", m, micro_batches=M)
     with pytest.raises(DataError, match="does not exist"):
         load_dataset(f"{user_file.parent / 'other.py'}:f", m, micro_batches=M)
+    broken = user_file.parent / "broken.py"
+    broken.write_text("def f(:\n")
+    with pytest.raises(DataError, match=r"dataset file: importing .*broken.py.* failed: SyntaxError"):
+        load_dataset(f"{broken}:f", m, micro_batches=M)
 
 
 # --------------------------------------------------------------------------- split_micro_batches

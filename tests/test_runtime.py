@@ -268,25 +268,35 @@ def test_synchronous_schedules_equal_plain_training(packages, tmp_path, schedule
     assert len(losses(tmp_path / "log")) == cfg.steps
 
 
+def assert_run_matches_reference(pkg: Path, cfg: TrainConfig, tmp: Path) -> None:
+    """A finished run's checkpoint and log (under ``tmp``) against the single-process reference."""
+    ref = reference_train(load_package(pkg), load_dataset("synthetic", load_package(pkg).manifest,
+                                                          micro_batches=cfg.micro_batches, seed=cfg.seed),
+                          cfg, cfg.steps)
+    got = final_weights(tmp / "ckpt")
+    for sid, w in ref.weights.items():
+        for n, t in w.items():
+            assert rel_error(got[sid][n], t) < TOL, (cfg.schedule, sid, n)
+    assert losses(tmp / "log") == pytest.approx(ref.losses, rel=1e-5)
+
+
 @pytest.mark.parametrize("schedule", ["async", "pipedream", "2bw", "2gw"])
 def test_asynchronous_schedules_match_their_reference(packages, tmp_path, schedule):
     pkg = packages["interleaved"]
     cfg = cfg_for(schedule, micro_batches=4, steps=4)
     r = run_cli(*cli_args(cfg, pkg, tmp_path))
     assert r.returncode == 0, r.stderr
-    ref = reference_train(load_package(pkg), load_dataset("synthetic", load_package(pkg).manifest,
-                                                          micro_batches=4, seed=cfg.seed), cfg, cfg.steps)
-    got = final_weights(tmp_path / "ckpt")
-    for sid, w in ref.weights.items():
-        for n, t in w.items():
-            assert rel_error(got[sid][n], t) < TOL, (schedule, sid, n)
-    assert losses(tmp_path / "log") == pytest.approx(ref.losses, rel=1e-5)
+    assert_run_matches_reference(pkg, cfg, tmp_path)
 
 
-def test_momentum_and_global_clipping_across_ranks(packages, tmp_path):
+@pytest.mark.parametrize("checkpoint_every", [0, 1])
+def test_momentum_and_global_clipping_across_ranks(packages, tmp_path, checkpoint_every):
+    """Clipping by the global norm; with a checkpoint after every step, each step is a run segment of
+    its own, whose messages (norms, activations) must not be mistaken for another segment's."""
     pkg = packages["mixed"]
     cfg = cfg_for("1f1b", optimizer="momentum", lr=0.05, clip_grad_norm=0.5)
-    r = run_cli(*cli_args(cfg, pkg, tmp_path))
+    extra = ["--checkpoint-every", str(checkpoint_every)] if checkpoint_every else []
+    r = run_cli(*cli_args(cfg, pkg, tmp_path), *extra)
     assert r.returncode == 0, r.stderr
     assert_close_weights(final_weights(tmp_path / "ckpt"), plain_training(pkg, cfg, cfg.steps))
     lines = [json.loads(x) for x in (tmp_path / "log" / "train.jsonl").read_text().splitlines()]
@@ -408,6 +418,25 @@ def test_run_refuses_bad_input(packages, tmp_path):
     r = run_cli(str(packages["seq"]), "--nproc", "1", "--data", "text", "--steps", "1", "--progress", "off",
                 "--log-dir", str(tmp_path), "--resume")
     assert r.returncode != 0 and "--resume needs --checkpoint-dir" in r.stderr, r.stderr
+    for bad, says in ((["--device", "tpu"], "--device must be cpu, cuda"),
+                      (["--micro-batches", "0"], "--micro-batches must be at least 1"),
+                      (["--checkpoint-every", "0", "--checkpoint-dir", str(tmp_path)], "--checkpoint-every must be"),
+                      (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
+                      (["--timeout", "0"], "--timeout must be a positive")):
+        r = run_cli(str(packages["seq"]), "--nproc", "2", "--steps", "1", *bad)
+        assert r.returncode == 2 and says in r.stderr, (bad, r.stderr)
+        assert "Traceback" not in r.stderr
+
+
+def test_a_damaged_checkpoint_is_refused_by_name(packages, tmp_path):
+    cfg = cfg_for("1f1b", steps=1)
+    r = run_cli(*cli_args(cfg, packages["seq"], tmp_path))
+    assert r.returncode == 0, r.stderr
+    shard = next((tmp_path / "ckpt").glob("step-*/stage_1.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    r = run_cli(*cli_args(cfg_for("1f1b", steps=2), packages["seq"], tmp_path), "--resume")
+    assert r.returncode != 0 and "shard of stage 1 cannot be read" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_fewer_ranks_than_planned_gpus(packages, tmp_path):
@@ -447,12 +476,7 @@ def test_mpi_transport(packages, tmp_path, schedule):
     cfg = cfg_for(schedule, steps=3)
     r = run_mpi(cli_args(cfg, pkg, tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
-    ref = reference_train(load_package(pkg), load_dataset("synthetic", load_package(pkg).manifest, micro_batches=4,
-                                                          seed=cfg.seed), cfg, cfg.steps)
-    got = final_weights(tmp_path / "ckpt")
-    for sid, w in ref.weights.items():
-        for n, t in w.items():
-            assert rel_error(got[sid][n], t) < TOL, (sid, n)
+    assert_run_matches_reference(pkg, cfg, tmp_path)
 
 
 @pytest.mark.slow
@@ -514,10 +538,4 @@ def test_weight_prediction_across_ranks_matches_its_reference(packages, tmp_path
     cfg = cfg_for("async", micro_batches=2, steps=4, weight_prediction=True)
     r = run_cli(*cli_args(cfg, pkg, tmp_path))
     assert r.returncode == 0, r.stderr
-    ref = reference_train(load_package(pkg), load_dataset("synthetic", load_package(pkg).manifest,
-                                                          micro_batches=2, seed=cfg.seed), cfg, cfg.steps)
-    got = final_weights(tmp_path / "ckpt")
-    for sid, w in ref.weights.items():
-        for n, t in w.items():
-            assert rel_error(got[sid][n], t) < TOL, (sid, n)
-    assert losses(tmp_path / "log") == pytest.approx(ref.losses, rel=1e-5)
+    assert_run_matches_reference(pkg, cfg, tmp_path)
