@@ -40,16 +40,16 @@ def sh(*cmd: str, env: dict | None = None) -> str:
     return r.stdout
 
 
-def ftc(*args: str) -> str:
-    return sh(sys.executable, "-m", "ftcompile", *args)
+def ftc(*args: str, env: dict | None = None) -> str:
+    return sh(sys.executable, "-m", "ftcompile", *args, env=env)
 
 
 def measure(model: str, out: Path, schedules: list[str], steps: int, micro_batches: int, nproc: int,
             device: str) -> list[dict]:
     prof = out / "profile.measured.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    sh(sys.executable, "-m", "ftcompile", "-q", "profile", model, "--method", "measured",
-       "--device", "cuda" if device == "cuda" else "cpu", "--repeats", "5", "-o", str(prof), "--no-cache", env=env)
+    ftc("-q", "profile", model, "--method", "measured", "--device", "cuda" if device == "cuda" else "cpu",
+        "--repeats", "5", "-o", str(prof), "--no-cache", env=env)
     pkg = out / "pkg"
     ftc("-q", "compile", model, "--cluster", "2xcpu", "--gpus", str(nproc), "--profile", str(prof),
         "--micro-batches", str(micro_batches), "--strategy", "auto", "-o", str(pkg), "--json")
@@ -70,11 +70,10 @@ def measure(model: str, out: Path, schedules: list[str], steps: int, micro_batch
         for r in sorted(steady[0]["ranks"]):
             wall = sum(x["ranks"][r]["seconds"] for x in steady)
             wait = sum(x["ranks"][r]["wait_s"] for x in steady)
-            mine = {s for s in steady[0]["stages"]}
             busy = 0.0
             for x in steady:
                 for sid, st in x["stages"].items():
-                    if sid in mine and _rank_of(x, sid) == r:
+                    if _rank_of(x, sid) == r:
                         busy += st["forward_s"] + st["backward_s"] + st["recompute_s"] + st["update_s"]
             overhead.append(max(0.0, wall - wait - busy) / (len(steady) * micro_batches) * 1e3)
         rows.append({"model": model, "schedule": sched, "predicted_sps": predicted, "measured_sps": measured,

@@ -457,16 +457,12 @@ class OpGraph:
                 loss=d.get("loss"), granularity=d.get("granularity", "op"),
                 basic_blocks=list(d.get("basic_blocks", [])), source=dict(d.get("source", {})),
             )
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-            # Malformed content (a list where an object belongs, a number for a shape...)
-            # surfaces as whichever error the first bad access raises.
-            raise GraphError(f"OpGraph file is corrupt ({type(exc).__name__}: {exc}); "
-                             "re-run `ftcompile trace` to regenerate it") from None
-        try:
             g.validate()
         except GraphError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            # Malformed content (a list where an object belongs, a number for a shape...)
+            # surfaces as whichever error the first bad access raises, in reading or validating.
             raise GraphError(f"OpGraph file is corrupt ({type(exc).__name__}: {exc}); "
                              "re-run `ftcompile trace` to regenerate it") from None
         return g
