@@ -41,6 +41,10 @@ class HardwareSpec:
     kernel_overhead_s: float = 5e-6
     matmul_efficiency: float = 0.6
     memory_efficiency: float = 0.7
+    # Device memory a training process uses outside its tensors: the CUDA context and kernel
+    # images, cuBLAS/cuDNN workspaces, NCCL buffers, the caching allocator's fragmentation.
+    # Plans keep it free on every GPU.
+    memory_reserve_bytes: int = 0
     description: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -93,6 +97,13 @@ class HardwareSpec:
             raise HardwareError(f"hardware spec field memory_bytes must be a whole number of bytes, "
                                 f"got {d['memory_bytes']!r}")
         fields["memory_bytes"] = int(mem)
+        if "memory_reserve_bytes" in d:
+            reserve = number("memory_reserve_bytes", d["memory_reserve_bytes"], what="a whole number of bytes >= 0",
+                             low_ok=True)
+            if reserve != int(reserve) or reserve >= fields["memory_bytes"]:
+                raise HardwareError(f"hardware spec field memory_reserve_bytes must be a whole number of bytes "
+                                    f"below memory_bytes, got {d['memory_reserve_bytes']!r}")
+            fields["memory_reserve_bytes"] = int(reserve)
         if "kernel_overhead_s" in d:
             fields["kernel_overhead_s"] = number("kernel_overhead_s", d["kernel_overhead_s"],
                                                  what="a number of seconds >= 0", low_ok=True)
@@ -117,12 +128,15 @@ PRESETS: dict[str, HardwareSpec] = {
         peak_flops={"float32": 13.4 * TFLOPS, "float16": 26.9 * TFLOPS, "bfloat16": 13.4 * TFLOPS},
         memory_bandwidth=616 * GB, memory_bytes=11 * 1024**3,
         link_bandwidth=12 * GB, host_bandwidth=12 * GB, kernel_overhead_s=6e-6,
+        # ~300 MB CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers, ~5% allocator fragmentation
+        memory_reserve_bytes=int(0.8 * GB),
         description="NVIDIA GeForce RTX 2080 Ti, 11 GB, PCIe 3.0 x16 (the FTPipe paper's server)"),
     "v100-32gb": HardwareSpec(
         name="v100-32gb",
         peak_flops={"float32": 15.7 * TFLOPS, "float16": 125 * TFLOPS, "bfloat16": 15.7 * TFLOPS},
         memory_bandwidth=900 * GB, memory_bytes=32 * 1024**3,
         link_bandwidth=150 * GB, host_bandwidth=12 * GB, kernel_overhead_s=5e-6,
+        memory_reserve_bytes=int(1.5 * GB),
         description="NVIDIA V100 SXM2 32 GB, NVLink 2"),
     "a100-80gb": HardwareSpec(
         name="a100-80gb",
@@ -131,6 +145,7 @@ PRESETS: dict[str, HardwareSpec] = {
                     "bfloat16": 312 * TFLOPS},
         memory_bandwidth=2039 * GB, memory_bytes=80 * 1024**3,
         link_bandwidth=300 * GB, host_bandwidth=25 * GB, kernel_overhead_s=4e-6,
+        memory_reserve_bytes=int(2.5 * GB),
         description="NVIDIA A100 SXM4 80 GB, NVLink 3"),
     "h100-80gb": HardwareSpec(
         name="h100-80gb",
@@ -138,6 +153,7 @@ PRESETS: dict[str, HardwareSpec] = {
                     "bfloat16": 989 * TFLOPS, "float8_e4m3fn": 1979 * TFLOPS},
         memory_bandwidth=3350 * GB, memory_bytes=80 * 1024**3,
         link_bandwidth=450 * GB, host_bandwidth=55 * GB, kernel_overhead_s=4e-6,
+        memory_reserve_bytes=int(2.5 * GB),
         description="NVIDIA H100 SXM5 80 GB, NVLink 4"),
     "cpu": HardwareSpec(
         name="cpu",

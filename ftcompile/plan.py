@@ -9,21 +9,31 @@ holds in flight under asynchronous and 1F1B schedules.
 :func:`evaluate` prices a plan:
 
 * stage period (Eq. 1): ``T = C + max(0, Tcomm_fwd - C) + max(0, Tcomm_bwd - C)``
-  with ``C`` the stage's forward + backward (+ recomputation where the schedule
-  recomputes: every stage but the last under the async FTPipe schedule, §4.3);
+  with ``C`` the stage's forward + backward (+ recomputation where the stage
+  recomputes) + its share ``U / M`` of the optimizer update that closes every step;
 * GPU load: the sum of the periods of the stages it hosts; the plan's objective
   is the largest GPU load;
-* memory per GPU for the schedule and optimizer: parameters (each tensor once per
-  GPU that uses it), gradients, optimizer state, the extra weight versions the
-  schedule keeps (PipeDream depth+1, 2BW two, 2GW two for group G0 only, WPipe
-  Table 1) and the activations of the micro-batches in flight.
+* memory per GPU: everything the runtime holds (see :class:`GpuCost`): the
+  weights, gradients and optimizer state of every stage (a stage holds its own
+  copy of a tensor it shares with another stage), the extra weight versions its
+  schedule keeps, the activations of its micro-batches in flight, the receive
+  buffers flow control allows, outputs waiting to be sent, the data of the steps
+  in flight, the largest transient of one task (a recomputation rebuilding a
+  stage's activations, the activation gradients of a backward, weight-prediction
+  copies, the optimizer's temporaries), and the hardware's reserve for the CUDA
+  context, workspaces and allocator fragmentation.
+
+What a schedule makes a stage hold (micro-batches in flight, weight versions,
+whether it recomputes) comes from the runtime's own task programs
+(:mod:`ftcompile.runtime.schedules`), so the cost model, the simulator and the
+runtime share one definition.
 """
 
 from __future__ import annotations
 
 import functools
-
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
@@ -32,8 +42,10 @@ import networkx as nx
 import numpy as np
 
 from .cluster import ClusterSpec
+from .hardware import HardwareSpec, load_hardware
 from .ir import OpGraph, atomic_write_text
 from .profile import Profile
+from .runtime.schedules import StageProgram, flow_control, flow_window, stage_program, stage_programs
 from .units import format_bytes
 
 SCHEDULES = ("gpipe", "1f1b", "async", "pipedream", "2bw", "2gw")
@@ -89,6 +101,8 @@ class Problem:
     schedule: str = "async"
     micro_batches: int = 4
     recompute: bool | None = None       # None: the schedule's default
+    clip_grad_norm: bool = False        # every update waits for the global gradient norm
+    weight_prediction: bool = False     # async: forwards on predicted weights (a copy per forward)
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -106,13 +120,64 @@ class Problem:
         times. The value travels with the problem when it is pickled to worker processes."""
         return _lower_bound(self)
 
+    @functools.cached_property
+    def hardware(self) -> HardwareSpec | None:
+        """The cluster's hardware spec (reserve, memory bandwidth for the update), or None if unknown."""
+        try:
+            return load_hardware(self.cluster.hardware)
+        except Exception:  # noqa: BLE001 - a measured profile's cluster may name no spec
+            return None
+
+    @property
+    def memory_reserve(self) -> int:
+        """Bytes kept free on every GPU for the CUDA context, workspaces and fragmentation."""
+        return self.hardware.memory_reserve_bytes if self.hardware is not None else 0
+
+    def program(self, depth: int, group: int = 0) -> StageProgram:
+        """The runtime's program of a stage at ``depth`` (one step's worth; its figures are per step)."""
+        return stage_program(self.schedule, -1, depth=depth, micro_batches=self.micro_batches, steps=1,
+                             recompute=self.recompute, group=group)
+
+    def programs(self, depths: dict[int, int], steps: int = 1) -> dict[int, StageProgram]:
+        """Every stage's runtime program (stage id -> depth), 2gw groups included."""
+        return stage_programs(self.schedule, depths, micro_batches=self.micro_batches, steps=steps,
+                              recompute=self.recompute)
+
     def recomputes(self, is_last: bool) -> bool:
-        """Whether a stage recomputes its forward in backward under this schedule."""
-        if self.schedule == "async":
-            return not is_last          # FTPipe §4.3: the last stage does not recompute
-        if self.recompute is not None:
-            return self.recompute and not is_last
-        return False
+        """Whether a stage recomputes its forward in backward: at the end of the pipeline
+        (``is_last``: depth 0) or inside it (see :attr:`StageProgram.recompute`)."""
+        return self.program(0 if is_last else 1).recompute
+
+    @functools.cached_property
+    def grad_values(self) -> frozenset[str]:
+        """Values a gradient flows back through (floating, depending on a trainable parameter): the
+        runtime sends gradients, and takes them as bounding its producer, for these only."""
+        from .codegen import requires_grad_values
+
+        return frozenset(requires_grad_values(self.graph))
+
+    def update_ms(self, param_names) -> float:
+        """The optimizer step over these parameters (:func:`update_time_ms`)."""
+        return update_time_ms(self, param_names)
+
+
+def update_time_ms(problem: Problem, param_names) -> float:
+    """Time of one optimizer step over ``param_names``: memory-bound, it reads the weights, gradients
+    and optimizer state and writes weights and state back, plus a kernel launch per tensor and
+    state tensor. Priced on the cluster's hardware at its memory efficiency."""
+    hw = problem.hardware
+    prof = problem.profile
+    traffic = 0.0
+    tensors = 0
+    for n in param_names:
+        c = prof.params.get(n)
+        if c is None or not c.grad_bytes:
+            continue
+        traffic += 2 * c.bytes + c.grad_bytes + 2 * c.optimizer_bytes
+        tensors += 1 + (2 if c.optimizer_bytes else 0)
+    if hw is None or not traffic:
+        return 0.0
+    return (traffic / (hw.memory_bandwidth * hw.memory_efficiency) + tensors * hw.kernel_overhead_s) * 1e3
 
 
 @dataclass
@@ -132,22 +197,40 @@ class StageCost:
     input_bytes: int                # stage inputs of one micro-batch (what recomputation keeps)
     in_flight: int
     memory_bytes: int               # activations this stage holds at peak (weights counted per GPU)
+    update_ms: float = 0.0          # the optimizer step closing every step (once per M micro-batches)
+    recomputes: bool = False
+    weight_versions: int = 0        # extra weight copies the schedule keeps
+    param_bytes: int = 0            # weights and buffers the stage holds (its own copy)
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    trainable_bytes: int = 0        # the weights among param_bytes that train (what a version copies)
+    transient_bytes: int = 0        # the most one task adds while it runs (see evaluate)
+    group: int = 0                  # 2gw group
+    grads_back_bytes: int = 0       # gradients of its outputs its readers send back, per micro-batch
 
 
 @dataclass
 class GpuCost:
+    """What a GPU holds at its peak, by kind (bytes), and its load."""
+
     gpu: int
     stages: list[int]
     load_ms: float
     compute_ms: float
     comm_ms: float
-    param_bytes: int
-    weight_version_bytes: int
+    param_bytes: int                # weights and buffers, per stage holding them
+    weight_version_bytes: int       # extra versions the schedule keeps
     grad_bytes: int
     optimizer_bytes: int
-    activation_bytes: int
-    memory_bytes: int
+    activation_bytes: int           # held activations + buffers + the largest transient
+    memory_bytes: int               # everything, reserve included
     memory_limit: int
+    held_bytes: int = 0             # activations of the micro-batches in flight
+    receive_bytes: int = 0          # values waiting for their reader (flow-control windows)
+    send_bytes: int = 0             # outputs waiting to be sent
+    data_bytes: int = 0             # the graph inputs of the steps in flight
+    transient_bytes: int = 0        # the largest task transient of its stages
+    reserve_bytes: int = 0          # CUDA context, workspaces, fragmentation
 
     @property
     def fits(self) -> bool:
@@ -242,26 +325,48 @@ def ordered(plan: Plan, graph: OpGraph) -> Plan:
 # --------------------------------------------------------------------------- costs
 
 def _in_flight(schedule: str, depth: int, micro_batches: int, group0: bool) -> int:
-    if schedule == "gpipe":
-        return micro_batches
-    if schedule in ("1f1b", "2bw"):
-        return min(micro_batches, depth + 1)
-    if schedule in ("async", "pipedream"):
-        return depth + 1
-    if schedule == "2gw":
-        # WPipe §3.3: G0 keeps all M micro-batches of a period, G1 one fewer per stage of depth.
-        return micro_batches if group0 else min(micro_batches, depth + 1)
-    raise PlanError(f"unknown schedule {schedule!r}")
+    """Micro-batches a stage at ``depth`` keeps in flight (its runtime program's figure)."""
+    return stage_program(schedule, -1, depth=depth, micro_batches=micro_batches, steps=1,
+                         group=0 if group0 else 1).in_flight
 
 
-def _extra_weight_versions(schedule: str, depth: int, group0: bool) -> int:
-    if schedule == "pipedream":
-        return depth            # a worker of depth d stashes d+1 versions (WPipe Table 1: N - i)
-    if schedule == "2bw":
-        return 1
-    if schedule == "2gw":
-        return 1 if group0 else 0
-    return 0
+def _extra_weight_versions(schedule: str, depth: int, group0: bool, micro_batches: int = 1,
+                           recompute: bool = False) -> int:
+    """Extra weight copies a stage at ``depth`` keeps (its runtime program's figure). Without
+    ``micro_batches`` it assumes an update per micro-batch and no recomputation: the most any
+    setting keeps."""
+    return stage_program(schedule, -1, depth=depth, micro_batches=micro_batches, steps=1, recompute=recompute,
+                         group=0 if group0 else 1).extra_weight_versions
+
+
+def plan_windows(problem: Problem, sg: nx.DiGraph, depth: dict[int, int], progs: dict[int, StageProgram],
+                 windows: dict[tuple[int, int], int] | None = None) -> dict[tuple[int, int], tuple[int, bool]]:
+    """The flow control of a plan: per stage edge ``(p, c)``, ``(W, credits)`` as the runtime enforces it
+    (:func:`ftcompile.runtime.schedules.flow_control`).
+
+    Unless ``windows`` says otherwise, each edge gets
+    :func:`~ftcompile.runtime.schedules.flow_window`, which the runtime computes the same way
+    from the stages' depths; :func:`ftcompile.simulate.simulate` replays the plan under these
+    windows and reports the occupancy it saw.
+    """
+    graph, grad_values = problem.graph, problem.grad_values
+    edges: dict[tuple[int, int], bool] = {}
+    for p, c, data in sg.edges(data=True):
+        if any(graph.node(graph.producer(v)).outputs[v].tensor is not None for v in data["values"]):
+            edges[(p, c)] = any(v in grad_values for v in data["values"])
+    structural = {(p, c): flow_window(progs[p], depth[c]) for p, c in edges}
+    if windows:
+        structural.update({e: w for e, w in windows.items() if e in structural})
+    return flow_control(edges, {s: prog.in_flight for s, prog in progs.items()}, structural)
+
+
+def flow_windows_of(problem: Problem, plan: Plan, windows: dict[tuple[int, int], int] | None = None
+                    ) -> dict[tuple[int, int], int]:
+    """The flow-control window of every stage edge of ``plan`` (see :func:`plan_windows`): what the
+    package's manifest tells the runtime to enforce."""
+    sg = stage_graph(problem.graph, plan)
+    depth = stage_depths(sg)
+    return {e: w for e, (w, _) in plan_windows(problem, sg, depth, problem.programs(depth), windows).items()}
 
 
 #: Larger graphs skip the closure rule of lower_bound (its n x n bits would pass 100 MB).
@@ -300,16 +405,23 @@ def lower_bound(problem: Problem) -> float:
 
 def _lower_bound(problem: Problem) -> float:
     graph, prof = problem.graph, problem.profile
-    recompute_all = problem.schedule == "async" or bool(problem.recompute)
+    # Interior stages recompute (async, or --recompute); the end of the pipeline may skip it.
+    recompute_all = problem.recomputes(False)
+    end_skips = recompute_all and not problem.recomputes(True)
     ops = list(graph.op_nodes())
     P = problem.num_gpus
     base = np.array([prof.nodes[n.id].forward_ms + prof.nodes[n.id].backward_ms for n in ops], dtype=float)
     rec = np.array([prof.nodes[n.id].recompute_ms for n in ops], dtype=float) if recompute_all \
         else np.zeros(len(ops))
-    work = float(base.sum() + rec.sum())
-    if not ops or not (rec > 0).any():
+    # Every trainable tensor is updated once per step, by at least one stage.
+    work = float(base.sum() + rec.sum()) + problem.update_ms(graph.params) / problem.micro_batches
+    if not ops or not (rec > 0).any() or not end_skips:
         return work / P
     loss = next((i for i, n in enumerate(ops) if n.is_loss), None)
+    if loss is not None and not _all_related_to(graph, ops[loss].id):
+        # A node neither feeding the loss nor fed by it can end up in a sink stage of its own,
+        # which also skips recomputation: only the budget of P stages holds then.
+        loss = None
     costs = _closure_costs(problem, ops, base, loss) \
         if loss is not None and len(ops) <= _CLOSURE_MAX_NODES else None
     if costs is not None:
@@ -356,6 +468,16 @@ def _lower_bound(problem: Problem) -> float:
     return hi
 
 
+def _all_related_to(graph: OpGraph, node: int) -> bool:
+    """Every op node is an ancestor or a descendant of ``node`` (or ``node`` itself)."""
+    g = nx.DiGraph()
+    ops = {n.id for n in graph.op_nodes()}
+    g.add_nodes_from(ops)
+    g.add_edges_from((e.src, e.dst) for e in graph.edges if e.src in ops and e.dst in ops)
+    related = nx.ancestors(g, node) | nx.descendants(g, node) | {node}
+    return related >= ops
+
+
 def _closure_costs(problem: Problem, ops: list, base: np.ndarray,
                    loss: int) -> tuple[np.ndarray, np.ndarray] | None:
     """Per op node ``v``: forward + backward, and a lower bound on the memory, of ``v``, the loss
@@ -396,30 +518,120 @@ def _closure_costs(problem: Problem, ops: list, base: np.ndarray,
     return sums[:, 0], sums[:, 1]
 
 
-def evaluate(problem: Problem, plan: Plan) -> PlanCost:
-    """Price ``plan``: stage periods (Eq. 1), GPU loads, memory per GPU, feasibility."""
+def _shared_sum_ms(problem: Problem, names: list[str], holders: dict[str, int]) -> float:
+    """Summing the other holders' gradients of shared tensors before the update (one read of each
+    part and a read and write of the sum per add)."""
+    hw = problem.hardware
+    traffic = sum(3 * problem.profile.params[n].grad_bytes * (holders[n] - 1) for n in names if holders[n] > 1)
+    if hw is None or not traffic:
+        return 0.0
+    return traffic / (hw.memory_bandwidth * hw.memory_efficiency) * 1e3
+
+
+def _stage_params(problem: Problem, nodes: Iterable[int]) -> tuple[int, int, int, int, list[str]]:
+    """``(weights and buffers, gradients, optimizer state, trainable weights, names)`` a stage holds."""
+    prof = problem.profile
+    names = sorted({p for n in nodes for p in problem.graph.node(n).params})
+    pb = gb = ob = tb = 0
+    for n in names:
+        c = prof.params[n]
+        pb += c.bytes
+        gb += c.grad_bytes
+        ob += c.optimizer_bytes
+        if c.grad_bytes:
+            tb += c.bytes
+    return pb, gb, ob, tb, names
+
+
+def working_sets(problem: Problem, nodes: Iterable[int]) -> tuple[int, int]:
+    """``(forward, backward)``: the most bytes a stage's forward and backward hold at once beyond
+    what the stage keeps between them.
+
+    Forward: the values alive at each node (made and not yet read for the last time; the
+    generated code frees each value after its last use), plus the node's own working memory.
+    Backward: the gradients alive at each node, walking the nodes in reverse: a value's
+    gradient exists from the backward of its last reader in the stage (or from the start, for
+    an output another stage sends it back for) until its producer's backward (or the end, for
+    an input whose gradient is sent back). A node's own working memory is unknown inside
+    the node; its activations stand for it (exact enough for single operators, an estimate
+    for whole blocks).
+    """
+    graph, prof, grads = problem.graph, problem.profile, problem.grad_values
+    nodes = sorted(nodes)                         # graph order is topological
+    inside = set(nodes)
+    size: dict[str, int] = {}
+    last_read: dict[str, int] = {}
+    first_read: dict[str, int] = {}
+    leaves: set[str] = set()
+    for i, n in enumerate(nodes):
+        for e in graph.in_edges(n):
+            size[e.value] = e.bytes
+            last_read[e.value] = i
+            first_read.setdefault(e.value, i)
+        for e in graph.out_edges(n):
+            size[e.value] = e.bytes
+            if e.dst not in inside:
+                leaves.add(e.value)
+    made = {v: i for i, n in enumerate(nodes) for v in graph.node(n).outputs}
+    own = [prof.nodes[n].activation_bytes for n in nodes]
+    # forward
+    fwd = 0
+    for i in range(len(nodes)):
+        live = sum(b for v, b in size.items()
+                   if made.get(v, -1) <= i and (last_read.get(v, -1) >= i or (v in leaves and made.get(v, -1) >= 0)))
+        fwd = max(fwd, live + own[i])
+    # backward
+    bwd = 0
+    for i in range(len(nodes) - 1, -1, -1):
+        live = 0
+        for v, b in size.items():
+            if v not in grads:
+                continue
+            born = len(nodes) if v in leaves else last_read.get(v, -1)      # first seen walking back
+            dies = made.get(v, -1)                                           # -1: a stage input, sent back
+            if born >= i >= dies or (dies == -1 and born >= i):
+                live += b
+        bwd = max(bwd, live + own[i])
+    return fwd, bwd
+
+
+def evaluate(problem: Problem, plan: Plan, *, windows: dict[tuple[int, int], int] | None = None) -> PlanCost:
+    """Price ``plan``: stage periods (Eq. 1), GPU loads, memory per GPU, feasibility.
+
+    ``windows`` are flow-control windows per stage edge (see :func:`plan_windows`); by default
+    the structural ones. Every memory term is an upper bound of what the runtime holds under
+    those windows, except the backward's activation gradients, which are estimated as the
+    gradients of the stage's inputs and outputs plus its largest node's activations.
+    """
     graph, prof, cluster = problem.graph, problem.profile, problem.cluster
     check_plan(graph, plan)
     sg = stage_graph(graph, plan)
     depth = stage_depths(sg)
-    topo = list(nx.topological_sort(sg))
-    half = {s: i < (len(topo) + 1) // 2 for i, s in enumerate(topo)}   # 2GW: first half is G0
+    progs = problem.programs(depth)
+    flow = plan_windows(problem, sg, depth, progs, windows)
     gpu_of = {s.id: s.gpu for s in plan.stages}
-    where = plan.stage_of()
-    loss_stage = where.get(next((n.id for n in graph.nodes if n.is_loss), -1))
+    grad_values = problem.grad_values
+    M = problem.micro_batches
+    shared_holders: dict[str, int] = {}
+    for s in plan.stages:
+        for prm in {p for n in s.nodes for p in graph.node(n).params}:
+            shared_holders[prm] = shared_holders.get(prm, 0) + 1
 
     stage_costs: list[StageCost] = []
     for s in plan.stages:
         nodes = s.nodes
+        prog = progs[s.id]
         fwd = sum(prof.nodes[n].forward_ms for n in nodes)
         bwd = sum(prof.nodes[n].backward_ms for n in nodes)
-        is_last = depth[s.id] == 0 and (loss_stage is None or loss_stage == s.id)
-        rec = sum(prof.nodes[n].recompute_ms for n in nodes) if problem.recomputes(is_last) else 0.0
-        compute = fwd + bwd + rec
+        rec = sum(prof.nodes[n].recompute_ms for n in nodes) if prog.recompute else 0.0
+        pb, gb, ob, tb, names = _stage_params(problem, nodes)
+        upd = problem.update_ms(names) + _shared_sum_ms(problem, names, shared_holders)
+        compute = fwd + bwd + rec + upd / M
         # Forward: each value goes once to each GPU that reads it. Backward: the gradient of
-        # each floating value received comes back over the same link.
+        # each value received that carries one comes back over the same link.
         send_ms = recv_ms = 0.0
         send_b = recv_b = 0
+        in_grad_b = 0
         sent: set[tuple[str, int]] = set()
         for t in sg.successors(s.id):
             for v, b in sg.edges[s.id, t]["values"].items():
@@ -429,6 +641,13 @@ def evaluate(problem: Problem, plan: Plan) -> PlanCost:
                 sent.add(key)
                 send_b += b
                 send_ms += b / cluster.bandwidth(s.gpu, gpu_of[t]) * 1e3
+        # Gradients coming back: the readers' parts of each value join one running sum as they
+        # arrive (the runtime sums them in a fixed order, nearest the end of the pipeline first,
+        # which is how they come), and the sums wait here for this stage's backward of their
+        # micro-batch: as many micro-batches as the stage holds in flight at most (a stage
+        # slower than its readers sees them all arrive before it gets to them).
+        grads_back = sum({v: b for t in sg.successors(s.id) for v, b in sg.edges[s.id, t]["values"].items()
+                          if v in grad_values}.values())
         got: set[str] = set()
         for u in sg.predecessors(s.id):
             for v, b in sg.edges[u, s.id]["values"].items():
@@ -436,54 +655,94 @@ def evaluate(problem: Problem, plan: Plan) -> PlanCost:
                     continue
                 got.add(v)
                 recv_b += b
-                if graph.node(graph.producer(v)).outputs[v].tensor is not None and \
-                        graph.node(graph.producer(v)).outputs[v].tensor.is_floating:
+                if v in grad_values:
+                    in_grad_b += b
                     recv_ms += b / cluster.bandwidth(gpu_of[u], s.gpu) * 1e3
         period = compute + max(0.0, send_ms - compute) + max(0.0, recv_ms - compute)
         act_full = sum(prof.nodes[n].activation_bytes for n in nodes)
         graph_inputs = sum(e.bytes for n in nodes for e in graph.in_edges(n)
                            if graph.node(e.src).kind == "input")
         act_in = recv_b + graph_inputs
-        k = _in_flight(problem.schedule, depth[s.id], problem.micro_batches, half[s.id])
-        if problem.recomputes(is_last):
-            held = k * act_in
-        else:
-            held = k * act_full
+        k = prog.in_flight
+        held = k * (act_in if prog.recompute else act_full)
+        # The most one task adds while it runs (a GPU runs one task at a time):
+        # backward: its activation gradients (see working_sets) and, recomputing, the rebuilt
+        # activations together with the values alive while the recomputation runs;
+        ws_fwd, ws_bwd = working_sets(problem, nodes)
+        t_bwd = (act_full + max(ws_fwd, ws_bwd)) if prog.recompute else ws_bwd
+        if prog.extra_weight_versions:
+            t_bwd += tb     # a backward on a stashed version fills that copy's gradients first
+        # forward: the values alive while it runs, and weights predicted ahead (a copy) when the
+        # backward will use later ones;
+        t_fwd = ws_fwd + (tb if (problem.weight_prediction and problem.schedule == "async" and prog.recompute)
+                          else 0)
+        # update: the other holders' gradients of shared tensors with their sum (the runtime's fused
+        # optimizers update in place; Adafactor's factored statistics are small).
+        t_upd = sum(prof.params[n].bytes * shared_holders[n] for n in names
+                    if shared_holders[n] > 1 and prof.params[n].grad_bytes)
         stage_costs.append(StageCost(
             id=s.id, gpu=s.gpu, depth=depth[s.id], forward_ms=fwd, backward_ms=bwd, recompute_ms=rec,
             comm_fwd_ms=send_ms, comm_bwd_ms=recv_ms, period_ms=period, send_bytes=send_b, recv_bytes=recv_b,
-            activation_bytes=act_full, input_bytes=act_in, in_flight=k, memory_bytes=held))
+            activation_bytes=act_full, input_bytes=act_in, in_flight=k, memory_bytes=held, update_ms=upd,
+            recomputes=prog.recompute, weight_versions=prog.extra_weight_versions, param_bytes=pb, grad_bytes=gb,
+            optimizer_bytes=ob, trainable_bytes=tb, transient_bytes=max(t_bwd, t_fwd, t_upd), group=prog.group,
+            grads_back_bytes=grads_back))
 
     by_gpu: dict[int, list[StageCost]] = {}
     for sc in stage_costs:
         by_gpu.setdefault(sc.gpu, []).append(sc)
-    nodes_of_stage = {s.id: s.nodes for s in plan.stages}
+    # Values waiting for a reader, per (value, GPU of the reader): the flow-control window of the
+    # edge (the widest among that GPU's readers), once per GPU as the runtime keeps one copy.
+    waiting: dict[tuple[str, int], tuple[int, int]] = {}
+    for p, c, data in sg.edges(data=True):
+        w = flow[(p, c)][0] if (p, c) in flow else 1
+        for v, b in data["values"].items():
+            key = (v, gpu_of[c])
+            waiting[key] = (max(waiting.get(key, (0, 0))[0], w), b)
+    receive = [0] * plan.num_gpus
+    for (v, g), (w, b) in waiting.items():
+        receive[g] += w * b
+    for sc in stage_costs:
+        receive[sc.gpu] += sc.in_flight * sc.grads_back_bytes
+    send = [0] * plan.num_gpus
+    where = plan.stage_of()
+    for (v, g_dst) in {(v, gpu_of[c]) for p, c, data in sg.edges(data=True) for v in data["values"]}:
+        p = where[graph.producer(v)]
+        g_src = gpu_of[p]
+        if g_src != g_dst and (v, g_src) not in waiting:
+            send[g_src] += graph.node(graph.producer(v)).outputs[v].bytes
+    # Graph inputs: each step's batch of the inputs a GPU's stages read, for the steps in flight.
+    inputs_of: dict[int, set[str]] = {}
+    for s in plan.stages:
+        for n in s.nodes:
+            for e in graph.in_edges(n):
+                if graph.node(e.src).kind == "input":
+                    inputs_of.setdefault(s.gpu, {})
+                    inputs_of[s.gpu][e.value] = e.bytes
     gpu_costs: list[GpuCost] = []
+    reserve = problem.memory_reserve
     for g in range(plan.num_gpus):
         scs = by_gpu.get(g, [])
-        params: dict[str, int] = {}     # param -> extra versions needed on this GPU
-        for sc in scs:
-            extra = _extra_weight_versions(problem.schedule, sc.depth, half[sc.id])
-            for n in nodes_of_stage[sc.id]:
-                for p in graph.node(n).params:
-                    params[p] = max(params.get(p, 0), extra)
-        pb = sum(prof.params[p].bytes for p in params)
-        wv = sum(prof.params[p].bytes * extra for p, extra in params.items())
-        gb = sum(prof.params[p].grad_bytes for p in params)
-        ob = sum(prof.params[p].optimizer_bytes for p in params)
+        pb = sum(sc.param_bytes for sc in scs)
+        gb = sum(sc.grad_bytes for sc in scs)
+        ob = sum(sc.optimizer_bytes for sc in scs)
+        wv = sum(sc.weight_versions * sc.trainable_bytes for sc in scs)
         held = sum(sc.memory_bytes for sc in scs)
-        # Recomputation rebuilds one micro-batch's full activations of one stage at a time.
-        transient = max((sc.activation_bytes for sc in scs if sc.recompute_ms > 0), default=0)
-        act = held + transient
+        ahead = max((sc.in_flight for sc in scs), default=0)
+        data = (math.ceil(ahead / M) + 1) * M * sum(inputs_of.get(g, {}).values()) if scs else 0
+        transient = max((sc.transient_bytes for sc in scs), default=0)
+        act = held + receive[g] + send[g] + data + transient
         gpu_costs.append(GpuCost(
             gpu=g, stages=[sc.id for sc in scs], load_ms=sum(sc.period_ms for sc in scs),
-            compute_ms=sum(sc.forward_ms + sc.backward_ms + sc.recompute_ms for sc in scs),
+            compute_ms=sum(sc.forward_ms + sc.backward_ms + sc.recompute_ms + sc.update_ms / M for sc in scs),
             comm_ms=sum(sc.comm_fwd_ms + sc.comm_bwd_ms for sc in scs),
             param_bytes=pb, weight_version_bytes=wv, grad_bytes=gb, optimizer_bytes=ob,
-            activation_bytes=act, memory_bytes=pb + wv + gb + ob + act, memory_limit=cluster.gpu_memory))
+            activation_bytes=act, memory_bytes=pb + wv + gb + ob + act + (reserve if scs else 0),
+            memory_limit=cluster.gpu_memory, held_bytes=held, receive_bytes=receive[g], send_bytes=send[g],
+            data_bytes=data, transient_bytes=transient, reserve_bytes=reserve if scs else 0))
 
     objective = max((g.load_ms for g in gpu_costs), default=0.0)
-    work = sum(sc.forward_ms + sc.backward_ms + sc.recompute_ms for sc in stage_costs)
+    work = sum(sc.forward_ms + sc.backward_ms + sc.recompute_ms + sc.update_ms / M for sc in stage_costs)
     lb = lower_bound(problem)
     over = [g for g in gpu_costs if not g.fits]
     reason = None

@@ -1,71 +1,66 @@
-"""Discrete-event simulation of a pipeline plan under a training schedule.
+"""Discrete-event simulation of a pipeline plan: the runtime's own task programs, replayed.
 
 :func:`evaluate` prices a plan with closed formulas (FTPipe Eq. 1); this module
-*runs* the plan on an idealised cluster to check those formulas and to draw the
-timeline (:mod:`ftcompile.timeline`).
+*runs* the plan on an idealised cluster, task by task, as the runtime engine
+(:mod:`ftcompile.runtime.engine`) would, to measure its throughput and memory and
+to draw the timeline (:mod:`ftcompile.timeline`).
 
 Model
 -----
-* Every stage runs, per micro-batch ``k``, a forward task ``F(k)``, a
-  recomputation ``R(k)`` where the schedule recomputes (same rule as
-  :func:`evaluate`) and a backward ``B(k)``, with the durations of the stage's
-  :class:`~ftcompile.plan.StageCost`.
-* Each stage follows a fixed per-stage *program* (the order of its tasks), as
-  pipeline runtimes do; the programs are what distinguish the schedules (see
-  :func:`stage_program`).
-* A GPU runs one compute task at a time. When several stages share a GPU
-  (Mixed-pipe), the GPU picks, among the stages whose next task is ready, by the
-  schedule's priority: backward (and recomputation) before forward, then the
-  oldest micro-batch, then the stage nearer the end of the pipeline. GPipe
-  prefers the oldest micro-batch first.
-* Dataflow: ``F(k)`` waits for the values of micro-batch ``k`` from *every*
-  producing stage; ``B(k)`` waits for the gradients from every consumer stage it
-  sends a floating value to (and, by program order, for its own ``F``/``R``).
-  Graph inputs are available at once.
-* Transfers: after ``F(k)`` a stage sends, once per destination GPU, the values
-  the stages there read (deduplicated like :func:`evaluate`); after ``B(k)`` a
-  stage sends the gradients of the floating values it read back to each
-  producer. A transfer takes ``bytes / cluster.bandwidth(src, dst)``; each
-  ordered GPU pair ``(src, dst)`` (including a GPU with itself, priced at the
-  local-copy bandwidth as :func:`evaluate` does) is one FIFO link, separate from
-  the compute engines, so communication overlaps computation.
-* Memory per GPU: the static part (weights, weight versions, gradients,
-  optimizer state) from :func:`evaluate`'s :class:`~ftcompile.plan.GpuCost`,
-  plus activations live over time: ``F(k)`` allocates the stage's activations
-  (its inputs only if it recomputes), ``R(k)`` allocates the full activations
-  again, and ``B(k)`` frees both when it ends.
+* **Programs.** Every stage runs its program from
+  :mod:`ftcompile.runtime.schedules`, the very one the engine runs: ``F(k)``,
+  ``B(k)`` (which recomputes the forward first where the stage recomputes, as
+  the engine does inside the backward task) and ``U(j)``, the optimizer step
+  closing step ``j``.
+* **A GPU runs one task at a time**, choosing among its stages as the engine
+  does: a ready backward or update before a ready forward, stages in the
+  engine's order (2gw group, then id).
+* **Dataflow and flow control.** ``F(k)`` waits for the values of micro-batch
+  ``k`` from every producing stage and for every reader of its outputs to have
+  taken micro-batch ``k - W`` (the plan's flow-control windows,
+  :func:`~ftcompile.plan.plan_windows`); ``B(k)`` waits for the gradient of
+  every output that carries one; ``U(j)`` waits for the other holders'
+  gradients of shared (tied) weights and, when clipping, for every stage to
+  reach ``U(j)`` (the global norm).
+* **Transfers.** After ``F(k)`` a stage sends, once per destination GPU, the
+  values the stages there read; after ``B(k)`` it sends the gradients of the
+  values it read back to their producers; at ``U(j)`` the gradients of shared
+  weights go to their other holders. A transfer takes ``bytes / bandwidth``;
+  each ordered GPU pair is one FIFO link, apart from the compute engines
+  (communication overlaps computation).
+* **Memory per GPU, over time:** the static part (weights, gradients,
+  optimizer state and weight versions of every stage, and the reserve) from
+  :func:`evaluate`, plus: activations held from ``F(k)`` to ``B(k)``; values
+  waiting for their readers (from arrival to the last local reader's ``F``);
+  outputs and gradients waiting to be sent; gradients waiting for their
+  producer's ``B``; the step's input data; and each task's transient while it
+  runs (a backward's recomputed activations and activation gradients, a
+  forward's predicted weights, the optimizer's temporaries).
 
-Measurement: the run has some warm-up mini-batches (one for the flushing
-schedules, enough to fill the deepest pipeline otherwise) followed by ``steps``
-measured ones. Mini-batch ``s`` ends when the last backward of its
-micro-batches ends; the measured window runs from the end of the last warm-up
-mini-batch to the end of the last one, so for the flushing schedules it is
-exactly flush-to-flush, and the time per mini-batch is the window over ``steps``.
-
-Without flushes, mini-batches need not end evenly: where several stages share a
-GPU, completions come in bursts, and a window of a few mini-batch ends can hold
-much more or much less than ``steps`` mini-batches' worth of work. There the
-window covers at least twice as many micro-batches as the pipeline is deep, and
-the time per micro-batch is measured by the work done in it: the window times
-the work of one micro-batch (every stage's F, R and B) over the compute the GPUs
-did inside the window. Stages that nothing holds back (no gradient returns to
-them and their inputs come from such stages only) may run ahead of the
-pipeline and are left out of both. In a periodic steady state both measures
-agree.
+Measurement: the system is deterministic and its programs periodic, so it
+settles into a periodic steady state where every task of step ``j + c`` starts
+exactly ``c * L`` after the same task of step ``j``. The simulation runs until
+it finds that state (checking cyclicities up to 6 steps), and the time per
+mini-batch is ``L``; it is never below a GPU's work per step, which no
+schedule can beat. If no periodic state shows within ``max_steps`` the result
+says so (``steady=False``) and ``L`` is the average over the second half.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
 import math
+from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 
 import networkx as nx
 
-from .plan import Plan, PlanError, Problem, evaluate, stage_depths, stage_graph
+from .plan import Plan, Problem, evaluate, plan_windows, stage_depths, stage_graph
 
 FLUSHING = ("gpipe", "1f1b")
+#: Steps after which periodicity is first checked, and the most steps simulated.
+FIRST_CHECK, MAX_STEPS = 6, 400
+CYCLICITIES = (1, 2, 3, 4, 6)
 
 
 class SimulationError(RuntimeError):
@@ -74,17 +69,18 @@ class SimulationError(RuntimeError):
 
 @dataclass
 class Event:
-    """One box of the timeline: a compute task (``F``/``R``/``B``) or a transfer (``send``)."""
+    """One box of the timeline: a compute task (``F``/``R``/``B``/``U``) or a transfer (``send``)."""
 
     gpu: int                   # the GPU that computes, or the sender of a transfer
     stage: int                 # the stage computing, or the stage whose output/gradient is sent
-    kind: str                  # "F" | "R" | "B" | "send"
-    micro_batch: int           # global index: mini-batch * M + index within the mini-batch
+    kind: str                  # "F" | "R" | "B" | "U" | "send"
+    micro_batch: int           # global index: mini-batch * M + index within the mini-batch (U: the step)
     start: float               # ms
     end: float                 # ms
     dst_gpu: int | None = None     # transfers only
     dst_stage: int | None = None   # transfers: the stage the gradient goes to (backward) or None
     nbytes: int = 0
+    step: int = 0                  # the step the task or transfer belongs to
 
 
 @dataclass
@@ -96,11 +92,11 @@ class SimResult:
     num_gpus: int
     micro_batches: int
     micro_batch_size: int
-    steps: int                          # measured mini-batches
-    warmup_steps: int                   # mini-batches simulated before the measured window
-    tail_steps: int                     # and after it (no-flush schedules: keeps the drain out)
+    steps: int                          # steps simulated
+    warmup_steps: int                   # steps before the measured period
+    tail_steps: int                     # kept for readers of older results (0)
     throughput_samples_per_s: float
-    minibatch_ms: float                 # time per mini-batch in the measured window
+    minibatch_ms: float                 # time per mini-batch in the periodic steady state
     period_ms: float                    # minibatch_ms / micro_batches, comparable to evaluate's objective
     objective_ms: float                 # evaluate()'s objective (Eq. 1) for the same problem and plan
     bubble_fraction: float              # idle / total time of the GPUs that host stages, in the window
@@ -108,9 +104,15 @@ class SimResult:
     makespan_ms: float
     gpu_busy_ms: list[float]            # compute time inside the window
     gpu_utilisation: list[float]
-    gpu_peak_memory: list[int]          # static (weights etc.) + peak live activations, whole run
+    gpu_peak_memory: list[int]          # everything the GPU holds at its peak, reserve included
     gpu_memory_limit: int
     stage_peak_in_flight: dict[int, int]    # most micro-batches between F start and B end
+    steady: bool = True                 # a periodic steady state was found
+    cyclicity: int = 1                  # steps per period of the steady state
+    max_load_ms: float = 0.0            # the busiest GPU's compute per micro-batch (a floor of period_ms)
+    gpu_peak_breakdown: list[dict] = field(default_factory=list)   # the peak's parts, per GPU
+    occupancy: dict[str, int] = field(default_factory=dict)       # "p->c": most values waiting on the edge
+    memory_feasible: bool = True        # every GPU's peak fits its memory
     events: list[Event] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -120,315 +122,512 @@ class SimResult:
         return d
 
 
-# --------------------------------------------------------------------------- programs
-
-def stage_program(schedule: str, depth: int, micro_batches: int, total_steps: int, *,
-                  recompute: bool, group0: bool = False, group0_depth: int = 0) -> list[tuple[str, int]]:
-    """The order in which one stage runs its tasks, as ``(kind, micro-batch)`` pairs.
-
-    ``depth`` is the stage's distance, in stages, from the end of the pipeline.
-    A backward unit is ``R(k), B(k)`` when the stage recomputes, else ``B(k)``.
-
-    * ``gpipe``: per mini-batch all forwards, then all backwards (oldest first).
-    * ``1f1b`` (PipeDream-flush): per mini-batch ``min(depth + 1, M)`` forwards,
-      then one backward / one forward until the forwards run out, then the
-      remaining backwards. Nothing of mini-batch ``s + 1`` precedes the last
-      backward of ``s``: the flush.
-    * ``async`` (FTPipe), ``pipedream``, ``2bw``: the same 1F1B steady state over
-      the whole run without flushes (``depth + 1`` warm-up forwards). They differ
-      in recomputation (decided by the caller) and in weight versions (memory,
-      from :func:`evaluate`), not in order.
-    * ``2gw`` (WPipe): G1 stages run 1F1B with a flush per mini-batch (one weight
-      version, data-parallel semantics). G0 stages never flush: G0's forward of
-      mini-batch ``s + 1`` is moved in front of its backward of ``s`` (Fig. 4b),
-      which makes ``F(k + M)`` and ``B(k)`` a "V" that is pipelined 1F1B-style
-      over the G0 stages, so a G0 stage runs ``M + group0_depth`` forwards
-      (``group0_depth``: its depth within G0) before its first backward and
-      then alternates (two weight versions). Where a GPU hosts a G0 and a G1
-      stage, G0's work fills G1's flush bubbles (Fig. 5). This is our reading of
-      the figures; it holds ``group0_depth`` more micro-batches than WPipe's
-      ``M`` on G0 stages, and with greedy task choice a few percent of bubble
-      can remain at flush boundaries on deep pipelines.
-    """
-    M = micro_batches
-    total = M * total_steps
-
-    def back(k: int) -> list[tuple[str, int]]:
-        return [("R", k), ("B", k)] if recompute else [("B", k)]
-
-    def one_f_one_b(ks: list[int], warm: int) -> list[tuple[str, int]]:
-        warm = min(warm, len(ks))
-        out = [("F", k) for k in ks[:warm]]
-        for i, k in enumerate(ks):
-            out += back(k)
-            if warm + i < len(ks):
-                out.append(("F", ks[warm + i]))
-        return out
-
-    prog: list[tuple[str, int]] = []
-    if schedule == "gpipe":
-        for s in range(total_steps):
-            ks = list(range(s * M, (s + 1) * M))
-            prog += [("F", k) for k in ks]
-            for k in ks:
-                prog += back(k)
-    elif schedule == "1f1b" or (schedule == "2gw" and not group0):
-        for s in range(total_steps):
-            prog += one_f_one_b(list(range(s * M, (s + 1) * M)), depth + 1)
-    elif schedule in ("async", "pipedream", "2bw"):
-        prog = one_f_one_b(list(range(total)), depth + 1)
-    elif schedule == "2gw":
-        prog = one_f_one_b(list(range(total)), M + group0_depth)
-    else:
-        raise PlanError(f"unknown schedule {schedule!r}")
-    return prog
-
-
-# --------------------------------------------------------------------------- simulation
-
 def _micro_batch_size(problem: Problem) -> int:
     bs = problem.profile.batch_size or problem.graph.source.get("options", {}).get("batch_size")
     return int(bs) if bs else 1
 
 
-def simulate(problem: Problem, plan: Plan, *, micro_batches: int | None = None, steps: int = 2) -> SimResult:
-    """Simulate ``plan`` under ``problem.schedule`` and measure its steady state.
+# --------------------------------------------------------------------------- the pipeline to replay
 
-    ``micro_batches`` overrides ``problem.micro_batches`` (M); ``steps`` is the
-    number of measured mini-batches (after the warm-up ones, see the module
-    docstring). Raises :class:`SimulationError` on a deadlock, which the
-    schedules here should never produce on an acyclic stage graph.
+@dataclass
+class _Stage:
+    id: int
+    gpu: int
+    order: tuple                       # the engine's stage order: (2gw group, id)
+    f: float
+    r: float
+    b: float
+    u: float
+    held: int                          # bytes kept from F(k) to B(k)
+    t_fwd: int                         # transients while a task runs
+    t_bwd: int
+    t_upd: int
+    fwd_msgs: dict = field(default_factory=dict)     # dst gpu -> (bytes, [reader stages there])
+    grad_msgs: list = field(default_factory=list)    # [(producer stage, bytes)]
+    grad_values: dict = field(default_factory=dict)  # producer stage -> {value: bytes} of its gradients
+    grad_order: dict = field(default_factory=dict)   # value -> readers in the order parts are summed
+    producers: list = field(default_factory=list)    # stages whose tensors F(k) waits for
+    grad_from: list = field(default_factory=list)    # stages whose gradients B(k) waits for
+    readers: list = field(default_factory=list)      # [(reader stage, W)]
+    shared: list = field(default_factory=list)       # [(other holder, bytes of shared gradients)]
+    input_bytes: int = 0               # graph inputs read per micro-batch
+
+
+def _build(problem: Problem, plan: Plan, cost, sg: nx.DiGraph, depth: dict[int, int], progs: dict,
+           windows: dict | None) -> dict[int, _Stage]:
+    graph = problem.graph
+    grad_values = problem.grad_values
+    flow = plan_windows(problem, sg, depth, progs, windows)
+    sc_of = {sc.id: sc for sc in cost.stages}
+    gpu_of = {s.id: s.gpu for s in plan.stages}
+    out: dict[int, _Stage] = {}
+    for s in plan.stages:
+        sc, prog = sc_of[s.id], progs[s.id]
+        out[s.id] = _Stage(
+            id=s.id, gpu=s.gpu, order=(prog.group, s.id), f=sc.forward_ms, r=sc.recompute_ms, b=sc.backward_ms,
+            u=sc.update_ms, held=sc.input_bytes if sc.recomputes else sc.activation_bytes,
+            t_fwd=sc.trainable_bytes if (problem.weight_prediction and problem.schedule == "async"
+                                         and sc.recomputes) else 0,
+            t_bwd=sc.transient_bytes, t_upd=sc.transient_bytes,
+            input_bytes=sum(e.bytes for n in s.nodes for e in graph.in_edges(n)
+                            if graph.node(e.src).kind == "input"))
+    for u in out:
+        per_gpu: dict[int, dict[str, int]] = {}
+        readers: dict[int, list[int]] = {}
+        for t in sg.successors(u):
+            vals = sg.edges[u, t]["values"]
+            tensors = {v: b for v, b in vals.items() if graph.node(graph.producer(v)).outputs[v].tensor is not None}
+            if not tensors:
+                continue
+            per_gpu.setdefault(gpu_of[t], {}).update(tensors)
+            readers.setdefault(gpu_of[t], []).append(t)
+            out[t].producers.append(u)
+            gv = {v: b for v, b in tensors.items() if v in grad_values}
+            if gv:
+                out[t].grad_msgs.append((u, sum(gv.values())))
+                out[t].grad_values[u] = gv
+                out[u].grad_from.append(t)
+                for v in gv:
+                    out[u].grad_order.setdefault(v, []).append(t)
+            if (u, t) in flow:
+                out[u].readers.append((t, flow[(u, t)][0]))
+        out[u].fwd_msgs = {g: (sum(vals.values()), readers[g]) for g, vals in per_gpu.items()}
+    for st in out.values():
+        for v, readers in st.grad_order.items():
+            readers.sort(key=lambda c: (depth[c], c))      # the runtime's summation order
+    holders: dict[str, list[int]] = {}
+    for s in plan.stages:
+        for prm in {p for n in s.nodes for p in graph.node(n).params}:
+            if problem.profile.params[prm].grad_bytes:
+                holders.setdefault(prm, []).append(s.id)
+    for prm, hs in holders.items():
+        if len(hs) < 2:
+            continue
+        nbytes = problem.profile.params[prm].grad_bytes
+        for h in hs:
+            for o in hs:
+                if o != h:
+                    out[h].shared.append((o, nbytes))
+    # merge several shared tensors between the same pair into one message
+    for st in out.values():
+        agg: dict[int, int] = {}
+        for o, b in st.shared:
+            agg[o] = agg.get(o, 0) + b
+        st.shared = sorted(agg.items())
+    return out
+
+
+# --------------------------------------------------------------------------- simulation
+
+def simulate(problem: Problem, plan: Plan, *, micro_batches: int | None = None, steps: int | None = None,
+             windows: dict[tuple[int, int], int] | None = None, max_steps: int = MAX_STEPS,
+             keep_events: int = 4) -> SimResult:
+    """Replay ``plan`` under ``problem.schedule`` until its periodic steady state, and measure it.
+
+    ``micro_batches`` overrides ``problem.micro_batches`` (M). ``steps``, when given, is the
+    least number of steps to simulate. ``windows`` are the flow-control windows (default: the
+    plan's, :func:`~ftcompile.plan.plan_windows`). Events (for the timeline picture) are kept for
+    the first ``keep_events`` steps after the warm-up's first step and for the measured period.
+    Raises :class:`SimulationError` on a deadlock, which the runtime's programs should never
+    produce on an acyclic stage graph.
     """
-    if steps < 1:
+    if steps is not None and steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     if micro_batches is not None:
         problem = replace(problem, micro_batches=micro_batches)
     M = problem.micro_batches
-    graph, cluster = problem.graph, problem.cluster
-    cost = evaluate(problem, plan)
-    sg = stage_graph(graph, plan)
+    cluster = problem.cluster
+    cost = evaluate(problem, plan, windows=windows)
+    sg = stage_graph(problem.graph, plan)
     depth = stage_depths(sg)
-    # Same grouping and "last stage" rule as evaluate(), so both price the same pipeline.
-    topo = list(nx.topological_sort(sg))
-    group0 = {s: i < (len(topo) + 1) // 2 for i, s in enumerate(topo)}
-    sc_of = {sc.id: sc for sc in cost.stages}
-    gpu_of = {s.id: s.gpu for s in plan.stages}
-    where = plan.stage_of()
-    loss_stage = where.get(next((n.id for n in graph.nodes if n.is_loss), -1))
-    recomputes = {s: problem.recomputes(depth[s] == 0 and (loss_stage is None or loss_stage == s))
-                  for s in gpu_of}
+    total_steps = max(max_steps, steps or 0)
+    progs = problem.programs(depth, steps=total_steps)
+    st = _build(problem, plan, cost, sg, depth, progs, windows)
+    sim = _Sim(problem, plan, cost, st, progs, M, cluster, keep_events)
+    sim.run(min_steps=steps or 0, max_steps=total_steps)
+    return sim.result(plan, cost, _micro_batch_size(problem))
 
-    max_depth = max(depth.values(), default=0)
-    if problem.schedule in FLUSHING:
-        warm_steps, tail_steps = 1, 0
-    else:
-        # Without flushes the pipeline fills and drains over `ahead` micro-batches at each end;
-        # keep both transients out of the measured window.
-        ahead = max_depth + 1 if problem.schedule != "2gw" else M + max_depth + 1
-        warm_steps = tail_steps = math.ceil(ahead / M) + 1
-        steps = max(steps, math.ceil(2 * ahead / M))
-    total_steps = warm_steps + steps + tail_steps
 
-    g0_base = min((depth[s] for s in gpu_of if group0[s]), default=0)
-    programs = {s: stage_program(problem.schedule, depth[s], M, total_steps, recompute=recomputes[s],
-                                 group0=group0[s], group0_depth=depth[s] - g0_base) for s in gpu_of}
+class _Sim:
+    """The event loop; see the module docstring."""
 
-    def floating(v: str) -> bool:
-        t = graph.node(graph.producer(v)).outputs[v].tensor
-        return t is not None and t.is_floating
+    def __init__(self, problem: Problem, plan: Plan, cost, stages: dict[int, _Stage], progs: dict, M: int,
+                 cluster, keep_events: int):
+        self.problem, self.M, self.cluster = problem, M, cluster
+        self.st = stages
+        self.cost = cost
+        self.keep_events = keep_events
+        self.iters = {s: progs[s].tasks() for s in stages}
+        self.head = {s: next(self.iters[s], None) for s in stages}
+        self.stages_on: dict[int, list[int]] = {}
+        for s in sorted(stages, key=lambda s: stages[s].order):
+            self.stages_on.setdefault(stages[s].gpu, []).append(s)
+        self.gpu_free = {g: True for g in self.stages_on}
+        self.fwd_in: dict[tuple[int, int], set] = {}     # (u, t) -> micro-batches arrived
+        self.grad_in: dict[tuple[int, int], set] = {}    # (t, u) -> micro-batches arrived
+        self.shared_in: dict[tuple[int, int], set] = {}  # (h, s) -> steps arrived
+        self.taken = {s: 0 for s in stages}               # forwards started
+        self.u_begun: dict[int, int] = {}                 # step -> stages that reached U(step)
+        self.links: dict[tuple[int, int], deque] = {}
+        self.link_free: dict[tuple[int, int], bool] = {}
+        self.dirty_gpus: set[int] = set(self.stages_on)
+        self.dirty_links: set[tuple[int, int]] = set()
+        self.heap: list = []
+        self.seq = 0
+        self.now = 0.0
+        self.events: list[Event] = []
+        self.starts: dict[tuple[int, str], list[float]] = {(s, k): [] for s in stages for k in "FBU"}
+        self.step_done: dict[int, int] = {}
+        self.completed_steps = 0
+        self.pending = {s: 0 for s in stages}
+        self.peak_pending = {s: 0 for s in stages}
+        # memory: live bytes per GPU by kind, and the peak with its parts
+        self.kinds = ("held", "receive", "send", "data", "transient")
+        self.live = {g: {k: 0 for k in self.kinds} for g in range(plan.num_gpus)}
+        self.static = {}
+        for gc in cost.gpus:
+            self.static[gc.gpu] = gc.param_bytes + gc.weight_version_bytes + gc.grad_bytes + gc.optimizer_bytes \
+                + gc.reserve_bytes
+        self.peak = {g: self.static.get(g, 0) for g in range(plan.num_gpus)}
+        self.peak_parts = {g: {} for g in range(plan.num_gpus)}
+        self.waiting: dict[tuple, int] = {}     # (u, gpu, k) -> readers there that have not taken it
+        self.wait_bytes: dict[tuple, int] = {}
+        self.gsums: dict[tuple, list] = {}      # (u, k, value) -> [parts summed, early parts waiting]
+        self.grad_bytes = {(u, v): b for st in stages.values() for u, gv in st.grad_values.items()
+                           for v, b in gv.items()}
+        self.occ: dict[tuple[int, int], int] = {}    # (u, t) -> values of u waiting for t now
+        self.occ_peak: dict[tuple[int, int], int] = {}
+        self.data_steps: dict[int, set] = {g: set() for g in self.stages_on}
+        self.data_done: dict[tuple[int, int], int] = {}
+        self.input_bytes = {g: sum(stages[s].input_bytes for s in ss) for g, ss in self.stages_on.items()}
+        self.window = (0.0, 0.0)
+        self.cyc = 1
+        self.steady = False
+        self.L = 0.0
+        self.measured_steps = (0, 0)
 
-    # Forward messages: per (producer stage, destination GPU), the distinct values the stages there read.
-    fwd_msgs: dict[int, dict[int, list]] = {s: {} for s in gpu_of}       # u -> g -> [bytes, [t...]]
-    grad_msgs: dict[int, list[tuple[int, int]]] = {s: [] for s in gpu_of}  # t -> [(u, bytes)]
-    for u in gpu_of:
-        per_gpu: dict[int, dict[str, int]] = {}
-        for t in sg.successors(u):
-            vals = sg.edges[u, t]["values"]
-            per_gpu.setdefault(gpu_of[t], {}).update(vals)
-            fwd_msgs[u].setdefault(gpu_of[t], [0, []])[1].append(t)
-            fb = [b for v, b in vals.items() if floating(v)]
-            if fb:
-                grad_msgs[t].append((u, sum(fb)))
-        for g, vals in per_gpu.items():
-            fwd_msgs[u][g][0] = sum(vals.values())
-    producers = {t: list(sg.predecessors(t)) for t in gpu_of}
-    grad_from = {u: [t for t in gpu_of if any(p == u for p, _ in grad_msgs[t])] for u in gpu_of}
+    # ---------------------------------------------------------------- memory
+    def mem(self, g: int, kind: str, delta: int) -> None:
+        if not delta:
+            return
+        live = self.live[g]
+        live[kind] += delta
+        if delta > 0:
+            total = self.static.get(g, 0) + sum(live.values())
+            if total > self.peak[g]:
+                self.peak[g] = total
+                self.peak_parts[g] = dict(live)
 
-    dur = {s: {"F": sc_of[s].forward_ms, "R": sc_of[s].recompute_ms, "B": sc_of[s].backward_ms} for s in gpu_of}
-    held = {s: sc_of[s].input_bytes if recomputes[s] else sc_of[s].activation_bytes for s in gpu_of}
-    kind_rank = {"B": 0, "R": 0, "F": 1}
-    if problem.schedule == "gpipe":
-        def prio(s: int, kind: str, k: int):
-            return (k, kind_rank[kind], depth[s], s)
-    else:
-        def prio(s: int, kind: str, k: int):
-            return (kind_rank[kind], k, depth[s], s)
+    # ---------------------------------------------------------------- events
+    def push(self, t: float, what: tuple) -> None:
+        heapq.heappush(self.heap, (t, self.seq, what))
+        self.seq += 1
 
-    stages_on: dict[int, list[int]] = {}
-    for s in sorted(gpu_of):
-        stages_on.setdefault(gpu_of[s], []).append(s)
-
-    head = {s: 0 for s in gpu_of}
-    fwd_in: set[tuple[int, int, int]] = set()      # (producer u, consumer t, k) arrived
-    grad_in: set[tuple[int, int, int]] = set()     # (consumer t, producer u, k) arrived
-    gpu_free = {g: True for g in stages_on}
-    links: dict[tuple[int, int], deque] = {}       # (src, dst) -> FIFO of pending messages
-    link_free: dict[tuple[int, int], bool] = {}
-    # Only GPUs and links whose state changed since they were last looked at can start
-    # something; the others are skipped (same choices, in the same order, as a full scan).
-    dirty_gpus: set[int] = set(stages_on)
-    dirty_links: set[tuple[int, int]] = set()
-    events: list[Event] = []
-    mem: dict[int, list[tuple[float, int, int]]] = {g: [] for g in range(plan.num_gpus)}  # (t, order, delta)
-    live: dict[int, int] = {s: 0 for s in gpu_of}
-    peak_live = {s: 0 for s in gpu_of}
-    heap: list = []
-    seq = 0
-
-    def push(t: float, what: tuple) -> None:
-        nonlocal seq
-        heapq.heappush(heap, (t, seq, what))
-        seq += 1
-
-    def ready(s: int) -> bool:
-        kind, k = programs[s][head[s]]
-        if kind == "F":
-            return all((u, s, k) in fwd_in for u in producers[s])
-        if kind == "B":
-            return all((t, s, k) in grad_in for t in grad_from[s])
+    def ready(self, s: int) -> bool:
+        task = self.head[s]
+        st = self.st[s]
+        k = task.index
+        if task.kind == "F":
+            if not all(k in self.fwd_in.get((u, s), ()) for u in st.producers):
+                return False
+            return all(self.taken[c] > k - w for c, w in st.readers)
+        if task.kind == "B":
+            return all(k in self.grad_in.get((t, s), ()) for t in st.grad_from)
+        # U(j)
+        if not all(k in self.shared_in.get((h, s), ()) for h, _ in st.shared):
+            return False
+        if self.problem.clip_grad_norm and self.u_begun.get(k, 0) < len(self.st):
+            return False
         return True
 
-    def send(now: float, src_stage: int, dst_gpu: int, nbytes: int, k: int, deliver: tuple,
-             dst_stage: int | None) -> None:
-        key = (gpu_of[src_stage], dst_gpu)
-        t = nbytes / cluster.bandwidth(*key) * 1e3 if nbytes else 0.0
+    def send(self, src_stage: int, key: tuple[int, int], nbytes: int, index: int, deliver: tuple,
+             dst_stage: int | None, step: int) -> None:
+        t = nbytes / self.cluster.bandwidth(*key) * 1e3 if nbytes else 0.0
         if t <= 0:
-            deliver_now(deliver)
+            self.deliver(deliver)
             return
-        links.setdefault(key, deque()).append((t, src_stage, k, deliver, dst_stage, nbytes))
-        link_free.setdefault(key, True)
-        dirty_links.add(key)
+        self.mem(key[0], "send", nbytes)
+        self.links.setdefault(key, deque()).append((t, src_stage, index, deliver, dst_stage, nbytes, step))
+        self.link_free.setdefault(key, True)
+        self.dirty_links.add(key)
 
-    def deliver_now(deliver: tuple) -> None:
-        if deliver[0] == "fwd":
-            _, u, ts, k = deliver
+    def deliver(self, d: tuple) -> None:
+        kind = d[0]
+        if kind == "fwd":
+            _, u, g, ts, k, nbytes = d
             for t in ts:
-                fwd_in.add((u, t, k))
-                dirty_gpus.add(gpu_of[t])
+                self.fwd_in.setdefault((u, t), set()).add(k)
+                self.occ[(u, t)] = self.occ.get((u, t), 0) + 1
+                self.occ_peak[(u, t)] = max(self.occ_peak.get((u, t), 0), self.occ[(u, t)])
+            self.waiting[(u, g, k)] = len(ts)
+            self.wait_bytes[(u, g, k)] = nbytes
+            self.mem(g, "receive", nbytes)
+            self.dirty_gpus.add(g)
+        elif kind == "grad":
+            _, t, u, k, nbytes = d
+            self.grad_in.setdefault((t, u), set()).add(k)
+            self.grad_sum(t, u, k)
+            self.dirty_gpus.add(self.st[u].gpu)
+        else:   # shared gradients for U(j)
+            _, h, s, j, nbytes = d
+            self.shared_in.setdefault((h, s), set()).add(j)
+            self.mem(self.st[s].gpu, "receive", nbytes)
+            self.dirty_gpus.add(self.st[s].gpu)
+
+    def grad_sum(self, t: int, u: int, k: int) -> None:
+        """Stage t's gradient parts for u's micro-batch k arrive: each joins its value's running sum
+        if the parts before it in the summation order are in, else it waits (as the runtime does)."""
+        g = self.st[u].gpu
+        for v, nbytes in self.st[t].grad_values[u].items():
+            order = self.st[u].grad_order[v]
+            state = self.gsums.setdefault((u, k, v), [0, set()])
+            i = order.index(t)
+            if i != state[0]:
+                state[1].add(i)
+                self.mem(g, "receive", nbytes)         # an early part waits whole
+                continue
+            if state[0] == 0:
+                self.mem(g, "receive", nbytes)         # the running sum
+            state[0] += 1
+            while state[0] in state[1]:
+                state[1].discard(state[0])
+                self.mem(g, "receive", -nbytes)        # an early part joins the sum
+                state[0] += 1
+
+    def begin_update(self, s: int, j: int) -> None:
+        """U(j) reached the head of s's program: send its shared gradients, count it for clipping."""
+        st = self.st[s]
+        self.u_begun[j] = self.u_begun.get(j, 0) + 1
+        if self.problem.clip_grad_norm and self.u_begun[j] == len(self.st):
+            self.dirty_gpus.update(self.stages_on)
+        for h, nbytes in st.shared:
+            self.send(s, (st.gpu, self.st[h].gpu), nbytes, j, ("shared", s, h, j, nbytes), h, j)
+
+    def advance(self, s: int) -> None:
+        self.head[s] = next(self.iters[s], None)
+        task = self.head[s]
+        if task is not None and task.kind == "U":
+            self.begin_update(s, task.index)
+
+    def start_task(self, g: int, s: int) -> None:
+        st, M = self.st[s], self.M
+        task = self.head[s]
+        k, kind = task.index, task.kind
+        now = self.now
+        self.starts[(s, kind)].append(now)
+        step = k // M if kind != "U" else k
+        if kind == "F":
+            dur = st.f
+            self.taken[s] = k + 1
+            self.pending[s] += 1
+            self.peak_pending[s] = max(self.peak_pending[s], self.pending[s])
+            # the values it reads leave their receive buffers once every reader here took them
+            for u in st.producers:
+                self.occ[(u, s)] -= 1
+                key = (u, g, k)
+                if key in self.waiting:
+                    self.waiting[key] -= 1
+                    if self.waiting[key] == 0:
+                        del self.waiting[key]
+                        self.mem(g, "receive", -self.wait_bytes.pop(key))
+                self.dirty_gpus.add(self.st[u].gpu)     # credits: the producer may now run
+            if step not in self.data_steps[g]:
+                self.data_steps[g].add(step)
+                self.mem(g, "data", M * self.input_bytes[g])
+            self.mem(g, "held", st.held)
+            self.mem(g, "transient", st.t_fwd)
+            self.events.append(Event(g, s, "F", k, now, now + dur, step=step))
+        elif kind == "B":
+            dur = st.r + st.b
+            self.mem(g, "transient", st.t_bwd)
+            if st.r > 0:
+                self.events.append(Event(g, s, "R", k, now, now + st.r, step=step))
+            self.events.append(Event(g, s, "B", k, now + st.r, now + dur, step=step))
         else:
-            _, t, u, k = deliver
-            grad_in.add((t, u, k))
-            dirty_gpus.add(gpu_of[u])
+            dur = st.u
+            self.mem(g, "transient", st.t_upd)
+            if dur > 0:
+                self.events.append(Event(g, s, "U", k, now, now + dur, step=step))
+        self.gpu_free[g] = False
+        self.push(now + dur, ("task", s, kind, k))
 
-    now = 0.0
-    remaining = sum(len(p) for p in programs.values())
-    while True:
-        # Start whatever can start at `now`: transfers first (they only need a free link).
-        for key, q in links.items():
-            if key not in dirty_links:
-                continue
-            if q and link_free[key]:
-                t, src_stage, k, deliver, dst_stage, nbytes = q.popleft()
-                link_free[key] = False
-                events.append(Event(key[0], src_stage, "send", k, now, now + t, key[1], dst_stage, nbytes))
-                push(now + t, ("link", key, deliver))
-        dirty_links.clear()
-        for g, stages in stages_on.items():
-            if g not in dirty_gpus or not gpu_free[g]:
-                continue
-            cands = [s for s in stages if head[s] < len(programs[s]) and ready(s)]
-            if not cands:
-                continue
-            s = min(cands, key=lambda s: prio(s, *programs[s][head[s]]))
-            kind, k = programs[s][head[s]]
-            end = now + dur[s][kind]
-            gpu_free[g] = False
-            events.append(Event(g, s, kind, k, now, end))
-            if kind == "F":
-                mem[g].append((now, 1, held[s]))
-                live[s] += 1
-                peak_live[s] = max(peak_live[s], live[s])
-            elif kind == "R":
-                mem[g].append((now, 1, sc_of[s].activation_bytes))
-            push(end, ("task", s, kind, k))
-        dirty_gpus.clear()
-        if not heap:
-            break
-        now = heap[0][0]
-        while heap and heap[0][0] == now:
-            _, _, what = heapq.heappop(heap)
-            if what[0] == "link":
-                link_free[what[1]] = True
-                dirty_links.add(what[1])
-                deliver_now(what[2])
-                continue
-            _, s, kind, k = what
-            gpu_free[gpu_of[s]] = True
-            dirty_gpus.add(gpu_of[s])
-            head[s] += 1
-            remaining -= 1
-            if kind == "F":
-                for g, (nbytes, ts) in fwd_msgs[s].items():
-                    send(now, s, g, nbytes, k, ("fwd", s, ts, k), None)
-            elif kind == "B":
-                freed = held[s] + (sc_of[s].activation_bytes if recomputes[s] else 0)
-                mem[gpu_of[s]].append((now, 0, -freed))
-                live[s] -= 1
-                for u, nbytes in grad_msgs[s]:
-                    send(now, s, gpu_of[u], nbytes, k, ("grad", s, u, k), u)
-    if remaining:
-        stuck = {s: programs[s][head[s]] for s in gpu_of if head[s] < len(programs[s])}
-        raise SimulationError(f"deadlock at {now:.3f} ms: {remaining} tasks left; next per stage: {stuck}")
+    def finish_task(self, s: int, kind: str, k: int) -> None:
+        st, M = self.st[s], self.M
+        g = st.gpu
+        self.gpu_free[g] = True
+        self.dirty_gpus.add(g)
+        if kind == "F":
+            self.mem(g, "transient", -st.t_fwd)
+            for dg, (nbytes, ts) in st.fwd_msgs.items():
+                self.send(s, (g, dg), nbytes, k, ("fwd", s, dg, ts, k, nbytes), None, k // M)
+        elif kind == "B":
+            self.mem(g, "transient", -st.t_bwd)
+            self.mem(g, "held", -st.held)
+            self.pending[s] -= 1
+            for v in st.grad_order:
+                if self.gsums.pop((s, k, v), None) is not None:
+                    self.mem(g, "receive", -self.grad_bytes[(s, v)])
+            for u, nbytes in st.grad_msgs:
+                self.send(s, (g, self.st[u].gpu), nbytes, k, ("grad", s, u, k, nbytes), u, k // M)
+        else:
+            self.mem(g, "transient", -st.t_upd)
+            for h, nbytes in st.shared:
+                self.mem(g, "receive", -nbytes)
+            j = k
+            self.step_done[j] = self.step_done.get(j, 0) + 1
+            done_here = self.data_done[(g, j)] = self.data_done.get((g, j), 0) + 1
+            if done_here == len(self.stages_on[g]):
+                del self.data_done[(g, j)]
+                if j in self.data_steps[g]:
+                    self.data_steps[g].discard(j)
+                    self.mem(g, "data", -M * self.input_bytes[g])
+            if self.step_done[j] == len(self.st):
+                del self.step_done[j]
+                self.completed_steps = max(self.completed_steps, j + 1)
+        self.advance(s)
 
-    # ---- measurement
-    step_end = [0.0] * total_steps
-    for e in events:
-        if e.kind == "B":
-            s_idx = e.micro_batch // M
-            step_end[s_idx] = max(step_end[s_idx], e.end)
-    w0, w1 = step_end[warm_steps - 1], step_end[warm_steps + steps - 1]
-    window = w1 - w0
-    # Without flushes the period is work-based (see the module docstring): robust to bursts of
-    # mini-batch ends. Stages that nothing holds back (no gradient comes back to them, and their
-    # inputs come from such stages or the graph's inputs) may run ahead of the pipeline, so their
-    # work does not count.
-    free: set[int] = set()
-    if problem.schedule not in FLUSHING:
-        for st in topo:
-            if not grad_from[st] and all(u in free for u in producers[st]):
-                free.add(st)
-    busy = [0.0] * plan.num_gpus
-    done = 0.0          # compute of paced stages inside the window
-    for e in events:
-        if e.kind != "send":
-            inside = max(0.0, min(e.end, w1) - max(e.start, w0))
-            busy[e.gpu] += inside
-            if e.stage not in free:
-                done += inside
-    used = sorted(stages_on)
-    idle = sum(window - busy[g] for g in used)
-    minibatch_ms = window / steps
-    if problem.schedule not in FLUSHING and window > 0:
-        work_mb = sum(dur[st]["F"] + dur[st]["R"] + dur[st]["B"] for st in gpu_of if st not in free)
-        if done > 0 and work_mb > 0:
-            minibatch_ms = M * work_mb * window / done
-    mbs = _micro_batch_size(problem)
-    peak_mem = []
-    for g in range(plan.num_gpus):
-        gc = cost.gpus[g]
-        static = gc.param_bytes + gc.weight_version_bytes + gc.grad_bytes + gc.optimizer_bytes
-        cur = top = 0
-        for _, _, delta in sorted(mem[g]):      # frees (order 0) before allocations at equal times
-            cur += delta
-            top = max(top, cur)
-        peak_mem.append(static + top)
-    return SimResult(
-        schedule=problem.schedule, strategy=plan.strategy, num_gpus=plan.num_gpus, micro_batches=M,
-        micro_batch_size=mbs, steps=steps, warmup_steps=warm_steps, tail_steps=tail_steps,
-        throughput_samples_per_s=(M * mbs / (minibatch_ms / 1e3)) if minibatch_ms > 0 else float("inf"),
-        minibatch_ms=minibatch_ms, period_ms=minibatch_ms / M, objective_ms=cost.objective_ms,
-        bubble_fraction=idle / (len(used) * window) if window > 0 and used else 0.0,
-        window=(w0, w1), makespan_ms=max((e.end for e in events), default=0.0),
-        gpu_busy_ms=busy, gpu_utilisation=[b / window if window > 0 else 0.0 for b in busy],
-        gpu_peak_memory=peak_mem, gpu_memory_limit=cluster.gpu_memory,
-        stage_peak_in_flight=dict(sorted(peak_live.items())), events=events)
+    # ---------------------------------------------------------------- loop
+    def run(self, *, min_steps: int, max_steps: int) -> None:
+        for s in self.st:
+            if self.head[s] is not None and self.head[s].kind == "U":
+                self.begin_update(s, self.head[s].index)
+        next_check = max(FIRST_CHECK, min_steps)
+        while True:
+            links, self.dirty_links = self.dirty_links, set()
+            for key in links:
+                q = self.links.get(key)
+                if q and self.link_free[key]:
+                    t, src_stage, index, deliver, dst_stage, nbytes, step = q.popleft()
+                    self.link_free[key] = False
+                    self.events.append(Event(key[0], src_stage, "send", index, self.now, self.now + t, key[1],
+                                             dst_stage, nbytes, step))
+                    self.push(self.now + t, ("link", key, deliver, nbytes))
+            gpus, self.dirty_gpus = self.dirty_gpus, set()
+            for g in gpus:
+                if not self.gpu_free.get(g):
+                    continue
+                pick = None
+                for kinds in (("B", "U"), ("F",)):
+                    for s in self.stages_on[g]:
+                        task = self.head[s]
+                        if task is not None and task.kind in kinds and self.ready(s):
+                            pick = s
+                            break
+                    if pick is not None:
+                        break
+                if pick is not None:
+                    self.start_task(g, pick)
+            if self.dirty_gpus or self.dirty_links:
+                continue            # a start made another GPU or link able to start now
+            if not self.heap:
+                break
+            self.now = self.heap[0][0]
+            while self.heap and self.heap[0][0] == self.now:
+                _, _, what = heapq.heappop(self.heap)
+                if what[0] == "link":
+                    key = what[1]
+                    self.link_free[key] = True
+                    self.dirty_links.add(key)
+                    self.mem(key[0], "send", -what[3])
+                    self.deliver(what[2])
+                else:
+                    self.finish_task(*what[1:])
+            if self.completed_steps >= next_check:
+                J = self.completed_steps - 1
+                if self.check_periodic(J):
+                    return
+                # Keep the first steps (the picture) and enough recent ones for any period found later.
+                floor = J - 2 * max(CYCLICITIES) - 4
+                self.events = [e for e in self.events if e.step < self.keep_events or e.step >= floor]
+                next_check = self.completed_steps + max(2, self.completed_steps // 4)
+                if next_check > max_steps:
+                    next_check = max_steps
+        left = {s: str(self.head[s]) for s in self.st if self.head[s] is not None}
+        if left:
+            raise SimulationError(f"deadlock at {self.now:.3f} ms; next task per stage: {left}")
+        self.fallback()
+
+    def check_periodic(self, J: int) -> bool:
+        """Whether steps up to ``J`` show a periodic steady state; sets the period when they do."""
+        M = self.M
+        for c in CYCLICITIES:
+            span = 2 * c                      # steps compared on each side
+            if J - span - c < 1:
+                break
+            ref = None
+            ok = True
+            for (s, kind), times in self.starts.items():
+                per = 1 if kind == "U" else M
+                hi = (J + 1) * per
+                lo = (J + 1 - span) * per
+                if hi > len(times):
+                    ok = False
+                    break
+                for i in range(lo, hi):
+                    d = times[i] - times[i - c * per]
+                    if ref is None:
+                        ref = d
+                    elif abs(d - ref) > 1e-7 * max(1.0, abs(ref)) + 1e-9 * times[i]:
+                        ok = False
+                        break
+                if not ok:
+                    break
+            if ok and ref is not None and ref > 0:
+                self.L, self.cyc, self.steady = ref / c, c, True
+                end = max(self.starts[(s, "U")][J] for s in self.st)
+                self.window = (end - ref, end)
+                self.measured_steps = (J + 1 - c, J + 1)
+                return True
+        return False
+
+    def fallback(self) -> None:
+        J = self.completed_steps - 1
+        a = max(0, J // 2)
+        if J <= a:
+            # a single step: its span is all there is
+            self.L = self.now
+            self.window = (0.0, self.now)
+            return
+        ends = [max(self.starts[(s, "U")][j] for s in self.st) for j in (a, J)]
+        self.L = (ends[1] - ends[0]) / (J - a)
+        self.window = (ends[0], ends[1])
+        self.cyc = J - a
+        self.steady = False
+
+    # ---------------------------------------------------------------- result
+    def result(self, plan: Plan, cost, mbs: int) -> SimResult:
+        M = self.M
+        w0, w1 = self.window
+        window = w1 - w0
+        busy = [0.0] * plan.num_gpus
+        for e in self.events:
+            if e.kind != "send":
+                busy[e.gpu] += max(0.0, min(e.end, w1) - max(e.start, w0))
+        used = sorted(self.stages_on)
+        idle = sum(window - busy[g] for g in used)
+        minibatch = self.L
+        loads = [sum(self.st[s].f + self.st[s].r + self.st[s].b + self.st[s].u / M for s in ss)
+                 for ss in self.stages_on.values()]
+        peaks = [self.peak[g] for g in range(plan.num_gpus)]
+        breakdown = []
+        for g in range(plan.num_gpus):
+            parts = {k: int(v) for k, v in self.peak_parts[g].items()}
+            parts["static"] = int(self.static.get(g, 0))
+            breakdown.append(parts)
+        limit = self.cluster.gpu_memory
+        return SimResult(
+            schedule=self.problem.schedule, strategy=plan.strategy, num_gpus=plan.num_gpus, micro_batches=M,
+            micro_batch_size=mbs, steps=self.completed_steps, warmup_steps=self.measured_steps[0], tail_steps=0,
+            throughput_samples_per_s=(M * mbs / (minibatch / 1e3)) if minibatch > 0 else float("inf"),
+            minibatch_ms=minibatch, period_ms=minibatch / M, objective_ms=cost.objective_ms,
+            bubble_fraction=idle / (len(used) * window) if window > 0 and used else 0.0,
+            window=(w0, w1),
+            makespan_ms=max((e.end for e in self.events if e.step < self.keep_events), default=self.now),
+            gpu_busy_ms=busy, gpu_utilisation=[b / window if window > 0 else 0.0 for b in busy],
+            gpu_peak_memory=peaks, gpu_memory_limit=limit,
+            stage_peak_in_flight=dict(sorted(self.peak_pending.items())), steady=self.steady, cyclicity=self.cyc,
+            max_load_ms=max(loads, default=0.0), gpu_peak_breakdown=breakdown,
+            occupancy={f"{u}->{t}": n for (u, t), n in sorted(self.occ_peak.items())},
+            memory_feasible=all(p <= limit for g, p in enumerate(peaks) if g in self.stages_on),
+            # the picture shows the first steps
+            events=[e for e in self.events if e.step < self.keep_events])

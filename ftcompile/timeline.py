@@ -21,8 +21,8 @@ from matplotlib.patches import Patch  # noqa: E402
 from .runtime.atomic import atomic_path  # noqa: E402
 from .simulate import SimResult  # noqa: E402
 
-COLORS = {"F": "#4c72b0", "R": "#dd8452", "B": "#55a868", "send": "#8c8c8c"}
-NAMES = {"F": "forward", "R": "recompute", "B": "backward", "send": "send"}
+COLORS = {"F": "#4c72b0", "R": "#dd8452", "B": "#55a868", "U": "#c44e52", "send": "#8c8c8c"}
+NAMES = {"F": "forward", "R": "recompute", "B": "backward", "U": "update", "send": "send"}
 
 
 def draw_timeline(result: SimResult, path: str | os.PathLike, *, max_time_ms: float | None = None) -> list[Path]:

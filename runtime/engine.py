@@ -15,28 +15,42 @@ their :mod:`~ftcompile.runtime.schedules` programs:
   their producer. Sends are non-blocking and one receiver thread per peer
   receives into buffers shaped from the manifest, so communication overlaps
   computation.
+* **Flow control.** A stage runs ``F(k)`` only when every stage reading its
+  outputs has taken micro-batch ``k - W`` (``W``: the edge's window, by default
+  the micro-batches the producer itself keeps in flight). Where gradients come
+  back from the reader, its schedule already keeps it that close; elsewhere
+  (values that carry no gradient, like masks made from the input) readers send
+  credits, so no stage can run ahead and fill another's memory. What waits in a
+  receive buffer is therefore at most ``W`` micro-batches per value, which the
+  plan's memory model counts (:func:`flow_windows`).
 * **Weight versions.** Each forward and backward uses the version its program
   names. The live parameters are the newest version; an older one is a stash
   copied at the update that would overwrite it, kept only while a task still
-  needs it. A forward whose activations are kept across an update runs on a
-  copy, so the update never changes what its backward reads.
+  needs it (:func:`~ftcompile.runtime.schedules.needs_version`). A forward whose
+  activations are kept across an update runs on a copy, so the update never
+  changes what its backward reads.
 * **Shared parameters.** Every holder sums all holders' gradients in stage
   order and takes the same step, so the copies stay identical.
 * **Failures.** A lost peer is reported at once; nothing arriving for
   ``timeout_s`` raises :class:`PipelineHang` naming the stage, the value and
-  the rank it waits for.
+  the rank it waits for. A loss that is not finite stops the run naming the
+  step and the stage, or skips the step's update on every stage
+  (``nonfinite="skip"``).
 
 The stage-to-rank map, the transport and the configuration are arguments, so a
-job can build a new engine for a new plan (fewer ranks, frozen stages).
+job can build a new engine for a new plan (fewer ranks, frozen stages). Memory
+is O(pipeline depth x micro-batches): programs are generated lazily and a step
+leaves nothing behind once every rank has reported it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pickle
 import threading
 import time
-from collections import defaultdict
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -45,11 +59,13 @@ from torch.func import functional_call
 
 from . import optim as _optim
 from .manifest import Manifest, torch_dtype
+from .memory import MemoryMeter, optimizer_tensors
 from .ops import mix_seed
 from .package import Package
-from .schedules import StageProgram, Task, groups_2gw, stage_program
+from .schedules import StageProgram, Task, flow_control, flow_window, needs_version, stage_programs
 
-ACT, GRAD, SHARED, NORM, STATS, FIN = 1, 2, 3, 4, 5, 9
+ACT, GRAD, SHARED, NORM, STATS, CREDIT, FIN = 1, 2, 3, 4, 5, 6, 9
+NONFINITE = ("stop", "skip")
 
 
 class PipelineError(RuntimeError):
@@ -82,6 +98,8 @@ class TrainConfig:
     dropout: bool = True              # train mode: dropout active (keyed per micro-batch, so recomputation agrees)
     timeout_s: float = 300.0
     total_steps: int | None = None    # for LR schedules across checkpoints; default ``steps``
+    nonfinite: str = "stop"           # a loss that is not finite: stop the run, or skip the step's update
+    measure_memory: bool = False      # count every tensor the rank holds (CPU); see runtime.memory
 
     def optim_config(self) -> _optim.OptimConfig:
         """The optimizer and LR schedule every stage builds."""
@@ -98,13 +116,63 @@ def stage_ranks(manifest: Manifest, world_size: int) -> dict[int, int]:
 
 def programs(manifest: Manifest, cfg: TrainConfig, steps: int) -> dict[int, StageProgram]:
     """Every stage's program for ``steps`` steps under ``cfg``."""
-    depths = {s.id: s.depth for s in manifest.stages}
-    groups = groups_2gw(depths)
-    deepest = max(depths.values(), default=0)
-    return {s.id: stage_program(cfg.schedule, s.id, depth=s.depth, micro_batches=cfg.micro_batches,
-                                steps=steps, last=s.computes_loss or s.depth == 0, recompute=cfg.recompute,
-                                group=groups[s.id], pipeline_depth=deepest)
-            for s in manifest.stages}
+    return stage_programs(cfg.schedule, {s.id: s.depth for s in manifest.stages}, micro_batches=cfg.micro_batches,
+                          steps=steps, recompute=cfg.recompute)
+
+
+def flow_windows(manifest: Manifest, progs: dict[int, StageProgram],
+                 windows: dict[tuple[int, int], int] | None = None) -> dict[tuple[int, int], tuple[int, bool]]:
+    """The flow control of every edge of ``manifest`` carrying tensors: ``windows`` where given, else
+    :func:`~ftcompile.runtime.schedules.flow_window` (the compiler prices the same windows)."""
+    returns: dict[tuple[int, int], bool] = {}
+    for v in manifest.values.values():
+        if v.producer is None or not v.is_tensor:
+            continue
+        for c in v.consumers:
+            if c != v.producer:
+                key = (v.producer, c)
+                returns[key] = returns.get(key, False) or (v.requires_grad and v.is_floating)
+    depth = {s.id: s.depth for s in manifest.stages}
+    w = {(p, c): flow_window(progs[p], depth[c]) for p, c in returns}
+    w.update({e: x for e, x in (windows or {}).items() if e in w})
+    return flow_control(returns, {s: p.in_flight for s, p in progs.items()}, w)
+
+
+def grad_order(manifest: Manifest, v: str) -> list[int]:
+    """The readers of ``v`` in the order their gradient parts are summed: nearest the end of the
+    pipeline first (they come back first), then by id. The reference sums in the same order."""
+    depth = {s.id: s.depth for s in manifest.stages}
+    return sorted(manifest.values[v].consumers, key=lambda c: (depth[c], c))
+
+
+class GradSum:
+    """The gradient of one value for one micro-batch, summed from its readers' parts in
+    :func:`grad_order`: a part that comes in order joins the sum at once; one that comes early
+    waits for those before it, so the sum is the same whatever the arrival order."""
+
+    __slots__ = ("n", "next", "total", "early")
+
+    def __init__(self, n: int):
+        self.n, self.next, self.total, self.early = n, 0, None, {}
+
+    def put(self, i: int, g: torch.Tensor) -> None:
+        if i != self.next:
+            self.early[i] = g
+            return
+        while True:
+            # the parts are this engine's own (received buffers, local gradients): sum in place
+            self.total = g if self.total is None else self.total.add_(g)
+            self.next += 1
+            if self.next not in self.early:
+                return
+            g = self.early.pop(self.next)
+
+    def has(self, i: int) -> bool:
+        return i < self.next or i in self.early
+
+    @property
+    def complete(self) -> bool:
+        return self.next == self.n
 
 
 def accepts_update_buffers(module: torch.nn.Module) -> bool:
@@ -157,17 +225,25 @@ class _Stage:
     module: torch.nn.Module
     program: StageProgram
     params: dict[str, torch.nn.Parameter]
-    pos: int = 0
-    version: int = 0
+    tasks: Iterator[Task]
+    next: Task | None = None
+    version: int = 0                  # the live weights' version
     stash: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    uses_left: dict[int, int] = field(default_factory=dict)
     saved: dict[int, tuple] = field(default_factory=dict)
+    next_forward: int = 0             # the micro-batch of the next F (= micro-batches taken so far)
+    pending: deque = field(default_factory=deque)    # micro-batches whose F ran and whose B has not
     update_phase: int = 0             # U(j): 0 not begun, 1 shared grads sent, 2 norm sent
+    bad_loss: set = field(default_factory=set)       # steps with a loss that is not finite
     times: StageTimes = field(default_factory=StageTimes)
 
-    @property
-    def next(self) -> Task | None:
-        return self.program.tasks[self.pos] if self.pos < len(self.program.tasks) else None
+    def advance(self) -> None:
+        self.next = next(self.tasks, None)
+
+    def oldest_pending(self) -> int | None:
+        return self.pending[0] if self.pending else None
+
+    def forward_left(self) -> int | None:
+        return self.next_forward if self.next_forward < self.program.num_micro_batches else None
 
 
 class RankEngine:
@@ -175,13 +251,17 @@ class RankEngine:
 
     def __init__(self, package: Package, cfg: TrainConfig, *, rank: int = 0, world_size: int = 1,
                  transport=None, device: str | torch.device = "cpu", ranks: dict[int, int] | None = None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, windows: dict[tuple[int, int], int] | None = None):
+        if cfg.nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE)}, got {cfg.nonfinite!r}")
         self.package, self.m, self.cfg = package, package.manifest, cfg
         self.rank, self.world_size, self.transport = rank, world_size, transport
         self.device = torch.device(device)
         self.ranks = ranks if ranks is not None else stage_ranks(self.m, world_size)
         if world_size > 1 and transport is None:
             raise PipelineError("several ranks need a transport")
+        self.windows = windows
+        self.meter = MemoryMeter() if cfg.measure_memory else None
         self.value_names = sorted(self.m.values)
         self.value_index = {v: i for i, v in enumerate(self.value_names)}
         self.param_names = sorted(self.m.params)
@@ -201,7 +281,14 @@ class RankEngine:
         self.pending_sends: list = []
         self._threads: list[threading.Thread] = []
         self._consumers = {v: list(spec.consumers) for v, spec in self.m.values.items()}
+        # Gradient parts of a value are summed in one order everywhere (the reference too): readers
+        # nearest the end of the pipeline first, which is the order they usually arrive in, so
+        # each part joins the running sum on arrival and only one sum per micro-batch waits.
+        self._grad_rank = {v: {c: i for i, c in enumerate(grad_order(self.m, v))} for v in self.m.values}
         self._graph_inputs = {i.value for i in self.m.inputs if i.shape is not None}
+        # graph inputs this rank's stages read: the only data it moves to its device
+        self._local_inputs = {v for s in self.m.stages if self.ranks[s.id] == rank for v in s.inputs
+                              if v in self._graph_inputs}
         self._local_consumers = {v: [c for c in cs if self.ranks[c] == rank] for v, cs in self._consumers.items()}
         self._remote_ranks = {v: sorted({self.ranks[c] for c in cs} - {rank}) for v, cs in self._consumers.items()}
         # Looked up on every scheduling pass: computed once.
@@ -212,6 +299,7 @@ class RankEngine:
         self.step_offset = 0
         self._parked: dict[int, list[tuple]] = {}     # messages of segments this rank has not begun
         self._refs: dict[tuple, int] = {}
+        self._credit: dict[int, int] = {}             # remote reader stage -> micro-batches it has taken
         # The rank of the loss stage writes the log: every rank sends it its step records.
         self.log_rank = self.ranks[self.m.loss_stage] if self.m.loss_stage is not None else 0
         self._build_optimizers()
@@ -229,11 +317,24 @@ class RankEngine:
         spec = self.m.values[v]
         return spec.is_tensor and spec.is_floating and spec.requires_grad and spec.producer is not None
 
+    def _flow(self, progs: dict[int, StageProgram]) -> None:
+        """The flow-control windows of this segment (see :func:`flow_windows`)."""
+        edges = flow_windows(self.m, progs, self.windows)
+        # producer stage here -> [(reader, W, credits)]
+        self._readers: dict[int, list[tuple[int, int, bool]]] = {}
+        # reader stage here -> remote producer ranks to send credits to
+        self._credit_to: dict[int, list[tuple[int, int]]] = {}
+        for (p, c), (w, credits) in edges.items():
+            if self.ranks[p] == self.rank:
+                self._readers.setdefault(p, []).append((c, w, credits))
+            if self.ranks[c] == self.rank and credits and self.ranks[p] != self.rank:
+                self._credit_to.setdefault(c, []).append((p, self.ranks[p]))
+        self._credit = {}
+
     # ------------------------------------------------------------------ messages
     def _put(self, key: tuple, value) -> None:
         with self.cv:
-            self.inbox[key] = value
-            self.arrivals += 1
+            self._take(key, value)
             self.cv.notify_all()
 
     def _send(self, dst: int, header: list[int], payload: torch.Tensor | None) -> None:
@@ -246,9 +347,22 @@ class RankEngine:
             if segment != self.step_offset:
                 self._parked.setdefault(segment, []).append((key, value))
                 return
-            self.inbox[key] = value
-            self.arrivals += 1
+            self._take(key, value)
             self.cv.notify_all()
+
+    def _take(self, key: tuple, value) -> None:
+        # (under the lock) credits only ever grow: keep the largest
+        if key[0] == "C":
+            self._credit[key[1]] = max(self._credit.get(key[1], 0), value)
+        elif key[0] == "G":
+            _, v, k, c = key
+            acc = self.inbox.get(("G", v, k))
+            if acc is None:
+                acc = self.inbox[("G", v, k)] = GradSum(len(self._grad_rank[v]))
+            acc.put(self._grad_rank[v][c], value)
+        else:
+            self.inbox[key] = value
+        self.arrivals += 1
 
     def _reap_sends(self, wait: bool = False) -> None:
         keep = []
@@ -262,11 +376,15 @@ class RankEngine:
     def _buffer(self, kind: int, a: int, nbytes: int) -> torch.Tensor:
         if kind in (ACT, GRAD):
             spec = self.m.values[self.value_names[a]]
-            return torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device)
-        if kind == SHARED:
+            buf = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device)
+        elif kind == SHARED:
             p = self.m.params[self.param_names[a]]
-            return torch.empty(p.shape, dtype=torch_dtype(p.dtype), device=self.device)
-        return torch.empty(nbytes, dtype=torch.uint8)
+            buf = torch.empty(p.shape, dtype=torch_dtype(p.dtype), device=self.device)
+        else:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        if self.meter is not None:
+            self.meter.track(buf)
+        return buf
 
     def _receiver(self, src: int) -> None:
         try:
@@ -274,12 +392,15 @@ class RankEngine:
                 kind, a, k, stage, nbytes, segment, *_ = self.transport.recv_header(src)
                 if kind == FIN:
                     return
+                if kind == CREDIT:
+                    self._deliver(segment, ("C", a), k)
+                    continue
                 buf = self._buffer(kind, a, nbytes)
                 buf = self.transport.recv_payload(src, buf)
                 if kind == ACT:
                     self._deliver(segment, ("A", self.value_names[a], k), buf)
                 elif kind == GRAD:
-                    self._deliver(segment, ("G", self.value_names[a], k, stage), buf)
+                    self._deliver(segment, ("G", self.value_names[a], k, stage), buf)     # joins the sum
                 elif kind == SHARED:
                     # One message per rank: every holder here reads it (keyed by the receiving
                     # stage, so that holders sharing a rank never take each other's copy).
@@ -339,11 +460,12 @@ class RankEngine:
         raise PipelineError(f"rank {self.rank}: stage {st.id} needs weight version {version} but holds "
                             f"{st.version} and stashes {sorted(st.stash)} (a schedule bug)")
 
-    def _used(self, st: _Stage, version: int) -> None:
-        st.uses_left[version] -= 1
-        if st.uses_left[version] == 0:
-            del st.uses_left[version]
-            st.stash.pop(version, None)
+    def _prune(self, st: _Stage) -> None:
+        """Drop the weight versions no later task of the stage uses."""
+        if st.stash:
+            nf, old = st.forward_left(), st.oldest_pending()
+            for v in [v for v in st.stash if not needs_version(st.program, v, nf, old)]:
+                del st.stash[v]
 
     def _predicted(self, st: _Stage, k: int, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         delay = st.program.staleness(k)
@@ -361,6 +483,13 @@ class RankEngine:
             return spec.literal
         return self.inbox.get(("A", v, k))
 
+    def _taken(self, reader: int) -> int:
+        """Micro-batches ``reader`` has taken its inputs for (its next forward's index)."""
+        st = self.stages.get(reader)
+        if st is not None:
+            return st.next_forward
+        return self._credit.get(reader, 0)
+
     def _missing(self, st: _Stage, task: Task, data) -> list[str]:
         spec = self._spec[st.id]
         miss = []
@@ -371,12 +500,17 @@ class RankEngine:
                 if ("A", v, task.index) not in self.inbox:
                     p = self.m.values[v].producer
                     miss.append(f"{v} of micro-batch {task.index} from stage {p} (rank {self.ranks[p]})")
+            for c, w, credits in self._readers.get(st.id, ()):
+                if (credits or c in self.stages) and self._taken(c) <= task.index - w:
+                    miss.append(f"stage {c} (rank {self.ranks[c]}) to take micro-batch {task.index - w} "
+                                f"(flow control: at most {w} waiting)")
         elif task.kind == "B":
             for v in spec.outputs:
                 if v == self.m.loss or not self._needs_grad(v):
                     continue
+                acc = self.inbox.get(("G", v, task.index))
                 for c in self._consumers[v]:
-                    if ("G", v, task.index, c) not in self.inbox:
+                    if acc is None or not acc.has(self._grad_rank[v][c]):
                         miss.append(f"gradient of {v} of micro-batch {task.index} from stage {c} "
                                     f"(rank {self.ranks[c]})")
         else:
@@ -388,17 +522,22 @@ class RankEngine:
                         if h != st.id and ("S", name, j, h, st.id) not in self.inbox:
                             miss.append(f"shared gradient of {name} for step {j} from stage {h} "
                                         f"(rank {self.ranks[h]})")
-            if self.cfg.clip_grad_norm and st.update_phase >= 2:
+            if self._exchanges_norms and st.update_phase >= 2:
                 for s in self.m.stages:
                     if ("N", j, s.id) not in self.inbox:
                         miss.append(f"gradient norm of step {j} from stage {s.id} (rank {self.ranks[s.id]})")
         return miss
 
+    @property
+    def _exchanges_norms(self) -> bool:
+        # Clipping needs the global norm; skipping non-finite steps needs every stage to agree.
+        return bool(self.cfg.clip_grad_norm) or self.cfg.nonfinite == "skip"
+
     # ------------------------------------------------------------------ tasks
     def _forward(self, st: _Stage, k: int, data) -> None:
         spec = self._spec[st.id]
         prog = st.program
-        version = prog.forward_version[k]
+        version = prog.forward_version(k)
         inputs = [self._input(st, v, k, data) for v in spec.inputs]
         with self.cv:
             for v in spec.inputs:
@@ -411,6 +550,10 @@ class RankEngine:
                         self._refs.pop(key, None)
                     else:
                         self._refs[key] = left
+        st.next_forward = k + 1
+        st.pending.append(k)
+        for p, r in self._credit_to.get(st.id, ()):
+            self._send(r, [CREDIT, st.id, k + 1, p, 0], None)
         seed = micro_batch_seed(self.cfg.seed, self.step_offset * self.cfg.micro_batches + k)
         t0 = time.perf_counter()
         if prog.recompute:
@@ -419,24 +562,36 @@ class RankEngine:
                 outs = _call(st.module, weights, st.params, tuple(inputs), seed)
             st.saved[k] = (inputs, None, None)
         else:
-            across = k in st.program.spans_update
-            weights = self._weights(st, version, across_update=across)
+            weights = self._weights(st, version, across_update=prog.spans_update(k))
             args = [self._leaf(v, x) for v, x in zip(spec.inputs, inputs)]
             with torch.enable_grad():
                 outs = _call(st.module, weights, st.params, tuple(args), seed)
             st.saved[k] = (args, outs, weights)
         st.times.forward_s += time.perf_counter() - t0
         st.times.forwards += 1
-        self._used(st, version)
         for v, out in zip(spec.outputs, outs):
             if v == self.m.loss:
-                self._losses[k] = float(out.detach())
+                self._loss(st, k, out)
             if not isinstance(out, torch.Tensor):
                 continue
             if self._local_consumers.get(v):
                 self._put(("A", v, k), out.detach())
             for r in self._remote_ranks.get(v, []):
                 self._send(r, [ACT, self.value_index[v], k, st.id, 0], out.detach())
+
+    def _loss(self, st: _Stage, k: int, out: torch.Tensor) -> None:
+        value = float(out.detach())
+        self._losses[k] = value
+        if math.isfinite(value):
+            return
+        M = self.cfg.micro_batches
+        step = self.step_offset + k // M
+        if self.cfg.nonfinite == "skip":
+            st.bad_loss.add(k // M)
+            return
+        raise PipelineError(f"rank {self.rank}: the loss is {value} at step {step} (micro-batch {k % M} of {M}), "
+                            f"computed by stage {st.id}; lower --lr, clip gradients (--clip-grad-norm X), or "
+                            "skip such steps with --on-nonfinite skip")
 
     def _leaf(self, v: str, x):
         if isinstance(x, torch.Tensor):
@@ -448,7 +603,7 @@ class RankEngine:
     def _backward(self, st: _Stage, k: int, data) -> None:
         spec = self._spec[st.id]
         prog = st.program
-        version = prog.backward_version[k]
+        version = prog.backward_version(k)
         args, outs, weights = st.saved.pop(k)
         seed = micro_batch_seed(self.cfg.seed, self.step_offset * self.cfg.micro_batches + k)
         t0 = time.perf_counter()
@@ -465,27 +620,29 @@ class RankEngine:
             for v, out in zip(spec.outputs, outs):
                 if not (isinstance(out, torch.Tensor) and out.requires_grad):
                     if v != self.m.loss and self._needs_grad(v):
-                        for c in self._consumers[v]:
-                            self.inbox.pop(("G", v, k, c), None)
+                        self.inbox.pop(("G", v, k), None)
                     continue
                 if v == self.m.loss:
                     roots.append(out)
                     grads.append(torch.full_like(out, 1.0 / self.cfg.micro_batches))
                 elif self._needs_grad(v):
-                    g = None
-                    for c in sorted(self._consumers[v]):
-                        part = self.inbox.pop(("G", v, k, c))
-                        g = part if g is None else g + part
-                    if g is not None:
+                    acc = self.inbox.pop(("G", v, k), None)
+                    if acc is not None:
                         roots.append(out)
-                        grads.append(g)
+                        grads.append(acc.total)
+        del outs
         if roots:
             torch.autograd.backward(roots, grads)
+        del roots, grads
         if weights is not st.params:
+            # The backward ran on a stashed version: its gradients join the live weights' (in place).
             for n, t in weights.items():
                 if t.grad is not None:
                     p = st.params[n]
-                    p.grad = t.grad if p.grad is None else p.grad + t.grad
+                    if p.grad is None:
+                        p.grad = t.grad
+                    else:
+                        p.grad.add_(t.grad)
                     t.grad = None
         for v, x in zip(spec.inputs, args):
             if not self._needs_grad(v):
@@ -497,9 +654,9 @@ class RankEngine:
                 self._put(("G", v, k, st.id), g)
             else:
                 self._send(self.ranks[producer], [GRAD, self.value_index[v], k, st.id, 0], g)
+        st.pending.remove(k)
         st.times.backward_s += time.perf_counter() - t0
         st.times.backwards += 1
-        self._used(st, version)
 
     def _begin_update(self, st: _Stage, j: int) -> None:
         """Phase 1 of U(j): send this stage's gradients of shared parameters to the other holders.
@@ -538,7 +695,9 @@ class RankEngine:
                 total.add_(g)
             st.params[name].grad = total
 
-    def _norm_part(self, st: _Stage) -> float:
+    def _norm_part(self, st: _Stage, j: int) -> float:
+        if j in st.bad_loss:
+            return math.nan      # every stage then skips step j
         shared = self._shared
         sq = 0.0
         for name, p in st.params.items():
@@ -550,7 +709,7 @@ class RankEngine:
         return sq
 
     def _send_norm(self, st: _Stage, j: int) -> None:
-        part = self._norm_part(st)
+        part = self._norm_part(st, j)
         blob = torch.frombuffer(bytearray(pickle.dumps(part)), dtype=torch.uint8)
         self._put(("N", j, st.id), part)
         for r in sorted({self.ranks[s.id] for s in self.m.stages} - {self.rank}):
@@ -566,7 +725,7 @@ class RankEngine:
                 return False
         if st.update_phase == 1:
             self._sum_shared(st, j)
-            if self.cfg.clip_grad_norm:
+            if self._exchanges_norms:
                 self._send_norm(st, j)
                 with self.cv:
                     if self._missing(st, st.next, data):
@@ -577,46 +736,75 @@ class RankEngine:
     def _update(self, st: _Stage, j: int) -> None:
         t0 = time.perf_counter()
         params, opt, sched = self._opt[st.id]
-        if self.cfg.clip_grad_norm:
+        skip = False
+        if self._exchanges_norms:
             total = math.sqrt(sum(self.inbox[("N", j, s.id)] for s in sorted(self.m.stages, key=lambda s: s.id)))
-            _optim.clip_to(params.values(), total, self.cfg.clip_grad_norm)
-            self._norms[j] = total
-        if st.uses_left.get(st.version, 0) > 0 and st.version not in st.stash:
+            if not math.isfinite(total):
+                if self.cfg.nonfinite != "skip":
+                    raise PipelineError(f"rank {self.rank}: the gradient norm is {total} at step "
+                                        f"{self.step_offset + j} (stage {st.id}); lower --lr or skip such steps "
+                                        "with --on-nonfinite skip")
+                skip = True
+                self._skipped.add(j)
+            elif self.cfg.clip_grad_norm:
+                _optim.clip_to(params.values(), total, self.cfg.clip_grad_norm)
+                self._norms[j] = total
+        if needs_version(st.program, st.version, st.forward_left(), st.oldest_pending()) \
+                and st.version not in st.stash:
             st.stash[st.version] = self._copy(st)
-        opt.step()
+        if not skip:
+            opt.step()
         if sched is not None:
             sched.step()
         for p in params.values():
             p.grad = None
+        st.bad_loss.discard(j)
         st.version += 1
         st.update_phase = 0
         st.times.update_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ the loop
     def run(self, batches: Iterator[dict], steps: int, *, on_step: Callable[[dict], None] | None = None,
-            step_offset: int = 0) -> list[dict]:
+            step_offset: int = 0, keep_records: bool = True) -> list[dict]:
         """Train ``steps`` steps on ``batches`` (mini-batches of ``M`` micro-batches, every rank the same
-        iterator). Returns, per step, this rank's record (loss when it holds the loss stage, times)."""
-        cfg, M = self.cfg, self.cfg.micro_batches
+        iterator). Returns, per step, this rank's record (loss when it holds the loss stage, times), or
+        nothing with ``keep_records=False`` (long runs: records go to ``on_step`` only)."""
         with self.cv:
             self.step_offset = step_offset
-            # Gradient norms stay in the inbox until the segment ends (every local update reads
-            # them); those of the last segment would answer for this one's steps.
+            # Gradient norms of the last segment would answer for this one's steps.
             for key in [key for key in self.inbox if key[0] == "N"]:
                 del self.inbox[key]
+        progs = programs(self.m, self.cfg, steps)
+        self._flow(progs)
+        with self.cv:
             for key, value in self._parked.pop(step_offset, []):
-                self.inbox[key] = value
-                self.arrivals += 1
-        progs = programs(self.m, cfg, steps)
-        from .data import split_micro_batches
-
+                self._take(key, value)
         self.stages = {}
         for sid, mod in self.modules.items():
             prog = progs[sid]
-            self.stages[sid] = _Stage(sid, mod, prog, self._opt[sid][0], uses_left=dict(prog.version_uses))
+            st = _Stage(sid, mod, prog, self._opt[sid][0], prog.tasks())
+            st.advance()
+            self.stages[sid] = st
         self._losses: dict[int, float] = {}
         self._norms: dict[int, float] = {}
+        self._skipped: set[int] = set()
         self._merged_next = 0
+        if self.meter is not None:
+            for mod in self.modules.values():
+                self.meter.track_all(mod.parameters())
+                self.meter.track_all(mod.buffers())
+                self.meter.track_all(p.grad for p in mod.parameters() if p.grad is not None)
+            for _, opt, _ in self._opt.values():
+                self.meter.track_all(optimizer_tensors(opt))
+            with self.cv:
+                self.meter.track_all(v for v in self.inbox.values() if isinstance(v, torch.Tensor))
+        with (self.meter.tracking() if self.meter is not None else contextlib.nullcontext()):
+            return self._loop(batches, steps, on_step, keep_records)
+
+    def _loop(self, batches: Iterator[dict], steps: int, on_step, keep_records: bool) -> list[dict]:
+        cfg, M = self.cfg, self.cfg.micro_batches
+        from .data import split_micro_batches
+
         cache: dict[int, list[dict]] = {}
         fetched = [0]
 
@@ -628,13 +816,13 @@ class RankEngine:
                 except StopIteration:
                     raise PipelineError(f"the data ran out after {fetched[0]} steps of the {steps} asked for") \
                         from None
-                cache[fetched[0]] = [{n: t.to(self.device) for n, t in mb.items()}
+                cache[fetched[0]] = [{n: t.to(self.device) for n, t in mb.items() if n in self._local_inputs}
                                      for mb in split_micro_batches(batch, self.m, M)]
                 fetched[0] += 1
             return cache[j][k % M]
 
         records: list[dict] = []
-        done_steps: dict[int, set] = defaultdict(set)
+        done_steps: dict[int, int] = {}
         t_start = time.perf_counter()
         t_step = t_start
         wait_s = 0.0
@@ -652,25 +840,34 @@ class RankEngine:
                     if task is None or task.kind not in kinds:
                         continue
                     if task.kind == "U":
+                        if self.meter is not None:
+                            self.meter.label = f"stage {st.id} {task}"
                         if not self._try_update(st, task.index, data):
                             continue
-                        st.pos += 1
-                        done_steps[task.index].add(st.id)
-                        if len(done_steps[task.index]) == len(self.stages):
+                        st.advance()
+                        self._prune(st)
+                        j = task.index
+                        done_steps[j] = done_steps.get(j, 0) + 1
+                        if done_steps[j] == len(self.stages):
+                            del done_steps[j]
                             now = time.perf_counter()
-                            rec = self._record(task.index, now - t_step, wait_s)
+                            rec = self._record(j, now - t_step, wait_s)
                             t_step, wait_s = now, 0.0
-                            records.append(rec)
-                            cache.pop(task.index, None)
-                            self._publish(task.index, rec)
+                            if keep_records:
+                                records.append(rec)
+                            cache.pop(j, None)
+                            self._publish(j, rec)
                         ran = True
                         break
                     with self.cv:
                         missing = self._missing(st, task, data)
                     if missing:
                         continue
+                    if self.meter is not None:
+                        self.meter.label = f"stage {st.id} {task}"
                     (self._forward if task.kind == "F" else self._backward)(st, task.index, data)
-                    st.pos += 1
+                    st.advance()
+                    self._prune(st)
                     ran = True
                     break
                 if ran:
@@ -718,6 +915,10 @@ class RankEngine:
         return records
 
     def _publish(self, j: int, rec: dict) -> None:
+        with self.cv:
+            # Every local stage has taken step j: its gradient norms are spent.
+            for s in self.m.stages:
+                self.inbox.pop(("N", j, s.id), None)
         if self.rank == self.log_rank:
             self._put(("R", j, self.rank), rec)
         else:
@@ -753,17 +954,30 @@ class RankEngine:
         rec = {"step": self.step_offset + j, "rank": self.rank, "seconds": seconds,
                "samples_per_s": M * self.m.micro_batch_size / seconds if seconds > 0 else None,
                "wait_s": wait_s, "stages": {str(s.id): s.times.take() for s in self.stages.values()},
-               "lr": None, "memory_bytes": memory_bytes(self.device),
+               "lr": None, "memory_bytes": self._memory(),
                # Messages posted but not yet taken by the peer: bounded unless a peer falls behind.
                "sends_in_flight": len(self.pending_sends)}
+        if self.meter is not None:
+            rec["memory_measured"] = "tensors"
+            rec["memory_peak_during"] = self.meter.peak_label
         if losses:
             rec["loss"] = sum(losses) / len(losses)
         if j in self._norms:
             rec["grad_norm"] = self._norms.pop(j)
+        if j in self._skipped:
+            self._skipped.discard(j)
+            rec["skipped"] = True
         opts = [o for _, o, _ in self._opt.values() if getattr(o, "param_groups", None)]
         if opts:
             rec["lr"] = opts[0].param_groups[0]["lr"]
         return rec
+
+    def _memory(self) -> int:
+        """Peak bytes since the last step: the rank's own tensor count when measuring, CUDA's allocator
+        on a GPU, else the process's peak resident set."""
+        if self.meter is not None:
+            return self.meter.take_peak()
+        return memory_bytes(self.device)
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[int, dict]:
@@ -801,6 +1015,8 @@ def merge_records(parts: list[dict]) -> dict:
             out["loss"] = p["loss"]
         if p.get("grad_norm") is not None:
             out["grad_norm"] = p["grad_norm"]
+        if p.get("skipped"):
+            out["skipped"] = True
         if p.get("lr") is not None:
             out["lr"] = p["lr"]
         if p.get("samples_per_s") and seconds > 0:
@@ -814,9 +1030,12 @@ def merge_records(parts: list[dict]) -> dict:
 
 
 def memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process: CUDA's allocator peak on a GPU, the resident set size on the CPU."""
+    """Peak memory of this process: CUDA's allocator peak since the last call on a GPU, the resident set
+    size on the CPU."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        peak = int(torch.cuda.max_memory_allocated(device))
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
     try:
         import resource
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

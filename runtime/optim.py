@@ -47,14 +47,19 @@ def build(params: list[torch.nn.Parameter], cfg: OptimConfig):
         raise ValueError(f"unknown lr schedule {cfg.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
     if not params:
         return _NoOp(cfg.lr), None
+    # Fused kernels update every tensor in place in one pass: no temporaries the size of the
+    # weights (the foreach kernels make one), which the memory model counts on, and faster.
+    fused = {"fused": True} if _fusable(params) else {}
     if name == "sgd":
-        opt = torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        opt = torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
     elif name == "momentum":
-        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **fused)
     elif name == "adam":
-        opt = torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+        opt = torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                               **fused)
     elif name == "adamw":
-        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                weight_decay=cfg.weight_decay, **fused)
     elif name == "adafactor":
         try:
             from transformers.optimization import Adafactor
@@ -65,6 +70,12 @@ def build(params: list[torch.nn.Parameter], cfg: OptimConfig):
     else:
         raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     return opt, scheduler(opt, cfg)
+
+
+def _fusable(params: list[torch.nn.Parameter]) -> bool:
+    """torch's fused optimizers take floating tensors on one CPU or CUDA device."""
+    devices = {p.device.type for p in params}
+    return len(devices) == 1 and devices <= {"cpu", "cuda"} and all(p.is_floating_point() for p in params)
 
 
 def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:

@@ -2,9 +2,9 @@
 
 :func:`reference_train` trains a package one micro-batch at a time, with no
 pipelining, keeping every weight version: micro-batch ``k``'s forward through
-stage ``s`` uses version ``forward_version[k]`` of that stage, its backward
+stage ``s`` uses version ``forward_version(k)`` of that stage, its backward
 recomputes the stage from the same inputs with version
-``backward_version[k]``, and step ``j``'s update turns version ``j`` into
+``backward_version(k)``, and step ``j``'s update turns version ``j`` into
 ``j + 1`` with the gradients of the step's micro-batches. The version tables
 come from :func:`~ftcompile.runtime.engine.programs`, the ones the
 multi-process engine runs, so the engine must end with the weights this gives
@@ -12,7 +12,7 @@ multi-process engine runs, so the engine must end with the weights this gives
 
 With weight prediction (FTPipe §4.2), a forward whose backward will use a
 later version runs on weights predicted that many updates ahead from version
-``forward_version[k]`` and the optimizer state that came with it: the
+``forward_version(k)`` and the optimizer state that came with it: the
 prediction is made when the version is created, since the optimizer state
 moves on with every later update.
 """
@@ -27,7 +27,7 @@ import torch
 from torch.func import functional_call
 
 from . import optim as _optim
-from .engine import TrainConfig, accepts_update_buffers, micro_batch_seed, programs
+from .engine import TrainConfig, accepts_update_buffers, grad_order, micro_batch_seed, programs
 from .package import Package
 
 
@@ -57,13 +57,15 @@ def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig,
     def make_predictions(s: int, v: int) -> None:
         if not cfg.weight_prediction:
             return
-        for k, fv in progs[s].forward_version.items():
-            d = progs[s].staleness(k)
+        for k in range(M * steps):
+            fv, d = progs[s].forward_version(k), progs[s].staleness(k)
+            if fv > v:
+                break               # versions grow with k
             if fv == v and d > 0 and (v, d) not in predicted[s]:
                 predicted[s][(v, d)] = _optim.predict(opts[s][0], live[s], history[s][v], d)
 
     def forward_weights(s: int, k: int) -> dict[str, torch.Tensor]:
-        v, d = progs[s].forward_version[k], progs[s].staleness(k)
+        v, d = progs[s].forward_version(k), progs[s].staleness(k)
         return predicted[s][(v, d)] if cfg.weight_prediction and d > 0 else history[s][v]
 
     for s in modules:
@@ -94,7 +96,7 @@ def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig,
             grads: dict[str, dict[int, torch.Tensor]] = {}
             for s in reversed(order):
                 spec = m.stage(s)
-                w = {n: t.clone().requires_grad_(True) for n, t in history[s][progs[s].backward_version[k]].items()}
+                w = {n: t.clone().requires_grad_(True) for n, t in history[s][progs[s].backward_version(k)].items()}
                 args = []
                 for v, x in zip(spec.inputs, saved[s]):
                     if isinstance(x, torch.Tensor):
@@ -117,8 +119,9 @@ def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig,
                         gs.append(torch.full_like(o, 1.0 / M))
                     elif v in grads:
                         g = None
-                        for c in sorted(grads[v]):
-                            g = grads[v][c] if g is None else g + grads[v][c]
+                        for c in grad_order(m, v):          # the engine's order
+                            if c in grads[v]:
+                                g = grads[v][c] if g is None else g + grads[v][c]
                         roots.append(o)
                         gs.append(g)
                 if roots:
@@ -163,10 +166,10 @@ def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig,
                 p.grad = None
             history[s][j + 1] = {n: p.detach().clone() for n, p in live[s].items()}
             make_predictions(s, j + 1)
-            # Keep only the versions a later micro-batch still uses.
-            later = [v for k, v in {**progs[s].forward_version}.items() if k >= (j + 1) * M]
-            later += [v for k, v in progs[s].backward_version.items() if k >= (j + 1) * M]
-            oldest = min(later, default=j + 1)
+            # Keep only the versions a later micro-batch still uses (versions grow with k).
+            later = (j + 1) * M
+            oldest = min(progs[s].forward_version(later), progs[s].backward_version(later)) \
+                if later < M * steps else j + 1
             for v in [v for v in history[s] if v < oldest]:
                 del history[s][v]
             for key in [key for key in predicted[s] if key[0] < oldest]:

@@ -1,30 +1,42 @@
-"""Pipeline schedules as per-stage programs with explicit weight versions.
+"""Pipeline schedules: the one definition of every stage's task order, weight versions and memory.
 
 A schedule is, for every stage, a fixed sequence of tasks: ``F(k)`` (forward
-of micro-batch ``k``), ``B(k)`` (its backward) and ``U(j)`` (the optimizer
-update closing step ``j``). A rank runs each of its stages' programs in order
-and switches between its stages as data arrives (dataflow), so the *order*
-within a stage is fixed while the interleaving of stages is not.
+of micro-batch ``k``), ``B(k)`` (its backward; a stage that recomputes runs
+its forward again inside this task) and ``U(j)`` (the optimizer update closing
+step ``j``). A rank runs each of its stages' programs in order and switches
+between its stages as data arrives (dataflow), so the *order* within a stage
+is fixed while the interleaving of stages is not.
+
+This module is the only place that says what a schedule does. The
+multi-process engine (:mod:`~ftcompile.runtime.engine`) runs these programs,
+the single-process reference (:mod:`~ftcompile.runtime.reference`) trains with
+their weight versions, and the compiler's cost model and simulator
+(``ftcompile.plan``, ``ftcompile.simulate``) replay them and take from them
+what a stage holds: micro-batches in flight, extra weight versions, whether it
+recomputes.
 
 What each schedule means for training is which **weight version** every
 forward and backward uses: version ``t`` is a stage's weights after ``t``
-updates. :func:`stage_program` states both explicitly, so the multi-process
-engine and the single-process reference (:mod:`~ftcompile.runtime.reference`)
-implement the same semantics from the same table:
+updates.
 
 ========== ============================ ============================ ===========
 schedule   forward of step ``j`` uses    backward uses                recomputes
 ========== ============================ ============================ ===========
 gpipe      ``j``                         ``j``                        optional
 1f1b       ``j``                         ``j``                        optional
-async      the newest when it runs       the newest when it runs      all but the last stage
+async      the newest when it runs       the newest when it runs      yes
 pipedream  the newest when it runs       the forward's (stashed)      no
 2bw        ``max(j-1, 0)``               ``max(j-1, 0)``              optional
 2gw        G0: ``max(j-1, 0)``, G1: ``j`` same as forward               optional
 ========== ============================ ============================ ===========
 
+A stage whose every ``B(k)`` directly follows its ``F(k)`` (the end of a
+1F1B-ordered pipeline: FTPipe's last stage) never recomputes: it holds one
+micro-batch's activations only, and no update falls between its forward and
+backward. That is the one rule for "the last stage" (:func:`stage_program`).
+
 Versions count from the start of a run segment (a run, or the stretch between
-two checkpoints), every segment starts with a filled-and-drained pipeline, and
+two checkpoints); every segment starts with a filled-and-drained pipeline, and
 every stage updates once per step: gradients of a step's ``M`` micro-batches
 are accumulated (the loss of each is scaled by ``1/M``). ``async`` with
 ``M = 1`` is FTPipe's update per micro-batch.
@@ -35,14 +47,21 @@ a flush per step); ``async``, ``pipedream`` and ``2bw`` the same one-forward-
 one-backward order without flushes (FTPipe Fig. 5; PipeDream; PipeDream-2BW);
 ``2gw`` (WPipe §3.2) runs G1 stages like ``1f1b`` and moves G0's forwards of
 step ``j+1`` ahead of its backwards of step ``j``.
+
+Programs are generated lazily: a stage's program for a million steps costs
+no more memory than for one. Weight versions come from closed forms.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
+from typing import Iterator
 
 SCHEDULES = ("gpipe", "1f1b", "async", "pipedream", "2bw", "2gw")
 SYNCHRONOUS = ("gpipe", "1f1b")
+#: Schedules where recomputation is the user's choice (``--recompute``).
+OPTIONAL_RECOMPUTE = ("gpipe", "1f1b", "2bw", "2gw")
 
 
 class ScheduleError(ValueError):
@@ -58,99 +77,58 @@ class Task:
         return f"{self.kind}{self.index}"
 
 
-@dataclass
-class StageProgram:
-    """One stage's tasks in order, and the weight version each forward and backward uses."""
+# --------------------------------------------------------------------------- orders
 
-    stage: int
-    schedule: str
-    tasks: list[Task]
-    forward_version: dict[int, int]
-    backward_version: dict[int, int]
-    recompute: bool                   # forward keeps no activations; backward runs it again
-    group: int = 0                    # 2gw: 0 or 1
-    version_uses: dict[int, int] = field(init=False)      # version -> tasks that use it
-    spans_update: frozenset[int] = field(init=False)      # micro-batches with an update between F and B
-
-    def __post_init__(self):
-        uses: dict[int, int] = {}
-        updates, updates_at_forward, spans = 0, {}, set()
-        for t in self.tasks:
-            if t.kind == "U":
-                updates += 1
-                continue
-            if t.kind == "F":
-                v = self.forward_version[t.index]
-                updates_at_forward[t.index] = updates
-            else:
-                v = self.backward_version[t.index]
-                if updates > updates_at_forward.get(t.index, updates):
-                    spans.add(t.index)
-            uses[v] = uses.get(v, 0) + 1
-        self.version_uses = uses
-        self.spans_update = frozenset(spans)
-
-    def staleness(self, k: int) -> int:
-        """Updates between micro-batch ``k``'s forward weights and its backward weights."""
-        return self.backward_version[k] - self.forward_version[k]
-
-
-def _order_flush(kind: str, depth: int, micro_batches: int, steps: int) -> list[Task]:
-    tasks: list[Task] = []
-    M = micro_batches
+def _order_flush(kind: str, depth: int, M: int, steps: int) -> Iterator[Task]:
     for j in range(steps):
-        ks = list(range(j * M, (j + 1) * M))
+        ks = range(j * M, (j + 1) * M)
         if kind == "gpipe":
-            tasks += [Task("F", k) for k in ks] + [Task("B", k) for k in ks]
+            for k in ks:
+                yield Task("F", k)
+            for k in ks:
+                yield Task("B", k)
         else:   # 1f1b: PipeDream-flush
             warm = min(depth, M)
-            tasks += [Task("F", k) for k in ks[:warm]]
+            for k in ks[:warm]:
+                yield Task("F", k)
             for i, k in enumerate(ks):
                 if warm + i < M:
-                    tasks.append(Task("F", ks[warm + i]))
-                tasks.append(Task("B", k))
-        tasks.append(Task("U", j))
-    return tasks
+                    yield Task("F", ks[warm + i])
+                yield Task("B", k)
+        yield Task("U", j)
 
 
-def _order_continuous(depth: int, micro_batches: int, steps: int) -> list[Task]:
+def _warm(depth: int, M: int, steps: int) -> int:
+    """Forwards before the first backward in the continuous order."""
+    return min(depth + 1, M * steps)
+
+
+def _order_continuous(depth: int, M: int, steps: int) -> Iterator[Task]:
     # depth + 1 forwards fill the pipeline, then one backward and one forward
     # alternate; the update of step j follows the backward of its last micro-batch.
-    n = micro_batches * steps
-    warm = min(depth + 1, n)
-    tasks = [Task("F", k) for k in range(warm)]
+    n = M * steps
+    warm = _warm(depth, M, steps)
+    for k in range(warm):
+        yield Task("F", k)
     for k in range(n):
-        tasks.append(Task("B", k))
-        if (k + 1) % micro_batches == 0:
-            tasks.append(Task("U", k // micro_batches))
+        yield Task("B", k)
+        if (k + 1) % M == 0:
+            yield Task("U", k // M)
         if k + warm < n:
-            tasks.append(Task("F", k + warm))
-    return tasks
+            yield Task("F", k + warm)
 
 
-def _order_2gw_g0(depth: int, micro_batches: int, steps: int) -> list[Task]:
+def _order_2gw_g0(M: int, steps: int) -> Iterator[Task]:
     # WPipe Fig. 4b: the forwards of step j+1 run before the backwards of step j.
-    M = micro_batches
-    tasks = [Task("F", k) for k in range(M)]
+    for k in range(M):
+        yield Task("F", k)
     for j in range(steps):
         if j + 1 < steps:
-            tasks += [Task("F", k) for k in range((j + 1) * M, (j + 2) * M)]
-        tasks += [Task("B", k) for k in range(j * M, (j + 1) * M)]
-        tasks.append(Task("U", j))
-    return tasks
-
-
-def _scan_versions(tasks: list[Task]) -> tuple[dict[int, int], dict[int, int]]:
-    """The newest version at each task: the number of updates before it in the program."""
-    fv, bv, done = {}, {}, 0
-    for t in tasks:
-        if t.kind == "U":
-            done += 1
-        elif t.kind == "F":
-            fv[t.index] = done
-        else:
-            bv[t.index] = done
-    return fv, bv
+            for k in range((j + 1) * M, (j + 2) * M):
+                yield Task("F", k)
+        for k in range(j * M, (j + 1) * M):
+            yield Task("B", k)
+        yield Task("U", j)
 
 
 def groups_2gw(depths: dict[int, int]) -> dict[int, int]:
@@ -163,21 +141,191 @@ def groups_2gw(depths: dict[int, int]) -> dict[int, int]:
     return {s: 0 if 2 * d > top else 1 for s, d in depths.items()}
 
 
+# --------------------------------------------------------------------------- programs
+
+@dataclass(frozen=True)
+class StageProgram:
+    """One stage's tasks in order, the weight version each forward and backward uses, and what the
+    stage holds because of them.
+
+    ``tasks()`` generates the order lazily. ``forward_version(k)`` /
+    ``backward_version(k)`` are the weight versions micro-batch ``k`` uses;
+    ``updates_before_forward(k)`` / ``updates_before_backward(k)`` count the
+    updates the program has run when ``F(k)`` / ``B(k)`` start (the newest
+    version then).
+    """
+
+    stage: int
+    schedule: str
+    depth: int
+    micro_batches: int
+    steps: int
+    group: int = 0                    # 2gw: 0 or 1
+    recompute_option: bool = False    # --recompute, for the schedules where it is optional
+
+    # ---- order
+    def tasks(self) -> Iterator[Task]:
+        s, d, M, n = self.schedule, self.depth, self.micro_batches, self.steps
+        if s in SYNCHRONOUS:
+            return _order_flush(s, d, M, n)
+        if s == "2gw":
+            return _order_2gw_g0(M, n) if self.group == 0 else _order_flush("1f1b", d, M, n)
+        return _order_continuous(d, M, n)
+
+    def __iter__(self) -> Iterator[Task]:
+        return self.tasks()
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.micro_batches * self.steps
+
+    # ---- versions (closed forms of the orders above; tests check them against the orders)
+    def updates_before_forward(self, k: int) -> int:
+        M, j = self.micro_batches, k // self.micro_batches
+        if self._continuous:
+            return max(0, k - _warm(self.depth, M, self.steps) + 1) // M
+        if self._g0:
+            return max(0, j - 1)
+        return j
+
+    def updates_before_backward(self, k: int) -> int:
+        return k // self.micro_batches
+
+    def forward_version(self, k: int) -> int:
+        s, j = self.schedule, k // self.micro_batches
+        if s in ("async", "pipedream"):
+            return self.updates_before_forward(k)
+        if s == "2bw" or self._g0:
+            return max(j - 1, 0)
+        return j
+
+    def backward_version(self, k: int) -> int:
+        s = self.schedule
+        if s == "async":
+            return self.updates_before_backward(k)
+        return self.forward_version(k)
+
+    def staleness(self, k: int) -> int:
+        """Updates between micro-batch ``k``'s forward weights and its backward weights."""
+        return self.backward_version(k) - self.forward_version(k)
+
+    def spans_update(self, k: int) -> bool:
+        """An update runs between ``F(k)`` and ``B(k)``."""
+        return self.updates_before_backward(k) > self.updates_before_forward(k)
+
+    @property
+    def _continuous(self) -> bool:
+        return self.schedule in ("async", "pipedream", "2bw")
+
+    @property
+    def _g0(self) -> bool:
+        return self.schedule == "2gw" and self.group == 0
+
+    # ---- what the stage holds
+    @property
+    def adjacent(self) -> bool:
+        """Every ``B(k)`` directly follows ``F(k)``: the end of a 1F1B pipeline."""
+        return _shape(self.schedule, self.depth, self.micro_batches, self.group)[0]
+
+    @property
+    def recompute(self) -> bool:
+        """Whether the forward keeps only its inputs and the backward runs it again.
+
+        ``async`` always recomputes (FTPipe §4.3: the backward uses the newest weights),
+        ``pipedream`` never (it stashes), the others when asked; a stage whose backward
+        directly follows its forward never does: it would only repeat work.
+        """
+        if self.adjacent:
+            return False
+        if self.schedule == "async":
+            return True
+        return self.schedule in OPTIONAL_RECOMPUTE and self.recompute_option
+
+    @property
+    def in_flight(self) -> int:
+        """The most micro-batches whose forward has run and whose backward has not."""
+        return _shape(self.schedule, self.depth, self.micro_batches, self.group)[1]
+
+    @property
+    def extra_weight_versions(self) -> int:
+        """The most weight copies the stage keeps beside its live weights (stashes, and the copies a
+        forward kept across an update runs on); see :func:`needs_version`."""
+        return _shape(self.schedule, self.depth, self.micro_batches, self.group, self.recompute)[2]
+
+
+def needs_version(prog: StageProgram, version: int, next_forward: int | None, oldest_pending: int | None) -> bool:
+    """Whether a stage still needs weight version ``version``: the next forward to run
+    (``next_forward``, a micro-batch, or None when none is left) or the oldest micro-batch whose
+    backward has not run (``oldest_pending``) uses it or an older one.
+
+    Versions grow with the micro-batch index for forwards and for backwards, so no later task
+    needs ``version`` once both have passed it. The engine drops a stash by this rule, and
+    :attr:`StageProgram.extra_weight_versions` counts copies by it.
+    """
+    if next_forward is not None and prog.forward_version(next_forward) <= version:
+        return True
+    return oldest_pending is not None and prog.backward_version(oldest_pending) <= version
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape(schedule: str, depth: int, M: int, group: int, recompute: bool | None = None) -> tuple[bool, int, int]:
+    """``(adjacent, in_flight, extra weight versions)`` of a stage, by replaying its program over enough
+    steps to pass the warm-up (the programs are periodic after it)."""
+    # Every micro-batch in flight can carry its own version once 2 (depth + 1) micro-batches ran.
+    steps = (2 * depth + 2) // M + 4
+    prog = StageProgram(-1, schedule, depth, M, steps, group)
+    rc = recompute if recompute is not None else False
+    adjacent, last_f = True, None
+    pending: list[int] = []           # micro-batches between F and B, oldest first
+    in_flight = 0
+    live = 0
+    stash: set[int] = set()           # versions with a copy, as the engine keeps them (see needs_version)
+    extra = 0
+    next_f = 0
+    n = prog.num_micro_batches
+    for t in prog.tasks():
+        if t.kind == "F":
+            if last_f is not None:
+                adjacent = False      # two forwards in a row (or a forward after a pending one)
+            last_f = t.index
+            pending.append(t.index)
+            in_flight = max(in_flight, len(pending))
+            next_f = t.index + 1
+            if not rc and prog.spans_update(t.index) and prog.forward_version(t.index) == live:
+                stash.add(live)       # runs on a copy so the update cannot change what B reads
+        elif t.kind == "B":
+            if last_f != t.index:
+                adjacent = False
+            last_f = None
+            pending.remove(t.index)
+        else:
+            if needs_version(prog, live, next_f if next_f < n else None, pending[0] if pending else None):
+                stash.add(live)
+            live += 1
+        extra = max(extra, len(stash))
+        # drop what no later task needs
+        for v in [v for v in stash if not needs_version(prog, v, next_f if next_f < n else None,
+                                                         pending[0] if pending else None)]:
+            stash.discard(v)
+    if recompute is None:
+        return adjacent, in_flight, 0
+    return adjacent, in_flight, extra
+
+
 def stage_program(schedule: str, stage: int, *, depth: int, micro_batches: int, steps: int,
-                  last: bool = False, recompute: bool | None = None, group: int = 0,
+                  recompute: bool | None = None, group: int = 0,
                   pipeline_depth: int | None = None) -> StageProgram:
     """The program of one stage.
 
     Args:
         schedule: one of :data:`SCHEDULES`.
         stage: the stage id (for messages only).
-        depth: the stage's distance in stages to the end of the pipeline (0: last).
+        depth: the stage's distance in stages to the end of the pipeline (0: a sink).
         micro_batches: ``M``, micro-batches per step (per update).
         steps: steps in this segment.
-        last: the stage computes the loss (``async`` never recomputes it).
         recompute: recompute in backward instead of keeping activations, for the
-            schedules where it is optional; ``None`` is no. Ignored by ``async``
-            (always, but the last stage) and ``pipedream`` (never).
+            schedules where it is optional; ``None`` is no. ``async`` always
+            recomputes and ``pipedream`` never; see :attr:`StageProgram.recompute`.
         group: the 2gw group (see :func:`groups_2gw`).
         pipeline_depth: the deepest stage's depth, to check that ``2bw`` and ``2gw``
             can keep to two weight versions.
@@ -189,52 +337,77 @@ def stage_program(schedule: str, stage: int, *, depth: int, micro_batches: int, 
         raise ScheduleError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if micro_batches < 1 or steps < 1:
         raise ScheduleError(f"need at least one micro-batch and one step (got M={micro_batches}, steps={steps})")
-    M = micro_batches
     deepest = depth if pipeline_depth is None else pipeline_depth
-    if schedule in ("2bw", "2gw") and deepest > M:
+    if schedule in ("2bw", "2gw") and deepest > micro_batches:
         raise ScheduleError(f"{schedule} keeps two weight versions only when the micro-batches per step "
-                            f"(M={M}) are at least the pipeline depth ({deepest}); raise --micro-batches "
-                            f"to {deepest} or more")
-    step_of = lambda k: k // M  # noqa: E731
-    if schedule in SYNCHRONOUS:
-        tasks = _order_flush(schedule, depth, M, steps)
-        fv = bv = {k: step_of(k) for k in range(M * steps)}
-        rc = bool(recompute)
-    elif schedule == "async":
-        tasks = _order_continuous(depth, M, steps)
-        fv, bv = _scan_versions(tasks)
-        rc = not last
-    elif schedule == "pipedream":
-        tasks = _order_continuous(depth, M, steps)
-        fv, _ = _scan_versions(tasks)
-        bv = dict(fv)
-        rc = False
-    elif schedule == "2bw":
-        tasks = _order_continuous(depth, M, steps)
-        fv = bv = {k: max(step_of(k) - 1, 0) for k in range(M * steps)}
-        rc = bool(recompute)
-    else:   # 2gw
-        if group == 0:
-            tasks = _order_2gw_g0(depth, M, steps)
-            fv = bv = {k: max(step_of(k) - 1, 0) for k in range(M * steps)}
-        else:
-            tasks = _order_flush("1f1b", depth, M, steps)
-            fv = bv = {k: step_of(k) for k in range(M * steps)}
-        rc = bool(recompute)
-    prog = StageProgram(stage, schedule, tasks, dict(fv), dict(bv), rc, group)
-    check_program(prog)
-    return prog
+                            f"(M={micro_batches}) are at least the pipeline depth ({deepest}); raise "
+                            f"--micro-batches to {deepest} or more")
+    return StageProgram(stage, schedule, depth, micro_batches, steps, group if schedule == "2gw" else 0,
+                        bool(recompute))
+
+
+def stage_programs(schedule: str, depths: dict[int, int], *, micro_batches: int, steps: int,
+                   recompute: bool | None = None) -> dict[int, StageProgram]:
+    """Every stage's program, from the stages' depths (stage id -> depth)."""
+    groups = groups_2gw(depths)
+    deepest = max(depths.values(), default=0)
+    return {s: stage_program(schedule, s, depth=d, micro_batches=micro_batches, steps=steps, recompute=recompute,
+                             group=groups[s], pipeline_depth=deepest)
+            for s, d in depths.items()}
+
+
+def flow_window(producer: StageProgram, reader_depth: int) -> int:
+    """The most micro-batches of a producer's values a reader at ``reader_depth`` may hold unconsumed.
+
+    In the one-forward-one-backward orders (1f1b, async, pipedream, 2bw, 2gw's G1) a reader
+    ``d = depth(p) - depth(c)`` stages downstream takes micro-batch ``k - d`` right after its
+    backward of ``k - depth(p) - 1``, which precedes the producer's backward of that micro-batch
+    and so the producer's ``F(k)``: ``d + 1`` never holds the producer back in steady state.
+    Orders that run a whole step's forwards ahead (gpipe, 2gw's G0) get the producer's own
+    in-flight count, which its schedule keeps anyway.
+    """
+    if producer.schedule == "gpipe" or producer._g0:
+        return producer.in_flight
+    return min(producer.in_flight, max(1, producer.depth - reader_depth + 1))
+
+
+def flow_control(edges: dict[tuple[int, int], bool], in_flight: dict[int, int],
+                 windows: dict[tuple[int, int], int] | None = None) -> dict[tuple[int, int], tuple[int, bool]]:
+    """The flow control of a pipeline: per edge ``(producer, reader)`` that carries tensors, ``(W, credits)``.
+
+    A producer runs ``F(k)`` only when the reader has taken micro-batch ``k - W``, so at most
+    ``W`` micro-batches of the edge's values wait for the reader. ``W`` is ``windows[edge]``
+    when given (a plan may ask for less), else the micro-batches the producer keeps in flight
+    (``in_flight[producer]``). ``edges[edge]`` says whether gradients come back over the edge;
+    ``credits`` whether the reader must tell the producer what it took. It need not when
+    gradients come back and ``W`` is no tighter than the producer's own schedule keeps it: the
+    producer's ``F(k)`` follows its ``B(k - W)``, which waits for the reader's ``B(k - W)``,
+    which follows the reader's ``F(k - W)``. Where no gradient comes back (masks and positions
+    made from the input), nothing else would stop a producer from running ahead.
+    """
+    out = {}
+    for (p, c), returns in edges.items():
+        own = in_flight[p]
+        w = max(1, (windows or {}).get((p, c), own))
+        out[(p, c)] = (w, not (returns and w >= own))
+    return out
 
 
 def check_program(prog: StageProgram) -> None:
-    """Every version a task uses exists when the task runs (no weights from the future)."""
+    """Every version a task uses exists when the task runs (no weights from the future), and the
+    closed-form version counts agree with the order."""
     done = 0
-    for t in prog.tasks:
+    for t in prog.tasks():
         if t.kind == "U":
+            if t.index != done:
+                raise ScheduleError(f"stage {prog.stage}: U{t.index} out of order under {prog.schedule}")
             done += 1
             continue
-        v = prog.forward_version[t.index] if t.kind == "F" else prog.backward_version[t.index]
+        v = prog.forward_version(t.index) if t.kind == "F" else prog.backward_version(t.index)
+        newest = prog.updates_before_forward(t.index) if t.kind == "F" else prog.updates_before_backward(t.index)
+        if newest != done:
+            raise ScheduleError(f"stage {prog.stage}: {t} runs after {done} updates under {prog.schedule}, "
+                                f"but the closed form says {newest} (a schedule bug)")
         if v > done:
             raise ScheduleError(f"stage {prog.stage}: {t} would need weight version {v} after only {done} "
                                 f"updates under {prog.schedule}")
-

@@ -155,9 +155,19 @@ class _SendReaper:
 
 
 class TorchTransport:
-    """``torch.distributed`` point-to-point: gloo on CPU, NCCL for CUDA payloads."""
+    """``torch.distributed`` point-to-point: gloo on CPU, NCCL for CUDA payloads.
 
-    def __init__(self, launch: Launch, *, backend: str = "gloo", timeout_s: float = 300.0):
+    Headers always travel over gloo. With NCCL, payloads travel on one communicator per
+    *direction* between two ranks (a two-member group used only for sends from one to the
+    other): a receiver thread's blocking ``recv`` from a peer and the main thread's ``isend``
+    to that same peer then never share an NCCL communicator, whose operations run in issue
+    order on one stream and would wait for each other in both processes at once. Each group
+    is used by one thread per process (the sender's main thread, the receiver's thread for
+    that peer). ``pair_groups`` forces these per-direction groups on gloo as well (tests).
+    """
+
+    def __init__(self, launch: Launch, *, backend: str = "gloo", timeout_s: float = 300.0,
+                 pairs: list[tuple[int, int]] | None = None, pair_groups: bool | None = None):
         import torch.distributed as dist
 
         self.dist = dist
@@ -172,16 +182,31 @@ class TorchTransport:
                 raise TransportError("torch.distributed needs MASTER_ADDR and MASTER_PORT: start the ranks with "
                                      "`ftcompile run --nproc N` or torchrun, or use --transport mpi under mpirun")
             dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size, timeout=timeout)
-        # Headers always go over gloo; NCCL, when asked for, carries only CUDA payloads.
-        self.payload_group = dist.new_group(backend="nccl", timeout=timeout) if backend == "nccl" else None
+        # Payload groups per direction (src, dst); every rank creates every group, in one order,
+        # as new_group requires. ``pairs`` (the directions the plan uses) keeps their number down.
+        use_pairs = backend == "nccl" if pair_groups is None else pair_groups
+        self._pair_group: dict[tuple[int, int], object] = {}
+        if use_pairs:
+            wanted = sorted(set(pairs) if pairs is not None else
+                            {(a, b) for a in range(self.world_size) for b in range(self.world_size) if a != b})
+            group_backend = "nccl" if backend == "nccl" else "gloo"
+            for a, b in wanted:
+                g = dist.new_group(ranks=sorted((a, b)), backend=group_backend, timeout=timeout,
+                                   use_local_synchronization=True) if self.rank in (a, b) else None
+                if g is not None:
+                    self._pair_group[(a, b)] = g
         self._locks = {r: threading.Lock() for r in range(self.world_size)}
         self._staging = _HostStaging()
         # gloo marks a send complete only inside wait(), so polling is_completed() never frees
         # a payload: a thread per peer waits on its sends in order and flags each one done.
         self._reapers = {r: _SendReaper() for r in range(self.world_size) if r != self.rank}
 
+    def _payload_group(self, src: int, dst: int):
+        return self._pair_group.get((src, dst))
+
     def _host(self, t: torch.Tensor) -> torch.Tensor:
-        return t if t.device.type == "cpu" or self.payload_group is not None else self._staging.to_host(t)
+        # NCCL moves device memory itself; gloo needs host memory.
+        return t if t.device.type == "cpu" or self.backend == "nccl" else self._staging.to_host(t)
 
     def isend(self, dst: int, header: list[int], payload: torch.Tensor | None) -> list:
         """Send a header and its payload to ``dst`` without waiting; returns handles to keep until done."""
@@ -193,7 +218,10 @@ class TorchTransport:
                 keep = [head]
                 if payload is not None:
                     p = self._host(payload.contiguous())
-                    group = self.payload_group if p.device.type == "cuda" else None
+                    group = self._payload_group(self.rank, dst)
+                    if group is None and p.device.type == "cuda":
+                        raise TransportError(f"rank {self.rank}: no NCCL group for sends to rank {dst}; the "
+                                             "transport was built for other rank pairs (a bug)")
                     works.append(self.dist.isend(p, dst, group=group, tag=TAG))
                     keep.append(p)
             except RuntimeError as exc:     # gloo: the connection to dst is gone
@@ -207,11 +235,13 @@ class TorchTransport:
         return head.tolist()
 
     def recv_payload(self, src: int, buffer: torch.Tensor) -> torch.Tensor:
-        if buffer.device.type == "cuda" and self.payload_group is not None:
-            self.dist.recv(buffer, src, group=self.payload_group, tag=TAG)
+        group = self._payload_group(src, self.rank)
+        if buffer.device.type == "cuda" and self.backend == "nccl":
+            # blocking: the calling thread's current stream waits for the transfer
+            self.dist.recv(buffer, src, group=group, tag=TAG)
             return buffer
         host = self._staging.host_buffer(buffer)
-        self.dist.recv(host, src, tag=TAG)
+        self.dist.recv(host, src, group=group, tag=TAG)
         return self._staging.to_device(host, buffer)
 
     @staticmethod

@@ -33,7 +33,7 @@ from ftcompile.runtime.data import load_dataset, split_micro_batches
 from ftcompile.runtime.engine import RankEngine, TrainConfig, micro_batch_seed, stage_ranks
 from ftcompile.runtime.ops import keyed_random_mode
 from ftcompile.runtime.reference import reference_train
-from ftcompile.runtime.schedules import SCHEDULES, ScheduleError, Task, groups_2gw, stage_program
+from ftcompile.runtime.schedules import SCHEDULES
 from ftcompile.weights import weight_source
 
 from test_codegen import interleaved_plan, traced
@@ -177,62 +177,7 @@ def cli_args(cfg: TrainConfig, pkg: Path, tmp: Path, nproc: int = 2) -> list[str
     return a
 
 
-# --------------------------------------------------------------------------- schedules
-
-def test_weight_versions_of_every_schedule():
-    M, K = 4, 3
-    for sched in ("gpipe", "1f1b"):
-        p = stage_program(sched, 0, depth=2, micro_batches=M, steps=K)
-        assert all(p.forward_version[k] == p.backward_version[k] == k // M for k in range(M * K))
-        assert [t.kind for t in p.tasks].count("U") == K
-    # async: the last stage is never stale and never recomputes; once the pipeline is full a
-    # stage of depth d with M = 1 takes d updates between a forward and its backward, which
-    # recomputes with the newest weights (PipeDream's staleness, without stashing).
-    last = stage_program("async", 1, depth=0, micro_batches=1, steps=6, last=True)
-    assert not last.recompute and all(last.staleness(k) == 0 for k in range(6))
-    mid = stage_program("async", 0, depth=2, micro_batches=1, steps=6)
-    assert mid.recompute
-    assert [mid.staleness(k) for k in range(6)] == [0, 1, 2, 2, 2, 2]
-    assert [mid.forward_version[k] for k in range(6)] == [0, 0, 0, 1, 2, 3]
-    # pipedream stashes: backward uses the forward's version
-    pd = stage_program("pipedream", 0, depth=2, micro_batches=1, steps=6)
-    assert not pd.recompute and pd.forward_version == pd.backward_version
-    assert pd.forward_version[5] == 3
-    # 2bw: one step of delay everywhere
-    bw = stage_program("2bw", 0, depth=2, micro_batches=M, steps=K)
-    assert [bw.forward_version[k] for k in range(0, M * K, M)] == [0, 0, 1]
-    # 2gw: G0 one step late (its next step's forwards precede this step's backwards), G1 never
-    g0 = stage_program("2gw", 0, depth=3, micro_batches=M, steps=K, group=0)
-    g1 = stage_program("2gw", 1, depth=1, micro_batches=M, steps=K, group=1)
-    assert [g0.forward_version[k] for k in range(0, M * K, M)] == [0, 0, 1]
-    assert [g1.forward_version[k] for k in range(0, M * K, M)] == [0, 1, 2]
-    pos = {t: i for i, t in enumerate(g0.tasks)}
-    assert pos[Task("F", M)] < pos[Task("B", 0)]
-    assert groups_2gw({0: 3, 1: 2, 2: 1, 3: 0}) == {0: 0, 1: 0, 2: 1, 3: 1}
-
-
-def test_1f1b_bounds_in_flight_micro_batches():
-    for depth in range(4):
-        p = stage_program("1f1b", 0, depth=depth, micro_batches=8, steps=2)
-        live = peak = 0
-        for t in p.tasks:
-            live += {"F": 1, "B": -1, "U": 0}[t.kind]
-            peak = max(peak, live)
-        assert peak == depth + 1
-        g = stage_program("gpipe", 0, depth=depth, micro_batches=8, steps=2)
-        live = peak = 0
-        for t in g.tasks:
-            live += {"F": 1, "B": -1, "U": 0}[t.kind]
-            peak = max(peak, live)
-        assert peak == 8
-
-
-def test_double_buffered_schedules_need_enough_micro_batches():
-    with pytest.raises(ScheduleError, match="--micro-batches"):
-        stage_program("2bw", 0, depth=5, micro_batches=2, steps=2)
-    with pytest.raises(ScheduleError, match="unknown schedule"):
-        stage_program("zb-h1", 0, depth=1, micro_batches=2, steps=2)
-
+# --------------------------------------------------------------------------- one process (schedules: tests/test_schedules.py)
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_engine_in_one_process_matches_reference(packages, schedule):
