@@ -72,13 +72,37 @@ class ClusterSpec:
     inter_node_bandwidth: float      # bytes/s between machines
     local_copy_bandwidth: float      # bytes/s for a value passed between two stages on one GPU
     hardware: str = "rtx2080ti"      # hardware preset (or spec file) the analytic costs use
+    # A view of some GPUs of this cluster (one pipeline among replicas): the physical GPU of each
+    # GPU of the view, which decides the links between them. None: all GPUs, in order.
+    gpu_ids: tuple[int, ...] | None = None
 
     @property
     def num_gpus(self) -> int:
+        return len(self.gpu_ids) if self.gpu_ids is not None else self.nodes * self.gpus_per_node
+
+    @property
+    def physical_gpus(self) -> int:
+        """GPUs of the whole cluster (a view covers some of them)."""
         return self.nodes * self.gpus_per_node
 
     def node_of(self, gpu: int) -> int:
-        return gpu // self.gpus_per_node
+        return (self.gpu_ids[gpu] if self.gpu_ids is not None else gpu) // self.gpus_per_node
+
+    def view(self, gpu_ids) -> "ClusterSpec":
+        """These physical GPUs, in this order, as a cluster of their own (their links as they are)."""
+        ids = tuple(int(g) for g in gpu_ids)
+        if any(not 0 <= g < self.physical_gpus for g in ids) or len(set(ids)) != len(ids):
+            raise ClusterError(f"GPUs {list(ids)} are not distinct GPUs of the {self.physical_gpus}-GPU cluster "
+                               f"{self.name}")
+        return replace(self, gpu_ids=ids)
+
+    def physical_bandwidth(self, a: int, b: int) -> float:
+        """The link between two physical GPUs of the whole cluster."""
+        if a == b:
+            return self.local_copy_bandwidth
+        if a // self.gpus_per_node == b // self.gpus_per_node:
+            return self.intra_node_bandwidth
+        return self.inter_node_bandwidth
 
     def bandwidth(self, src_gpu: int, dst_gpu: int) -> float:
         if src_gpu == dst_gpu:
@@ -95,7 +119,7 @@ class ClusterSpec:
             if gpus < 1:
                 raise ClusterError(f"--gpus must be at least 1, got {gpus}")
             per = min(c.gpus_per_node, gpus) if gpus % min(c.gpus_per_node, gpus) == 0 else gpus
-            c = replace(c, nodes=gpus // per, gpus_per_node=per)
+            c = replace(c, nodes=gpus // per, gpus_per_node=per, gpu_ids=None)
         if gpu_memory is not None:
             c = replace(c, gpu_memory=parse_size(gpu_memory))
         if bandwidth is not None:
@@ -106,7 +130,12 @@ class ClusterSpec:
         return c
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.gpu_ids is None:
+            del d["gpu_ids"]
+        else:
+            d["gpu_ids"] = list(self.gpu_ids)
+        return d
 
     @staticmethod
     def from_json(d: dict) -> "ClusterSpec":
@@ -122,6 +151,7 @@ class ClusterSpec:
                 inter_node_bandwidth=parse_bandwidth(d.get("inter_node_bandwidth", d["intra_node_bandwidth"])),
                 local_copy_bandwidth=parse_bandwidth(d.get("local_copy_bandwidth", 200e9)),
                 hardware=str(d.get("hardware", "rtx2080ti")),
+                gpu_ids=tuple(int(g) for g in d["gpu_ids"]) if d.get("gpu_ids") is not None else None,
             )
         except KeyError as exc:
             raise ClusterError(f"cluster spec lacks field {exc.args[0]!r}") from None

@@ -45,10 +45,10 @@ from .cluster import ClusterSpec
 from .hardware import HardwareSpec, load_hardware
 from .ir import OpGraph, atomic_write_text
 from .profile import Profile
-from .runtime.schedules import StageProgram, flow_control, flow_window, stage_program, stage_programs
+from .runtime.allreduce import BUCKET_BYTES as ALLREDUCE_BUCKET_BYTES
+from .runtime.schedules import SCHEDULES, StageProgram, flow_control, flow_window, stage_program, stage_programs
 from .units import format_bytes
 
-SCHEDULES = ("gpipe", "1f1b", "async", "pipedream", "2bw", "2gw")
 PLAN_VERSION = 1
 PLAN_FORMAT = "ftcompile.plan"
 
@@ -103,12 +103,29 @@ class Problem:
     recompute: bool | None = None       # None: the schedule's default
     clip_grad_norm: bool = False        # every update waits for the global gradient norm
     weight_prediction: bool = False     # async: forwards on predicted weights (a copy per forward)
+    # Replicas of this pipeline (data x pipeline parallelism): every update first averages each
+    # stage's gradients over a ring of ``replicas`` GPUs whose slowest link, per pipeline GPU, is
+    # ``ring_bandwidth[gpu]`` (see ftcompile.replicas).
+    replicas: int = 1
+    ring_bandwidth: tuple[float, ...] | None = None
+    advance: int = 0                    # avgpipe: micro-batches forwarded in advance of 1F1B's warm-up
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise PlanError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if self.micro_batches < 1:
             raise PlanError(f"micro-batches must be at least 1, got {self.micro_batches}")
+        if self.replicas < 1:
+            raise PlanError(f"replicas must be at least 1, got {self.replicas}")
+
+    def allreduce_ms(self, gpu: int, nbytes: int) -> float:
+        """Averaging ``nbytes`` of gradients over the replicas of pipeline GPU ``gpu``."""
+        if self.replicas < 2:
+            return 0.0
+        from .replicas import allreduce_ms
+
+        bw = self.ring_bandwidth[gpu] if self.ring_bandwidth else self.cluster.inter_node_bandwidth
+        return allreduce_ms(nbytes, self.replicas, bw)
 
     @property
     def num_gpus(self) -> int:
@@ -136,12 +153,12 @@ class Problem:
     def program(self, depth: int, group: int = 0) -> StageProgram:
         """The runtime's program of a stage at ``depth`` (one step's worth; its figures are per step)."""
         return stage_program(self.schedule, -1, depth=depth, micro_batches=self.micro_batches, steps=1,
-                             recompute=self.recompute, group=group)
+                             recompute=self.recompute, group=group, advance=self.advance)
 
     def programs(self, depths: dict[int, int], steps: int = 1) -> dict[int, StageProgram]:
         """Every stage's runtime program (stage id -> depth), 2gw groups included."""
         return stage_programs(self.schedule, depths, micro_batches=self.micro_batches, steps=steps,
-                              recompute=self.recompute)
+                              recompute=self.recompute, advance=self.advance)
 
     def recomputes(self, is_last: bool) -> bool:
         """Whether a stage recomputes its forward in backward: at the end of the pipeline
@@ -151,10 +168,23 @@ class Problem:
     @functools.cached_property
     def grad_values(self) -> frozenset[str]:
         """Values a gradient flows back through (floating, depending on a trainable parameter): the
-        runtime sends gradients, and takes them as bounding its producer, for these only."""
-        from .codegen import requires_grad_values
+        runtime sends gradients, and takes them as bounding its producer, for these only.
 
-        return frozenset(requires_grad_values(self.graph))
+        From the nodes' instructions, as code generation decides it; a graph without instructions
+        (a hand-built or imported graph) is judged by node: every floating output of a node that
+        reads a trainable parameter or such a value."""
+        if any(n.instrs for n in self.graph.op_nodes()):
+            from .codegen import requires_grad_values
+
+            return frozenset(requires_grad_values(self.graph))
+        trainable = {p.name for p in self.graph.params.values() if p.trainable}
+        out: set[str] = set()
+        for node in self.graph.nodes:        # topological order
+            if node.kind != "op":
+                continue
+            if any(p in trainable for p in node.params) or any(e.value in out for e in self.graph.in_edges(node.id)):
+                out.update(v for v, meta in node.outputs.items() if meta.tensor is not None and meta.tensor.is_floating)
+        return frozenset(out)
 
     def update_ms(self, param_names) -> float:
         """The optimizer step over these parameters (:func:`update_time_ms`)."""
@@ -207,6 +237,7 @@ class StageCost:
     transient_bytes: int = 0        # the most one task adds while it runs (see evaluate)
     group: int = 0                  # 2gw group
     grads_back_bytes: int = 0       # gradients of its outputs its readers send back, per micro-batch
+    allreduce_ms: float = 0.0       # averaging its gradients over the replicas, once per step
 
 
 @dataclass
@@ -658,7 +689,10 @@ def evaluate(problem: Problem, plan: Plan, *, windows: dict[tuple[int, int], int
                 if v in grad_values:
                     in_grad_b += b
                     recv_ms += b / cluster.bandwidth(gpu_of[u], s.gpu) * 1e3
-        period = compute + max(0.0, send_ms - compute) + max(0.0, recv_ms - compute)
+        # The gradient all-reduce across replicas, once per step, overlaps the compute of the
+        # step's other work like the transfers do.
+        ar = problem.allreduce_ms(s.gpu, gb)
+        period = compute + max(0.0, send_ms - compute) + max(0.0, recv_ms - compute) + max(0.0, ar / M - compute)
         act_full = sum(prof.nodes[n].activation_bytes for n in nodes)
         graph_inputs = sum(e.bytes for n in nodes for e in graph.in_edges(n)
                            if graph.node(e.src).kind == "input")
@@ -680,13 +714,15 @@ def evaluate(problem: Problem, plan: Plan, *, windows: dict[tuple[int, int], int
         # optimizers update in place; Adafactor's factored statistics are small).
         t_upd = sum(prof.params[n].bytes * shared_holders[n] for n in names
                     if shared_holders[n] > 1 and prof.params[n].grad_bytes)
+        if problem.replicas > 1:
+            t_upd += min(gb, ALLREDUCE_BUCKET_BYTES)      # the all-reduce's flat bucket
         stage_costs.append(StageCost(
             id=s.id, gpu=s.gpu, depth=depth[s.id], forward_ms=fwd, backward_ms=bwd, recompute_ms=rec,
             comm_fwd_ms=send_ms, comm_bwd_ms=recv_ms, period_ms=period, send_bytes=send_b, recv_bytes=recv_b,
             activation_bytes=act_full, input_bytes=act_in, in_flight=k, memory_bytes=held, update_ms=upd,
             recomputes=prog.recompute, weight_versions=prog.extra_weight_versions, param_bytes=pb, grad_bytes=gb,
             optimizer_bytes=ob, trainable_bytes=tb, transient_bytes=max(t_bwd, t_fwd, t_upd), group=prog.group,
-            grads_back_bytes=grads_back))
+            grads_back_bytes=grads_back, allreduce_ms=ar))
 
     by_gpu: dict[int, list[StageCost]] = {}
     for sc in stage_costs:

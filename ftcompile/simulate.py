@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass, field, replace
 import networkx as nx
 
 from .plan import Plan, Problem, evaluate, plan_windows, stage_depths, stage_graph
+from .runtime.allreduce import BUCKET_BYTES as ALLREDUCE_BUCKET_BYTES
 
 FLUSHING = ("gpipe", "1f1b")
 #: Steps after which periodicity is first checked, and the most steps simulated.
@@ -69,7 +70,8 @@ class SimulationError(RuntimeError):
 
 @dataclass
 class Event:
-    """One box of the timeline: a compute task (``F``/``R``/``B``/``U``) or a transfer (``send``)."""
+    """One box of the timeline: a compute task (``F``/``R``/``B``/``U``), a transfer (``send``) or a
+    gradient all-reduce across replicas (``allreduce``, on the GPU's network lane)."""
 
     gpu: int                   # the GPU that computes, or the sender of a transfer
     stage: int                 # the stage computing, or the stage whose output/gradient is sent
@@ -107,6 +109,7 @@ class SimResult:
     gpu_peak_memory: list[int]          # everything the GPU holds at its peak, reserve included
     gpu_memory_limit: int
     stage_peak_in_flight: dict[int, int]    # most micro-batches between F start and B end
+    replicas: int = 1                   # throughput counts every replica's samples
     steady: bool = True                 # a periodic steady state was found
     cyclicity: int = 1                  # steps per period of the steady state
     max_load_ms: float = 0.0            # the busiest GPU's compute per micro-batch (a floor of period_ms)
@@ -138,6 +141,8 @@ class _Stage:
     r: float
     b: float
     u: float
+    ar: float                          # averaging its gradients over the replicas, per step
+    ar_bucket: int                     # the flat buffer the all-reduce fills
     held: int                          # bytes kept from F(k) to B(k)
     t_fwd: int                         # transients while a task runs
     t_bwd: int
@@ -165,7 +170,8 @@ def _build(problem: Problem, plan: Plan, cost, sg: nx.DiGraph, depth: dict[int, 
         sc, prog = sc_of[s.id], progs[s.id]
         out[s.id] = _Stage(
             id=s.id, gpu=s.gpu, order=(prog.group, s.id), f=sc.forward_ms, r=sc.recompute_ms, b=sc.backward_ms,
-            u=sc.update_ms, held=sc.input_bytes if sc.recomputes else sc.activation_bytes,
+            u=sc.update_ms, ar=sc.allreduce_ms, ar_bucket=min(sc.grad_bytes, ALLREDUCE_BUCKET_BYTES) if sc.allreduce_ms
+            else 0, held=sc.input_bytes if sc.recomputes else sc.activation_bytes,
             t_fwd=sc.trainable_bytes if (problem.weight_prediction and problem.schedule == "async"
                                          and sc.recomputes) else 0,
             t_bwd=sc.transient_bytes, t_upd=sc.transient_bytes,
@@ -272,6 +278,10 @@ class _Sim:
         self.link_free: dict[tuple[int, int], bool] = {}
         self.dirty_gpus: set[int] = set(self.stages_on)
         self.dirty_links: set[tuple[int, int]] = set()
+        self.ar_queue: dict[int, deque] = {}            # GPU -> stages waiting for its all-reduce lane
+        self.lane_free: dict[int, bool] = {}
+        self.dirty_lanes: set[int] = set()
+        self.ar_done: set[tuple[int, int]] = set()
         self.heap: list = []
         self.seq = 0
         self.now = 0.0
@@ -334,6 +344,8 @@ class _Sim:
         if task.kind == "B":
             return all(k in self.grad_in.get((t, s), ()) for t in st.grad_from)
         # U(j)
+        if st.ar > 0 and (s, k) not in self.ar_done:
+            return False
         if not all(k in self.shared_in.get((h, s), ()) for h, _ in st.shared):
             return False
         if self.problem.clip_grad_norm and self.u_begun.get(k, 0) < len(self.st):
@@ -395,11 +407,20 @@ class _Sim:
                 state[0] += 1
 
     def begin_update(self, s: int, j: int) -> None:
-        """U(j) reached the head of s's program: send its shared gradients, count it for clipping."""
+        """U(j) reached the head of s's program: average its gradients over the replicas (on the GPU's
+        all-reduce lane), then send its shared gradients; count it for clipping."""
         st = self.st[s]
         self.u_begun[j] = self.u_begun.get(j, 0) + 1
         if self.problem.clip_grad_norm and self.u_begun[j] == len(self.st):
             self.dirty_gpus.update(self.stages_on)
+        if st.ar > 0:
+            self.ar_queue.setdefault(st.gpu, deque()).append((s, j))
+            self.dirty_lanes.add(st.gpu)
+        else:
+            self.send_shared(s, j)
+
+    def send_shared(self, s: int, j: int) -> None:
+        st = self.st[s]
         for h, nbytes in st.shared:
             self.send(s, (st.gpu, self.st[h].gpu), nbytes, j, ("shared", s, h, j, nbytes), h, j)
 
@@ -502,6 +523,16 @@ class _Sim:
                     self.events.append(Event(key[0], src_stage, "send", index, self.now, self.now + t, key[1],
                                              dst_stage, nbytes, step))
                     self.push(self.now + t, ("link", key, deliver, nbytes))
+            lanes, self.dirty_lanes = self.dirty_lanes, set()
+            for g in lanes:
+                q = self.ar_queue.get(g)
+                if q and self.lane_free.get(g, True):
+                    s, j = q.popleft()
+                    self.lane_free[g] = False
+                    dur = self.st[s].ar
+                    self.mem(g, "transient", self.st[s].ar_bucket)
+                    self.events.append(Event(g, s, "allreduce", j, self.now, self.now + dur, step=j))
+                    self.push(self.now + dur, ("allreduce", g, s, j))
             gpus, self.dirty_gpus = self.dirty_gpus, set()
             for g in gpus:
                 if not self.gpu_free.get(g):
@@ -517,13 +548,22 @@ class _Sim:
                         break
                 if pick is not None:
                     self.start_task(g, pick)
-            if self.dirty_gpus or self.dirty_links:
+            if self.dirty_gpus or self.dirty_links or self.dirty_lanes:
                 continue            # a start made another GPU or link able to start now
             if not self.heap:
                 break
             self.now = self.heap[0][0]
             while self.heap and self.heap[0][0] == self.now:
                 _, _, what = heapq.heappop(self.heap)
+                if what[0] == "allreduce":
+                    _, g, s, j = what
+                    self.lane_free[g] = True
+                    self.dirty_lanes.add(g)
+                    self.mem(g, "transient", -self.st[s].ar_bucket)
+                    self.ar_done.add((s, j))
+                    self.dirty_gpus.add(g)
+                    self.send_shared(s, j)
+                    continue
                 if what[0] == "link":
                     key = what[1]
                     self.link_free[key] = True
@@ -601,7 +641,7 @@ class _Sim:
         window = w1 - w0
         busy = [0.0] * plan.num_gpus
         for e in self.events:
-            if e.kind != "send":
+            if e.kind not in ("send", "allreduce"):
                 busy[e.gpu] += max(0.0, min(e.end, w1) - max(e.start, w0))
         used = sorted(self.stages_on)
         idle = sum(window - busy[g] for g in used)
@@ -618,7 +658,8 @@ class _Sim:
         return SimResult(
             schedule=self.problem.schedule, strategy=plan.strategy, num_gpus=plan.num_gpus, micro_batches=M,
             micro_batch_size=mbs, steps=self.completed_steps, warmup_steps=self.measured_steps[0], tail_steps=0,
-            throughput_samples_per_s=(M * mbs / (minibatch / 1e3)) if minibatch > 0 else float("inf"),
+            throughput_samples_per_s=(self.problem.replicas * M * mbs / (minibatch / 1e3)) if minibatch > 0
+            else float("inf"), replicas=self.problem.replicas,
             minibatch_ms=minibatch, period_ms=minibatch / M, objective_ms=cost.objective_ms,
             bubble_fraction=idle / (len(used) * window) if window > 0 and used else 0.0,
             window=(w0, w1),

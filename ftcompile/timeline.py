@@ -21,8 +21,10 @@ from matplotlib.patches import Patch  # noqa: E402
 from .runtime.atomic import atomic_path  # noqa: E402
 from .simulate import SimResult  # noqa: E402
 
-COLORS = {"F": "#4c72b0", "R": "#dd8452", "B": "#55a868", "U": "#c44e52", "send": "#8c8c8c"}
-NAMES = {"F": "forward", "R": "recompute", "B": "backward", "U": "update", "send": "send"}
+COLORS = {"F": "#4c72b0", "R": "#dd8452", "B": "#55a868", "U": "#c44e52", "send": "#8c8c8c",
+          "allreduce": "#8172b3"}
+NAMES = {"F": "forward", "R": "recompute", "B": "backward", "U": "update", "send": "send",
+         "allreduce": "all-reduce across replicas"}
 
 
 def draw_timeline(result: SimResult, path: str | os.PathLike, *, max_time_ms: float | None = None) -> list[Path]:
@@ -49,13 +51,13 @@ def draw_timeline(result: SimResult, path: str | os.PathLike, *, max_time_ms: fl
         for e in evs:
             bars.setdefault(row[e.gpu], []).append((e.start, e.end - e.start))
             # Labels only where they fit, so 8 GPUs x 16 micro-batches stays readable.
-            if kind != "send" and (e.end - e.start) / end > 0.012:
+            if kind not in ("send", "allreduce") and (e.end - e.start) / end > 0.012:
                 ax.text((e.start + e.end) / 2, row[e.gpu] - 0.05, f"{e.micro_batch}", ha="center",
                         va="center", fontsize=6, color="white")
-        y0, h = (0.33, 0.12) if kind == "send" else (-0.4, 0.7)   # y grows downwards
+        y0, h = {"send": (0.33, 0.12), "allreduce": (-0.47, 0.07)}.get(kind, (-0.4, 0.7))   # y grows downwards
         for r, xs in bars.items():
             ax.broken_barh(xs, (r + y0, h), facecolors=COLORS[kind],
-                           edgecolors="white" if kind != "send" else "none", linewidth=0.4)
+                           edgecolors="none" if kind in ("send", "allreduce") else "white", linewidth=0.4)
     w0, w1 = result.window
     for x in (w0, w1):
         if x <= end:

@@ -58,6 +58,7 @@ import torch
 from torch.func import functional_call
 
 from . import optim as _optim
+from .layout import RankLayout
 from .manifest import Manifest, torch_dtype
 from .memory import MemoryMeter, optimizer_tensors
 from .ops import mix_seed
@@ -99,6 +100,7 @@ class TrainConfig:
     timeout_s: float = 300.0
     total_steps: int | None = None    # for LR schedules across checkpoints; default ``steps``
     nonfinite: str = "stop"           # a loss that is not finite: stop the run, or skip the step's update
+    advance: int = 0                  # avgpipe: micro-batches forwarded in advance of 1F1B's warm-up
     measure_memory: bool = False      # count every tensor the rank holds (CPU); see runtime.memory
 
     def optim_config(self) -> _optim.OptimConfig:
@@ -117,7 +119,7 @@ def stage_ranks(manifest: Manifest, world_size: int) -> dict[int, int]:
 def programs(manifest: Manifest, cfg: TrainConfig, steps: int) -> dict[int, StageProgram]:
     """Every stage's program for ``steps`` steps under ``cfg``."""
     return stage_programs(cfg.schedule, {s.id: s.depth for s in manifest.stages}, micro_batches=cfg.micro_batches,
-                          steps=steps, recompute=cfg.recompute)
+                          steps=steps, recompute=cfg.recompute, advance=cfg.advance)
 
 
 def flow_windows(manifest: Manifest, progs: dict[int, StageProgram],
@@ -232,7 +234,7 @@ class _Stage:
     saved: dict[int, tuple] = field(default_factory=dict)
     next_forward: int = 0             # the micro-batch of the next F (= micro-batches taken so far)
     pending: deque = field(default_factory=deque)    # micro-batches whose F ran and whose B has not
-    update_phase: int = 0             # U(j): 0 not begun, 1 shared grads sent, 2 norm sent
+    update_phase: int = 0             # U(j): 0 not begun, 1 averaging over replicas, 2 shared sent, 3 norm sent
     bad_loss: set = field(default_factory=set)       # steps with a loss that is not finite
     times: StageTimes = field(default_factory=StageTimes)
 
@@ -251,16 +253,26 @@ class RankEngine:
 
     def __init__(self, package: Package, cfg: TrainConfig, *, rank: int = 0, world_size: int = 1,
                  transport=None, device: str | torch.device = "cpu", ranks: dict[int, int] | None = None,
-                 dtype: torch.dtype | None = None, windows: dict[tuple[int, int], int] | None = None):
+                 dtype: torch.dtype | None = None, windows: dict[tuple[int, int], int] | None = None,
+                 layout: RankLayout | None = None, averaging=None):
         if cfg.nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE)}, got {cfg.nonfinite!r}")
         self.package, self.m, self.cfg = package, package.manifest, cfg
         self.rank, self.world_size, self.transport = rank, world_size, transport
         self.device = torch.device(device)
+        self.layout = layout
+        if layout is not None:
+            ranks = layout.stage_ranks(self.m)
         self.ranks = ranks if ranks is not None else stage_ranks(self.m, world_size)
+        self.replicas = layout.replicas if layout is not None else 1
+        self.replica = layout.replica if layout is not None else 0
         if world_size > 1 and transport is None:
             raise PipelineError("several ranks need a transport")
         self.windows = windows
+        # Elastic averaging (AvgPipe) or any other rule applied after each stage's optimizer step:
+        # ``averaging.ready(stage, step)`` names what U(step) still waits for (None: nothing),
+        # ``averaging.after_step(stage, step, params)`` runs right after the step.
+        self.averaging = averaging
         self.meter = MemoryMeter() if cfg.measure_memory else None
         self.value_names = sorted(self.m.values)
         self.value_index = {v: i for i, v in enumerate(self.value_names)}
@@ -300,8 +312,26 @@ class RankEngine:
         self._parked: dict[int, list[tuple]] = {}     # messages of segments this rank has not begun
         self._refs: dict[tuple, int] = {}
         self._credit: dict[int, int] = {}             # remote reader stage -> micro-batches it has taken
-        # The rank of the loss stage writes the log: every rank sends it its step records.
-        self.log_rank = self.ranks[self.m.loss_stage] if self.m.loss_stage is not None else 0
+        # The rank of the loss stage writes the log: every rank sends it its step records. With
+        # replicas, replica 0's does, and the other replicas' loss ranks send it their losses.
+        loss_rank = self.ranks[self.m.loss_stage] if self.m.loss_stage is not None else min(self.ranks.values())
+        self.log_rank = layout.stage_ranks(self.m, 0)[self.m.loss_stage] if layout is not None and \
+            self.m.loss_stage is not None else loss_rank
+        # Ranks whose step records the log rank merges: every rank of every replica.
+        self._record_ranks = sorted({r for rep in range(self.replicas)
+                                     for r in (layout.stage_ranks(self.m, rep).values() if layout is not None
+                                               else self.ranks.values())})
+        self._groups: dict[int, object] = {}
+        self._averaged: dict[tuple[int, int], BaseException | None] = {}
+        if self.replicas > 1:
+            if transport is None:
+                raise PipelineError("replicas need a transport")
+            from .allreduce import ReplicaGroup
+
+            # every rank creates every stage's group, in stage order (collective on some transports)
+            fns = transport.replica_groups(layout.stage_groups(self.m))
+            for sid in sorted(self.modules):
+                self._groups[sid] = ReplicaGroup(sid, self.replicas, fns[sid], self._averaged_cb)
         self._build_optimizers()
 
     # ------------------------------------------------------------------ setup
@@ -429,6 +459,8 @@ class RankEngine:
 
     def finish(self) -> None:
         """Tell every peer this rank sends nothing more, and wait until every peer has said the same."""
+        for g in self._groups.values():
+            g.close()
         if self.world_size == 1:
             return
         for dst in range(self.world_size):
@@ -515,14 +547,20 @@ class RankEngine:
                                     f"(rank {self.ranks[c]})")
         else:
             j = task.index
-            mine = set(st.params) if st.update_phase < 2 else set()
+            if st.update_phase == 1:
+                return [f"the average of its gradients of step {j} over its {self.replicas} replicas"]
+            mine = set(st.params) if st.update_phase < 3 else set()
             for name, holders in self._shared.items():
                 if name in mine:
                     for h in holders:
                         if h != st.id and ("S", name, j, h, st.id) not in self.inbox:
                             miss.append(f"shared gradient of {name} for step {j} from stage {h} "
                                         f"(rank {self.ranks[h]})")
-            if self._exchanges_norms and st.update_phase >= 2:
+            if self.averaging is not None:
+                wait = self.averaging.ready(st.id, self.step_offset + j)
+                if wait:
+                    miss.append(wait)
+            if self._exchanges_norms and st.update_phase >= 3:
                 for s in self.m.stages:
                     if ("N", j, s.id) not in self.inbox:
                         miss.append(f"gradient norm of step {j} from stage {s.id} (rank {self.ranks[s.id]})")
@@ -554,7 +592,7 @@ class RankEngine:
         st.pending.append(k)
         for p, r in self._credit_to.get(st.id, ()):
             self._send(r, [CREDIT, st.id, k + 1, p, 0], None)
-        seed = micro_batch_seed(self.cfg.seed, self.step_offset * self.cfg.micro_batches + k)
+        seed = self._seed(k)
         t0 = time.perf_counter()
         if prog.recompute:
             weights = self._predicted(st, k, self._weights(st, version, across_update=False))
@@ -593,6 +631,12 @@ class RankEngine:
                             f"computed by stage {st.id}; lower --lr, clip gradients (--clip-grad-norm X), or "
                             "skip such steps with --on-nonfinite skip")
 
+    def _seed(self, k: int) -> int:
+        """Micro-batch ``k`` of this segment, numbered across the replicas' global batch."""
+        M, R = self.cfg.micro_batches, self.replicas
+        j, i = divmod(k, M)
+        return micro_batch_seed(self.cfg.seed, (self.step_offset + j) * R * M + self.replica * M + i)
+
     def _leaf(self, v: str, x):
         if isinstance(x, torch.Tensor):
             x = x.detach()
@@ -605,7 +649,7 @@ class RankEngine:
         prog = st.program
         version = prog.backward_version(k)
         args, outs, weights = st.saved.pop(k)
-        seed = micro_batch_seed(self.cfg.seed, self.step_offset * self.cfg.micro_batches + k)
+        seed = self._seed(k)
         t0 = time.perf_counter()
         if outs is None:
             weights = self._weights(st, version, across_update=False)
@@ -675,7 +719,7 @@ class RankEngine:
                     self._put(("S", name, j, st.id, h), g)
             for r in sorted({self.ranks[h] for h in holders} - {self.rank}):
                 self._send(r, [SHARED, self.param_index[name], j, st.id, 0], g)
-        st.update_phase = 1
+        st.update_phase = 2
 
     def _sum_shared(self, st: _Stage, j: int) -> None:
         """Every holder sums all holders' gradients in stage order, so the copies take the same step."""
@@ -714,16 +758,39 @@ class RankEngine:
         self._put(("N", j, st.id), part)
         for r in sorted({self.ranks[s.id] for s in self.m.stages} - {self.rank}):
             self._send(r, [NORM, 0, j, st.id, blob.numel()], blob)
-        st.update_phase = 2
+        st.update_phase = 3
 
     def _try_update(self, st: _Stage, j: int, data) -> bool:
-        """Advance U(j) as far as what has arrived allows; True once the step is taken."""
+        """Advance U(j) as far as what has arrived allows; True once the step is taken.
+
+        Phases: (1) average the stage's gradients over its replicas, on the stage's all-reduce
+        thread; (2) send the gradients of shared tensors to their other holders and sum theirs
+        (after the average, so every copy sums the same averaged parts); (3) with clipping or
+        non-finite skipping, exchange the gradient norm; then step.
+        """
         if st.update_phase == 0:
+            st.update_phase = 1
+            if self.replicas > 1:
+                grads = []
+                for p in self._opt[st.id][0].values():
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    grads.append(p.grad)
+                self._groups[st.id].submit(j, grads)
+        if st.update_phase == 1:
+            if self.replicas > 1:
+                with self.cv:
+                    if (st.id, j) not in self._averaged:
+                        return False
+                    err = self._averaged.pop((st.id, j))
+                if err is not None:
+                    raise PipelineError(f"rank {self.rank}: averaging stage {st.id}'s gradients of step "
+                                        f"{self.step_offset + j} over its replicas failed: {err}")
             self._begin_update(st, j)
         with self.cv:
             if self._missing(st, st.next, data):
                 return False
-        if st.update_phase == 1:
+        if st.update_phase == 2:
             self._sum_shared(st, j)
             if self._exchanges_norms:
                 self._send_norm(st, j)
@@ -732,6 +799,18 @@ class RankEngine:
                         return False
         self._update(st, j)
         return True
+
+    def poke(self) -> None:
+        """Wake the scheduling loop: something it waits for (not a message) is ready."""
+        with self.cv:
+            self.arrivals += 1
+            self.cv.notify_all()
+
+    def _averaged_cb(self, group, step: int, err) -> None:
+        with self.cv:
+            self._averaged[(group.stage, step)] = err
+            self.arrivals += 1
+            self.cv.notify_all()
 
     def _update(self, st: _Stage, j: int) -> None:
         t0 = time.perf_counter()
@@ -754,6 +833,8 @@ class RankEngine:
             st.stash[st.version] = self._copy(st)
         if not skip:
             opt.step()
+        if self.averaging is not None:
+            self.averaging.after_step(st.id, self.step_offset + j, params)
         if sched is not None:
             sched.step()
         for p in params.values():
@@ -816,8 +897,11 @@ class RankEngine:
                 except StopIteration:
                     raise PipelineError(f"the data ran out after {fetched[0]} steps of the {steps} asked for") \
                         from None
+                # Every replica draws the step's global batch and takes its own M micro-batches.
+                R, r = self.replicas, self.replica
+                mbs = split_micro_batches(batch, self.m, R * M)[r * M:(r + 1) * M]
                 cache[fetched[0]] = [{n: t.to(self.device) for n, t in mb.items() if n in self._local_inputs}
-                                     for mb in split_micro_batches(batch, self.m, M)]
+                                     for mb in mbs]
                 fetched[0] += 1
             return cache[j][k % M]
 
@@ -927,7 +1011,7 @@ class RankEngine:
 
     def _emit(self, on_step: Callable[[dict], None]) -> None:
         """Call ``on_step`` with each step whose records have come in from every rank, in step order."""
-        ranks = sorted(set(self.ranks.values()))
+        ranks = self._record_ranks
         while True:
             j = self._merged_next
             with self.cv:
@@ -951,7 +1035,7 @@ class RankEngine:
     def _record(self, j: int, seconds: float, wait_s: float) -> dict:
         M = self.cfg.micro_batches
         losses = [self._losses.pop(k) for k in range(j * M, (j + 1) * M) if k in self._losses]
-        rec = {"step": self.step_offset + j, "rank": self.rank, "seconds": seconds,
+        rec = {"step": self.step_offset + j, "rank": self.rank, "replica": self.replica, "seconds": seconds,
                "samples_per_s": M * self.m.micro_batch_size / seconds if seconds > 0 else None,
                "wait_s": wait_s, "stages": {str(s.id): s.times.take() for s in self.stages.values()},
                "lr": None, "memory_bytes": self._memory(),
@@ -1010,9 +1094,19 @@ def merge_records(parts: list[dict]) -> dict:
     seconds = max(p["seconds"] for p in parts)
     out = {"step": parts[0]["step"], "seconds": seconds, "samples_per_s": None, "loss": None, "lr": None,
            "stages": {}, "ranks": {}, "stage_ranks": {}}
+    # one loss per replica, each the mean over its micro-batches: the step's loss is their mean
+    losses = [p["loss"] for p in parts if p.get("loss") is not None]
+    if losses:
+        out["loss"] = sum(losses) / len(losses)
+    replicas = {p.get("replica", 0) for p in parts}
+    if len(replicas) > 1:
+        out["replicas"] = len(replicas)
     for p in parts:
-        if p.get("loss") is not None:
-            out["loss"] = p["loss"]
+        if p.get("replica", 0) != 0:
+            out["ranks"][str(p["rank"])] = {"seconds": p["seconds"], "wait_s": p["wait_s"],
+                                            "memory_bytes": p["memory_bytes"], "replica": p["replica"],
+                                            "sends_in_flight": p.get("sends_in_flight", 0)}
+            continue
         if p.get("grad_norm") is not None:
             out["grad_norm"] = p["grad_norm"]
         if p.get("skipped"):
@@ -1020,7 +1114,7 @@ def merge_records(parts: list[dict]) -> dict:
         if p.get("lr") is not None:
             out["lr"] = p["lr"]
         if p.get("samples_per_s") and seconds > 0:
-            out["samples_per_s"] = p["samples_per_s"] * p["seconds"] / seconds
+            out["samples_per_s"] = p["samples_per_s"] * p["seconds"] / seconds * len(replicas)
         out["stages"].update(p["stages"])
         out["stage_ranks"].update({sid: str(p["rank"]) for sid in p["stages"]})
         out["ranks"][str(p["rank"])] = {"seconds": p["seconds"], "wait_s": p["wait_s"],

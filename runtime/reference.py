@@ -38,8 +38,14 @@ class ReferenceResult:
 
 
 def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig, steps: int, *,
-                    device: str | torch.device = "cpu") -> ReferenceResult:
-    """Train ``steps`` steps of ``cfg.schedule`` in one process; see the module docstring."""
+                    device: str | torch.device = "cpu", replicas: int = 1) -> ReferenceResult:
+    """Train ``steps`` steps of ``cfg.schedule`` in one process; see the module docstring.
+
+    With ``replicas``, every batch holds ``replicas * M`` micro-batches (the step's global batch);
+    micro-batch ``k`` of the schedule is the replicas' ``k``-th micro-batches together, run with the
+    same weight versions, and the step's gradient is averaged over the replicas (what replicated
+    pipelines compute, in any schedule).
+    """
     from .data import split_micro_batches
 
     m, M = package.manifest, cfg.micro_batches
@@ -76,9 +82,12 @@ def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig,
     for j in range(steps):
         acc: dict[int, dict[str, torch.Tensor]] = {s: {} for s in modules}
         step_losses = []
-        for i, mb in enumerate(split_micro_batches(next(batches), m, M)):
+        R = replicas
+        global_batch = split_micro_batches(next(batches), m, R * M)
+        for i, r in ((i, r) for i in range(M) for r in range(R)):
+            mb = global_batch[r * M + i]
             k = j * M + i
-            seed = micro_batch_seed(cfg.seed, k)
+            seed = micro_batch_seed(cfg.seed, j * R * M + r * M + i)
             values = {n: t.to(device) for n, t in mb.items()}
             saved = {}
             for s in order:
@@ -138,7 +147,8 @@ def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig,
         # Step j: version j -> j + 1 on every stage.
         for s in modules:
             for n, p in live[s].items():
-                p.grad = acc[s].get(n)
+                g = acc[s].get(n)
+                p.grad = g / R if g is not None and R > 1 else g
         for name, holders in shared.items():
             total = None
             for h in sorted(holders):

@@ -55,13 +55,14 @@ no more memory than for one. Weight versions come from closed forms.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
-SCHEDULES = ("gpipe", "1f1b", "async", "pipedream", "2bw", "2gw")
-SYNCHRONOUS = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "async", "pipedream", "2bw", "2gw", "avgpipe")
+#: Schedules with a flush per step: every forward and backward of step j uses version j.
+SYNCHRONOUS = ("gpipe", "1f1b", "avgpipe")
 #: Schedules where recomputation is the user's choice (``--recompute``).
-OPTIONAL_RECOMPUTE = ("gpipe", "1f1b", "2bw", "2gw")
+OPTIONAL_RECOMPUTE = ("gpipe", "1f1b", "2bw", "2gw", "avgpipe")
 
 
 class ScheduleError(ValueError):
@@ -79,7 +80,7 @@ class Task:
 
 # --------------------------------------------------------------------------- orders
 
-def _order_flush(kind: str, depth: int, M: int, steps: int) -> Iterator[Task]:
+def _order_flush(kind: str, depth: int, M: int, steps: int, advance=0) -> Iterator[Task]:
     for j in range(steps):
         ks = range(j * M, (j + 1) * M)
         if kind == "gpipe":
@@ -87,8 +88,9 @@ def _order_flush(kind: str, depth: int, M: int, steps: int) -> Iterator[Task]:
                 yield Task("F", k)
             for k in ks:
                 yield Task("B", k)
-        else:   # 1f1b: PipeDream-flush
-            warm = min(depth, M)
+        else:   # 1f1b: PipeDream-flush; avgpipe: ``advance`` more forwards before the first backward
+            a = advance(j) if callable(advance) else advance
+            warm = min(depth + a, M)
             for k in ks[:warm]:
                 yield Task("F", k)
             for i, k in enumerate(ks):
@@ -162,10 +164,17 @@ class StageProgram:
     steps: int
     group: int = 0                    # 2gw: 0 or 1
     recompute_option: bool = False    # --recompute, for the schedules where it is optional
+    # avgpipe: micro-batches forwarded in advance of 1F1B's warm-up (AvgPipe Algorithm 1): 0 is
+    # 1F1B, M or more is all-forward-all-backward. A callable gives it per step (tuned as it runs);
+    # memory figures then assume ``advance_max``.
+    advance: int = 0
+    advance_fn: object = field(default=None, compare=False, hash=False, repr=False)
 
     # ---- order
     def tasks(self) -> Iterator[Task]:
         s, d, M, n = self.schedule, self.depth, self.micro_batches, self.steps
+        if s == "avgpipe":
+            return _order_flush("1f1b", d, M, n, self.advance_fn or self.advance)
         if s in SYNCHRONOUS:
             return _order_flush(s, d, M, n)
         if s == "2gw":
@@ -225,7 +234,7 @@ class StageProgram:
     @property
     def adjacent(self) -> bool:
         """Every ``B(k)`` directly follows ``F(k)``: the end of a 1F1B pipeline."""
-        return _shape(self.schedule, self.depth, self.micro_batches, self.group)[0]
+        return _shape(self.schedule, self.depth, self.micro_batches, self.group, None, self.advance)[0]
 
     @property
     def recompute(self) -> bool:
@@ -244,13 +253,13 @@ class StageProgram:
     @property
     def in_flight(self) -> int:
         """The most micro-batches whose forward has run and whose backward has not."""
-        return _shape(self.schedule, self.depth, self.micro_batches, self.group)[1]
+        return _shape(self.schedule, self.depth, self.micro_batches, self.group, None, self.advance)[1]
 
     @property
     def extra_weight_versions(self) -> int:
         """The most weight copies the stage keeps beside its live weights (stashes, and the copies a
         forward kept across an update runs on); see :func:`needs_version`."""
-        return _shape(self.schedule, self.depth, self.micro_batches, self.group, self.recompute)[2]
+        return _shape(self.schedule, self.depth, self.micro_batches, self.group, self.recompute, self.advance)[2]
 
 
 def needs_version(prog: StageProgram, version: int, next_forward: int | None, oldest_pending: int | None) -> bool:
@@ -268,12 +277,13 @@ def needs_version(prog: StageProgram, version: int, next_forward: int | None, ol
 
 
 @functools.lru_cache(maxsize=4096)
-def _shape(schedule: str, depth: int, M: int, group: int, recompute: bool | None = None) -> tuple[bool, int, int]:
+def _shape(schedule: str, depth: int, M: int, group: int, recompute: bool | None = None,
+           advance: int = 0) -> tuple[bool, int, int]:
     """``(adjacent, in_flight, extra weight versions)`` of a stage, by replaying its program over enough
     steps to pass the warm-up (the programs are periodic after it)."""
     # Every micro-batch in flight can carry its own version once 2 (depth + 1) micro-batches ran.
     steps = (2 * depth + 2) // M + 4
-    prog = StageProgram(-1, schedule, depth, M, steps, group)
+    prog = StageProgram(-1, schedule, depth, M, steps, group, advance=advance)
     rc = recompute if recompute is not None else False
     adjacent, last_f = True, None
     pending: list[int] = []           # micro-batches between F and B, oldest first
@@ -314,7 +324,7 @@ def _shape(schedule: str, depth: int, M: int, group: int, recompute: bool | None
 
 def stage_program(schedule: str, stage: int, *, depth: int, micro_batches: int, steps: int,
                   recompute: bool | None = None, group: int = 0,
-                  pipeline_depth: int | None = None) -> StageProgram:
+                  pipeline_depth: int | None = None, advance: int = 0, advance_fn=None) -> StageProgram:
     """The program of one stage.
 
     Args:
@@ -329,6 +339,8 @@ def stage_program(schedule: str, stage: int, *, depth: int, micro_batches: int, 
         group: the 2gw group (see :func:`groups_2gw`).
         pipeline_depth: the deepest stage's depth, to check that ``2bw`` and ``2gw``
             can keep to two weight versions.
+        advance: ``avgpipe``: forwards run in advance of 1F1B's warm-up (the most, when
+            ``advance_fn(step)`` chooses it per step).
 
     Raises:
         ScheduleError: unknown schedule, or ``M`` too small for ``2bw``/``2gw``.
@@ -342,17 +354,20 @@ def stage_program(schedule: str, stage: int, *, depth: int, micro_batches: int, 
         raise ScheduleError(f"{schedule} keeps two weight versions only when the micro-batches per step "
                             f"(M={micro_batches}) are at least the pipeline depth ({deepest}); raise "
                             f"--micro-batches to {deepest} or more")
+    if advance < 0:
+        raise ScheduleError(f"the micro-batches forwarded in advance must be at least 0, got {advance}")
     return StageProgram(stage, schedule, depth, micro_batches, steps, group if schedule == "2gw" else 0,
-                        bool(recompute))
+                        bool(recompute), advance if schedule == "avgpipe" else 0,
+                        advance_fn if schedule == "avgpipe" else None)
 
 
 def stage_programs(schedule: str, depths: dict[int, int], *, micro_batches: int, steps: int,
-                   recompute: bool | None = None) -> dict[int, StageProgram]:
+                   recompute: bool | None = None, advance: int = 0, advance_fn=None) -> dict[int, StageProgram]:
     """Every stage's program, from the stages' depths (stage id -> depth)."""
     groups = groups_2gw(depths)
     deepest = max(depths.values(), default=0)
     return {s: stage_program(schedule, s, depth=d, micro_batches=micro_batches, steps=steps, recompute=recompute,
-                             group=groups[s], pipeline_depth=deepest)
+                             group=groups[s], pipeline_depth=deepest, advance=advance, advance_fn=advance_fn)
             for s, d in depths.items()}
 
 
@@ -368,7 +383,8 @@ def flow_window(producer: StageProgram, reader_depth: int) -> int:
     """
     if producer.schedule == "gpipe" or producer._g0:
         return producer.in_flight
-    return min(producer.in_flight, max(1, producer.depth - reader_depth + 1))
+    # avgpipe's forwards in advance run that much further ahead of the reader
+    return min(producer.in_flight, max(1, producer.depth - reader_depth + 1 + producer.advance))
 
 
 def flow_control(edges: dict[tuple[int, int], bool], in_flight: dict[int, int],

@@ -257,6 +257,29 @@ class TorchTransport:
     def barrier(self) -> None:
         self.dist.barrier()
 
+    def replica_groups(self, groups: dict[int, list[int]]) -> dict[int, object]:
+        """One process group per stage over the ranks that run it (one per replica), for the ones this
+        rank is in: stage id -> ``allreduce(tensor)``, summing a tensor across the group in place.
+        Only members create a group (locally synchronised), each in stage order."""
+        out = {}
+        for sid in sorted(groups):
+            members = sorted(groups[sid])
+            if self.rank not in members:
+                continue
+            backend = "nccl" if self.backend == "nccl" else "gloo"
+            g = self.dist.new_group(ranks=members, backend=backend, use_local_synchronization=True,
+                                    timeout=datetime.timedelta(days=365))
+
+            def allreduce(t: torch.Tensor, _g=g) -> None:
+                if t.device.type == "cuda" and self.backend != "nccl":
+                    host = self._staging.to_host(t)
+                    self.dist.all_reduce(host, group=_g)
+                    t.copy_(host)
+                else:
+                    self.dist.all_reduce(t, group=_g)
+            out[sid] = allreduce
+        return out
+
     def close(self) -> None:
         for reaper in self._reapers.values():
             reaper.stop()
@@ -335,6 +358,39 @@ class MPITransport:
 
     def barrier(self) -> None:
         self.comm.Barrier()
+
+    def replica_groups(self, groups: dict[int, list[int]]) -> dict[int, object]:
+        """As :meth:`TorchTransport.replica_groups`, with a communicator split per stage (every rank
+        takes part in every split, in stage order, as MPI requires)."""
+        MPI = self.MPI
+        out = {}
+        for sid in sorted(groups):
+            members = sorted(groups[sid])
+            member = self.rank in members
+            comm = self.comm.Split(0 if member else MPI.UNDEFINED, members.index(self.rank) if member else 0)
+            if not member:
+                continue
+
+            def allreduce(t: torch.Tensor, _c=comm) -> None:
+                if t.device.type == "cuda" and self.cuda_aware:
+                    _c.Allreduce(MPI.IN_PLACE, self._device_bytes_as(t), op=MPI.SUM)
+                    return
+                host = self._staging.to_host(t).contiguous()
+                buf = host.numpy() if host.dtype not in (torch.bfloat16, torch.float16) else None
+                if buf is None:
+                    work = host.float()
+                    _c.Allreduce(MPI.IN_PLACE, work.numpy(), op=MPI.SUM)
+                    host.copy_(work)
+                else:
+                    _c.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+                if host is not t:
+                    t.copy_(host)
+            out[sid] = allreduce
+        return out
+
+    def _device_bytes_as(self, t: torch.Tensor):
+        torch.cuda.current_stream(t.device).synchronize()
+        return t
 
     def close(self) -> None:
         pass

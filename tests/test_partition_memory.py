@@ -1,9 +1,9 @@
 """Per-GPU memory as plan.evaluate prices it, and the lower bound every plan is measured against.
 
-Memory: weights, gradients and optimizer state once per GPU that uses a parameter,
-the weight versions each schedule keeps (GPipe, 1F1B and async one; PipeDream
-``depth + 1``; 2BW two; WPipe's 2GW two for group G0 and one for G1, WPipe Table 1)
-and the activations of the micro-batches in flight.
+Memory: the weights, gradients and optimizer state of every stage (each stage holds its own copy
+of a tensor it shares with another), the weight versions and micro-batches in flight its
+runtime program keeps (:mod:`ftcompile.runtime.schedules`), buffers, transients and the
+hardware's reserve (the chain here runs on an unnamed hardware: no reserve, no update time).
 
 Lower bound: checked against every plan of small graphs (all set partitions of the
 nodes into stages, all GPU assignments), with and without memory limits.
@@ -22,6 +22,7 @@ from ftcompile.cluster import ClusterSpec
 from ftcompile.ir import Edge, Node, OpGraph, ParamInfo, TensorMeta, ValueMeta
 from ftcompile.plan import Plan, PlanError, Problem, Stage, evaluate, lower_bound
 from ftcompile.profile import NodeCost, ParamCost, Profile
+from ftcompile.runtime.schedules import stage_program
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_partition_exact import synthetic_problem  # noqa: E402
@@ -54,7 +55,7 @@ def chain(n: int, *, shared: dict[int, str] | None = None, gpus: int | None = No
     prof = Profile(graph_hash=g.content_hash(), method="analytic", hardware={"name": "test"}, dtype="float32",
                    batch_size=1, optimizer="adam", nodes=ncost, params=pcost)
     P = gpus or n
-    cluster = ClusterSpec("test", 1, P, memory, 1e30, 1e30, 1e30)
+    cluster = ClusterSpec("test", 1, P, memory, 1e30, 1e30, 1e30, hardware="unnamed")
     return Problem(g, prof, cluster, schedule=schedule, micro_batches=M, recompute=recompute)
 
 
@@ -64,56 +65,49 @@ def one_per_gpu(n: int) -> Plan:
 
 # --------------------------------------------------------------------------- weight versions
 
-@pytest.mark.parametrize("schedule, versions", [
-    ("gpipe", lambda depth, g0: 1),
-    ("1f1b", lambda depth, g0: 1),
-    ("async", lambda depth, g0: 1),            # FTPipe: no stashing (recomputation instead)
-    ("pipedream", lambda depth, g0: depth + 1),  # weight stashing: the first of N stages keeps N
-    ("2bw", lambda depth, g0: 2),
-    ("2gw", lambda depth, g0: 2 if g0 else 1),   # WPipe: only group G0 keeps a second version
-])
-def test_weight_versions_per_schedule(schedule, versions):
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "async", "pipedream", "2bw", "2gw"])
+@pytest.mark.parametrize("M", [1, 4, 6])
+def test_weight_versions_are_what_the_runtime_program_keeps(schedule, M):
     N = 6
-    pb = chain(N, schedule=schedule)
+    if schedule in ("2bw", "2gw") and M < N - 1:
+        return
+    pb = chain(N, schedule=schedule, M=M)
     cost = evaluate(pb, one_per_gpu(N))
-    for g in cost.gpus:
+    for g, sc in zip(cost.gpus, cost.stages):
         depth = N - 1 - g.gpu
-        g0 = g.gpu < N // 2                      # the first half of the stages is G0
+        group = 0 if 2 * depth > N - 1 else 1
+        prog = stage_program(schedule, 0, depth=depth, micro_batches=M, steps=1, group=group)
         assert g.param_bytes == S and g.grad_bytes == S and g.optimizer_bytes == 2 * S
-        assert g.param_bytes + g.weight_version_bytes == versions(depth, g0) * S, g.gpu
-        # Everything adds up: static part plus activations.
+        assert g.weight_version_bytes == prog.extra_weight_versions * S, g.gpu
+        assert sc.in_flight == prog.in_flight and sc.recomputes == prog.recompute
+        # Everything adds up: static part, activations, buffers and transients.
         assert g.memory_bytes == 4 * S + g.weight_version_bytes + g.activation_bytes
+        assert g.activation_bytes == g.held_bytes + g.receive_bytes + g.send_bytes + g.data_bytes + \
+            g.transient_bytes
 
 
-def test_weight_buffers_match_wpipe_table_1():
-    """Totals over an evenly split model of size S_m = N S: PipeDream (N+1)/2 S_m, 2BW 2 S_m, and
-    2GW's two versions of G0 (half the model) make S_m."""
+def test_weight_versions_of_the_classic_schedules():
+    """PipeDream with an update per micro-batch keeps a version per micro-batch in flight (its
+    first stage of N keeps N, WPipe Table 1), plus the copy the newest forward runs on; 2BW one
+    shadow version; WPipe's 2GW a second version on group G0 only."""
     N = 6
-    S_m = N * S
-
-    def weights(schedule, gpus=None):
-        cost = evaluate(chain(N, schedule=schedule), one_per_gpu(N))
-        return sum(g.param_bytes + g.weight_version_bytes for g in cost.gpus if gpus is None or g.gpu in gpus)
-
-    assert weights("gpipe") == S_m
-    assert weights("pipedream") == (N + 1) * S_m // 2
-    assert weights("2bw") == 2 * S_m
-    assert weights("2gw", gpus=range(N // 2)) == S_m          # G0's buffer: 2 x M_G0 = S_m
-    assert weights("2gw", gpus=range(N // 2, N)) == S_m // 2  # G1: one version
+    pd = evaluate(chain(N, schedule="pipedream", M=1), one_per_gpu(N))
+    assert [g.weight_version_bytes // S for g in pd.gpus] == [6, 5, 4, 3, 2, 0]
+    two = evaluate(chain(N, schedule="2bw", M=6, recompute=True), one_per_gpu(N))
+    assert [g.weight_version_bytes // S for g in two.gpus] == [1] * N
+    wg = evaluate(chain(N, schedule="2gw", M=6, recompute=True), one_per_gpu(N))
+    assert [g.weight_version_bytes // S for g in wg.gpus] == [1, 1, 1, 0, 0, 0]
 
 
-def test_shared_parameter_counts_once_per_gpu_with_the_most_versions():
-    # Nodes 1 and 4 read the same tensor (tied embedding); stages 0 and 3 share GPU 0.
-    pb = chain(4, shared={1: "tied", 4: "tied"}, gpus=2, schedule="pipedream")
+def test_a_shared_parameter_is_held_by_every_stage_that_reads_it():
+    # Nodes 1 and 4 read the same tensor (tied embedding); stages 0 and 3 share GPU 0: the runtime
+    # builds each stage with its own copy, gradient and optimizer state.
+    pb = chain(4, shared={1: "tied", 4: "tied"}, gpus=2, schedule="gpipe")
     plan = Plan("hand", 2, [Stage(0, 0, [1]), Stage(1, 1, [2]), Stage(2, 1, [3]), Stage(3, 0, [4])])
-    cost = evaluate(pb, plan)
-    g0 = cost.gpus[0]
-    assert g0.param_bytes == S and g0.grad_bytes == S and g0.optimizer_bytes == 2 * S
-    assert g0.weight_version_bytes == 3 * S          # stage 0 has depth 3: 4 versions in all
-    # On two GPUs the tied tensor is held by each.
-    split = Plan("hand", 2, [Stage(0, 0, [1, 2]), Stage(1, 1, [3, 4])])
-    c2 = evaluate(replace(pb, schedule="gpipe"), split)
-    assert [g.param_bytes for g in c2.gpus] == [2 * S, 2 * S]
+    g0 = evaluate(pb, plan).gpus[0]
+    assert g0.param_bytes == 2 * S and g0.grad_bytes == 2 * S and g0.optimizer_bytes == 4 * S
+    # the update sums the other holder's gradient into a new one: a transient of the two
+    assert g0.transient_bytes >= 2 * S
 
 
 # --------------------------------------------------------------------------- activations in flight
@@ -123,17 +117,35 @@ def test_shared_parameter_counts_once_per_gpu_with_the_most_versions():
     ("gpipe", None, lambda d, last: 4 * ACT),
     ("1f1b", None, lambda d, last: min(4, d + 1) * ACT),
     ("pipedream", None, lambda d, last: (d + 1) * ACT),
-    # async: every stage but the last recomputes, keeping only its inputs (depth + 1 of them)
-    # plus one micro-batch's activations rebuilt at a time; the last keeps one micro-batch.
-    ("async", None, lambda d, last: ACT if last else (d + 1) * VALUE + ACT),
-    ("gpipe", True, lambda d, last: 4 * ACT if last else 4 * VALUE + ACT),
+    # async: every stage but the last recomputes, keeping only its inputs (depth + 1 of them);
+    # the last keeps one micro-batch's activations
+    ("async", None, lambda d, last: ACT if last else (d + 1) * VALUE),
+    # gpipe with --recompute: even the last stage holds all M micro-batches, so it recomputes too
+    ("gpipe", True, lambda d, last: 4 * VALUE),
 ])
 def test_activations_in_flight(schedule, recompute, expect):
     N = 6
     cost = evaluate(chain(N, schedule=schedule, recompute=recompute), one_per_gpu(N))
     for g in cost.gpus:
         depth = N - 1 - g.gpu
-        assert g.activation_bytes == expect(depth, depth == 0), g.gpu
+        assert g.held_bytes == expect(depth, depth == 0), g.gpu
+
+
+def test_buffers_and_transients():
+    """One value of VALUE bytes between neighbours: the reader may hold what flow control lets
+    wait (two micro-batches between neighbours), the producer the one being sent and the
+    gradients coming back for the micro-batches it holds; a recomputing stage rebuilds its
+    activations (ACT) while its values and gradients are alive."""
+    N = 4
+    cost = evaluate(chain(N, schedule="async"), one_per_gpu(N))
+    for g, sc in zip(cost.gpus, cost.stages):
+        depth = N - 1 - g.gpu
+        waiting = 2 * VALUE if g.gpu > 0 else 0                    # W = 2 between neighbours
+        returning = (depth + 1) * VALUE if depth > 0 else 0          # gradient sums in flight
+        assert g.receive_bytes == waiting + returning, g.gpu
+        assert g.send_bytes == (VALUE if depth > 0 else 0)
+        if sc.recomputes:
+            assert g.transient_bytes >= ACT
 
 
 def test_plan_over_the_limit_is_infeasible_and_says_which_gpu():
@@ -144,6 +156,15 @@ def test_plan_over_the_limit_is_infeasible_and_says_which_gpu():
     bad = evaluate(pb, two)
     assert not bad.feasible and "GPU 0 needs" in bad.reason
     assert bad.max_memory_bytes > 5 * S
+
+
+def test_the_reserve_is_kept_free_on_every_gpu_used():
+    pb = chain(2)
+    reserved = replace(pb, cluster=replace(pb.cluster, hardware="rtx2080ti"))
+    a, b = evaluate(pb, one_per_gpu(2)), evaluate(reserved, one_per_gpu(2))
+    for ga, gb in zip(a.gpus, b.gpus):
+        assert gb.reserve_bytes == reserved.hardware.memory_reserve_bytes > 0
+        assert gb.memory_bytes - ga.memory_bytes == gb.reserve_bytes
 
 
 # --------------------------------------------------------------------------- lower bound
@@ -194,8 +215,8 @@ def test_lower_bound_holds_for_every_plan(seed, n, gpus, fanout, memory, schedul
     lb = lower_bound(pb)
     best = _best_of_all_plans(pb)
     assert best >= lb * (1 - 1e-9)
-    if seed == 4:
-        assert best == pytest.approx(lb, rel=1e-6)
+    if seed == 4:       # nearly attained (the optimizer steps of the stages do not split evenly)
+        assert best <= lb * 1.001
 
 
 def test_lower_bound_without_recomputation_is_work_over_gpus():

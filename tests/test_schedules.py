@@ -187,3 +187,26 @@ def test_flow_control_needs_credits_only_where_no_gradient_bounds_the_producer()
     assert fc[(0, 1)] == (4, False)        # gradients come back: the schedule bounds it
     assert fc[(0, 3)] == (4, True)         # a mask read three stages on: credits
     assert flow_control(edges, {0: 4, 1: 3}, {(0, 1): 2})[(0, 1)] == (2, True)   # a tighter window
+
+
+def test_advance_forward_spans_1f1b_to_all_forward_all_backward():
+    """AvgPipe's schedule: with nothing forwarded in advance it is 1F1B, with M (or more) it is
+    all-forward-all-backward (GPipe's order), and in between it holds that many more in flight."""
+    for depth in range(4):
+        for M in (1, 3, 6):
+            one = [str(t) for t in stage_program("1f1b", 0, depth=depth, micro_batches=M, steps=3).tasks()]
+            afab = [str(t) for t in stage_program("gpipe", 0, depth=depth, micro_batches=M, steps=3).tasks()]
+            assert [str(t) for t in stage_program("avgpipe", 0, depth=depth, micro_batches=M, steps=3,
+                                                  advance=0).tasks()] == one
+            for a in (M, M + 2):
+                assert [str(t) for t in stage_program("avgpipe", 0, depth=depth, micro_batches=M, steps=3,
+                                                      advance=a).tasks()] == afab
+            for a in range(M + 1):
+                p = stage_program("avgpipe", 0, depth=depth, micro_batches=M, steps=3, advance=a)
+                check_program(p)
+                assert p.in_flight == min(M, depth + a + 1)
+    # per step, as a tuner chooses it
+    p = stage_program("avgpipe", 0, depth=0, micro_batches=4, steps=3, advance=4, advance_fn=lambda j: j)
+    tasks = [str(t) for t in p.tasks()]
+    assert tasks[:9] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "U0"]
+    assert tasks[9:11] == ["F4", "F5"] and tasks[18:22] == ["F8", "F9", "F10", "B8"]

@@ -278,3 +278,29 @@ def test_period_is_never_below_a_gpu_or_link_load(schedule, seed):
     for (u, g), vals in fwd.items():
         link[(gpu[u], g)] += sum(vals.values()) / pb.cluster.bandwidth(gpu[u], g) * 1e3
     assert res.period_ms >= max(link.values(), default=0.0) * (1 - 1e-9)
+
+
+def test_replicas_all_reduce_is_link_traffic_after_the_last_backward():
+    """Two replicas of a 2-stage 1F1B pipeline: each stage's gradients (4 MB) are averaged over a
+    2-member ring at 1 GB/s: 2 (R - 1) / R x 4 MB / 1 GB/s = 4 ms after its last backward of the
+    step, before its update, on the GPU's all-reduce lane; throughput counts both replicas."""
+    from dataclasses import replace
+
+    graph = make_graph(2)
+    prof = make_profile([(1.0, 2.0, 0.0)] * 2)
+    prof.params.update({f"w{i}": ParamCost(4 * 10**6, 4 * 10**6, 0) for i in range(2)})
+    base = Problem(graph, prof, make_cluster(2), schedule="1f1b", micro_batches=4)
+    one = simulate(base, one_per_gpu(2))
+    two = simulate(replace(base, replicas=2, ring_bandwidth=(1e9, 1e9)), one_per_gpu(2))
+    free = simulate(replace(base, replicas=2, ring_bandwidth=(FREE, FREE)), one_per_gpu(2))
+    assert free.minibatch_ms == pytest.approx(one.minibatch_ms)
+    assert free.throughput_samples_per_s == pytest.approx(2 * one.throughput_samples_per_s)
+    ars = [e for e in two.events if e.kind == "allreduce"]
+    assert ars and all(e.end - e.start == pytest.approx(4.0) for e in ars)
+    for e in ars:      # after the stage's last backward of the step, before its update
+        last_b = max(x.end for x in two.events if x.kind == "B" and x.stage == e.stage and x.step == e.step)
+        upd = [x for x in two.events if x.kind == "U" and x.stage == e.stage and x.micro_batch == e.micro_batch]
+        assert e.start >= last_b - 1e-9 and all(u.start >= e.end - 1e-9 for u in upd)
+    # stage 1 (the end of the pipeline) finishes its backwards early: its all-reduce overlaps stage 0's
+    # backwards; stage 0's does not (nothing is left to overlap), so the step grows by at most 4 ms
+    assert one.minibatch_ms < two.minibatch_ms <= one.minibatch_ms + 4.0 + 1e-9

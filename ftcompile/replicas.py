@@ -1,0 +1,222 @@
+"""Replicated pipelines: R copies of a P-GPU pipeline on G = R x P GPUs (data x pipeline parallelism).
+
+A :class:`ReplicaLayout` says which physical GPU runs pipeline GPU ``g`` of replica
+``r``, in one of two orders:
+
+* ``pipeline-major``: a pipeline's GPUs are consecutive (``r * P + g``), so a pipeline
+  sits inside one host when P divides the host's GPU count, and the gradient
+  all-reduce of each pipeline GPU runs between hosts;
+* ``replica-major``: the replicas of one pipeline GPU are consecutive (``g * R + r``),
+  so each all-reduce stays inside a host while the pipeline's activations cross hosts.
+
+Every replica trains its pipeline on its own micro-batches of the step's global batch;
+at each update the gradients of every stage are averaged across the replicas (a ring
+all-reduce per pipeline GPU, :func:`allreduce_ms`) before the optimizer step, so all
+replicas keep the same weights. The compiler plans one pipeline on the view of the
+cluster that replica 0's GPUs give (:meth:`ReplicaLayout.pipeline_view`) and prices
+the all-reduce on the ring of each pipeline GPU (:meth:`ReplicaLayout.ring_bandwidth`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cluster import ClusterError, ClusterSpec
+
+ORDERS = ("pipeline-major", "replica-major")
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """Where R replicas of a P-GPU pipeline run on a cluster of R x P GPUs."""
+
+    pipeline_gpus: int
+    replicas: int
+    order: str = "pipeline-major"
+
+    def __post_init__(self):
+        if self.pipeline_gpus < 1 or self.replicas < 1:
+            raise ClusterError(f"need at least one GPU per pipeline and one replica, got P={self.pipeline_gpus}, "
+                               f"R={self.replicas}")
+        if self.order not in ORDERS:
+            raise ClusterError(f"unknown replica order {self.order!r}; choose {' or '.join(ORDERS)}")
+
+    @property
+    def gpus(self) -> int:
+        return self.pipeline_gpus * self.replicas
+
+    def physical(self, replica: int, gpu: int) -> int:
+        """The physical GPU of pipeline GPU ``gpu`` in ``replica``."""
+        if self.order == "pipeline-major":
+            return replica * self.pipeline_gpus + gpu
+        return gpu * self.replicas + replica
+
+    def pipeline_view(self, cluster: ClusterSpec) -> ClusterSpec:
+        """Replica 0's GPUs as a cluster of P GPUs (the links between them as they are)."""
+        return cluster.view([self.physical(0, g) for g in range(self.pipeline_gpus)])
+
+    def ring(self, gpu: int) -> list[int]:
+        """The physical GPUs whose gradients pipeline GPU ``gpu`` averages with (one per replica)."""
+        return [self.physical(r, gpu) for r in range(self.replicas)]
+
+    def ring_bandwidth(self, cluster: ClusterSpec, gpu: int) -> float:
+        """The slowest link of pipeline GPU ``gpu``'s all-reduce ring (what paces a ring all-reduce)."""
+        ring = self.ring(gpu)
+        if len(ring) < 2:
+            return float("inf")
+        return min(cluster.physical_bandwidth(a, b) for a, b in zip(ring, ring[1:] + ring[:1]))
+
+    def ring_bandwidths(self, cluster: ClusterSpec) -> tuple[float, ...]:
+        return tuple(self.ring_bandwidth(cluster, g) for g in range(self.pipeline_gpus))
+
+    def to_json(self) -> dict:
+        return {"pipeline_gpus": self.pipeline_gpus, "replicas": self.replicas, "order": self.order}
+
+    @staticmethod
+    def from_json(d: dict) -> "ReplicaLayout":
+        return ReplicaLayout(int(d["pipeline_gpus"]), int(d["replicas"]), str(d.get("order", "pipeline-major")))
+
+
+def allreduce_ms(nbytes: float, replicas: int, bandwidth: float) -> float:
+    """A ring all-reduce of ``nbytes`` over ``replicas`` members whose slowest link carries
+    ``bandwidth`` bytes/s: each member sends and receives ``2 (R - 1) / R`` of the data."""
+    if replicas < 2 or not nbytes:
+        return 0.0
+    return 2 * (replicas - 1) / replicas * nbytes / bandwidth * 1e3
+
+
+def layouts(cluster: ClusterSpec, replicas: int | None = None) -> list[ReplicaLayout]:
+    """The layouts to consider for the whole cluster: every pipeline length P dividing its GPU count
+    (or the one ``replicas`` forces), each order that places GPUs differently on it."""
+    G = cluster.physical_gpus
+    if replicas is not None:
+        if replicas < 1 or G % replicas:
+            raise ClusterError(f"--replicas {replicas} does not divide the cluster's {G} GPUs; choose one of "
+                               f"{', '.join(str(r) for r in range(1, G + 1) if G % r == 0)}")
+        counts = [replicas]
+    else:
+        counts = [r for r in range(1, G + 1) if G % r == 0]
+    out = []
+    for R in counts:
+        P = G // R
+        seen = set()
+        for order in ORDERS:
+            lay = ReplicaLayout(P, R, order)
+            # two orders that give the same links are one option
+            key = (tuple(cluster.node_of(g) if cluster.gpu_ids is None else None for g in
+                         (lay.physical(0, x) for x in range(P))),
+                   tuple(lay.ring_bandwidths(cluster)),
+                   tuple(cluster.physical_bandwidth(lay.physical(0, a), lay.physical(0, b))
+                         for a in range(P) for b in range(P)))
+            if R == 1 or P == 1:
+                key = ("trivial",)
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(lay)
+    return out
+
+
+# --------------------------------------------------------------------------- planning
+
+@dataclass
+class ReplicaOption:
+    """One way to use the cluster: a layout, the best plan for its pipeline, and what it gives."""
+
+    layout: ReplicaLayout
+    feasible: bool
+    reason: str | None = None
+    result: object | None = None          # CompileResult of the pipeline
+    throughput: float = 0.0               # samples/s of all replicas together (simulated)
+    step_ms: float = 0.0                  # one step (R x M micro-batches) in the steady state
+    allreduce_ms: float = 0.0             # the slowest pipeline GPU's all-reduces per step
+    pipeline_bytes: int = 0               # activations and gradients crossing GPUs, per replica and step
+    allreduce_bytes: int = 0              # gradients averaged, per replica and step
+    seconds: float = 0.0
+
+    def row(self) -> dict:
+        best = self.result.best() if self.feasible and self.result is not None else None
+        return {"pipeline_gpus": self.layout.pipeline_gpus, "replicas": self.layout.replicas,
+                "order": self.layout.order, "feasible": self.feasible, "reason": self.reason,
+                "strategy": best.name if best else None,
+                "throughput": round(self.throughput, 6) if self.feasible else None,
+                "step_ms": round(self.step_ms, 6) if self.feasible else None,
+                "allreduce_ms": round(self.allreduce_ms, 6) if self.feasible else None,
+                "pipeline_bytes_per_step": self.pipeline_bytes, "allreduce_bytes_per_step": self.allreduce_bytes,
+                "max_gpu_memory_bytes": best.cost.max_memory_bytes if best else None,
+                "seconds": round(self.seconds, 3)}
+
+
+def replicated_problem(base, cluster: ClusterSpec, layout: ReplicaLayout):
+    """``base`` (a Problem for the whole cluster) turned into the problem of one pipeline of ``layout``."""
+    from dataclasses import replace
+
+    return replace(base, cluster=layout.pipeline_view(cluster), replicas=layout.replicas,
+                   ring_bandwidth=layout.ring_bandwidths(cluster))
+
+
+def compile_replicated(base, strategies="auto", *, replicas: int | None = None, jobs: int | None = None,
+                       progress=None) -> tuple[list[ReplicaOption], int | None]:
+    """Plan every layout of ``base.cluster`` (every pipeline length dividing its GPU count, or the one
+    ``replicas`` forces, in each order that places GPUs differently) and choose the highest
+    simulated throughput over all replicas. Returns the options and the index of the chosen one.
+
+    A layout whose pipeline cannot hold the model's weights, gradients and optimizer state is
+    refused without partitioning.
+    """
+    import time
+
+    from .compile import compile_plan
+
+    cluster = base.cluster
+    options: list[ReplicaOption] = []
+    static = sum(p.total for p in base.profile.params.values())
+    for lay in layouts(cluster, replicas):
+        t0 = time.perf_counter()
+        pb = replicated_problem(base, cluster, lay)
+        room = lay.pipeline_gpus * max(0, cluster.gpu_memory - pb.memory_reserve)
+        if static > room:
+            opt = ReplicaOption(lay, False, f"weights, gradients and optimizer state ({static / 1e9:.2f} GB) exceed "
+                                f"{lay.pipeline_gpus} GPU(s) of {cluster.gpu_memory / 1e9:.2f} GB less the reserve",
+                                seconds=time.perf_counter() - t0)
+            options.append(opt)
+            if progress:
+                progress(opt)
+            continue
+        result = compile_plan(pb, strategies, jobs=jobs)
+        opt = ReplicaOption(lay, result.chosen is not None, result=result, seconds=time.perf_counter() - t0)
+        if result.chosen is None:
+            opt.reason = "no strategy found a pipeline plan that fits: " + "; ".join(
+                f"{r.name}: {r.reason}" for r in result.results[:3])
+        else:
+            best = result.best()
+            sim = best.sim or {}
+            opt.throughput = sim.get("throughput_samples_per_s", 0.0)
+            opt.step_ms = sim.get("minibatch_ms", 0.0)
+            opt.allreduce_ms = max((sum(sc.allreduce_ms for sc in best.cost.stages if sc.gpu == g)
+                                    for g in range(lay.pipeline_gpus)), default=0.0)
+            opt.pipeline_bytes = pb.micro_batches * sum(2 * sc.send_bytes for sc in best.cost.stages)
+            opt.allreduce_bytes = sum(sc.grad_bytes for sc in best.cost.stages) if lay.replicas > 1 else 0
+        options.append(opt)
+        if progress:
+            progress(opt)
+    feasible = [i for i, o in enumerate(options) if o.feasible]
+    chosen = max(feasible, key=lambda i: (options[i].throughput, -options[i].layout.replicas)) if feasible else None
+    return options, chosen
+
+
+def why(options: list[ReplicaOption], chosen: int | None) -> str:
+    """One sentence on the choice: what the two orders put on the slow links, and what won."""
+    if chosen is None:
+        return "no layout fits"
+    c = options[chosen]
+    same = [o for o in options if o.feasible and o.layout.replicas == c.layout.replicas and o is not c]
+    parts = [f"{c.layout.replicas} replica(s) of a {c.layout.pipeline_gpus}-GPU pipeline, {c.layout.order}, "
+             f"gives the highest simulated throughput ({c.throughput:.2f} samples/s)"]
+    if same:
+        o = same[0]
+        parts.append(f"{o.layout.order} gives {o.throughput:.2f}: per replica and step the pipeline moves "
+                     f"{c.pipeline_bytes / 1e9:.3f} GB between GPUs and the all-reduce "
+                     f"{c.allreduce_bytes / 1e9:.3f} GB, and {c.layout.order} keeps the heavier of the two on the "
+                     "faster links")
+    return "; ".join(parts)

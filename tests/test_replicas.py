@@ -1,0 +1,131 @@
+"""Replicated pipelines: R replicas of a P-stage pipeline train as one process on R x the batch.
+
+Real ranks over gloo (and MPI when present) run R = 2 replicas of a 2-stage gpt2-tiny pipeline;
+under gpipe and 1f1b their weights must equal plain single-process training of the original
+model on the doubled batch (gradient accumulation over R x M micro-batches), and under the
+asynchronous schedules the schedule's single-process reference with every micro-batch's
+gradient averaged over the replicas. Copies of tied weights stay identical across stages and
+replicas, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from ftcompile.runtime import load_package
+from ftcompile.runtime.engine import TrainConfig
+from ftcompile.runtime.layout import LayoutError, RankLayout
+
+from test_runtime import compiled, plain_training
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, pkg: str, cfg: TrainConfig, replicas: int, order: str, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        from ftcompile.runtime.data import load_dataset
+        from ftcompile.runtime.engine import RankEngine
+        from ftcompile.runtime.transport import Launch, TorchTransport
+
+        transport = TorchTransport(Launch(rank, world, rank, "test"))
+        package = load_package(pkg)
+        layout = RankLayout(world, replicas, rank, order)
+        engine = RankEngine(package, cfg, rank=rank, world_size=world, transport=transport, layout=layout)
+        data = iter(load_dataset("synthetic", package.manifest, micro_batches=replicas * cfg.micro_batches,
+                                 seed=cfg.seed))
+        losses = []
+        engine.run(data, cfg.steps, on_step=lambda r: losses.append(r["loss"]) if rank == engine.log_rank else None)
+        engine.finish()
+        # numpy arrays pickle by value: the queue must not hand over shared memory of a process that exits
+        weights = {sid: {n: t.detach().cpu().numpy().copy() for n, t in st["weights"].items()}
+                   for sid, st in engine.state().items()}
+        transport.close()
+        out.put((rank, layout.replica, weights, losses if rank == engine.log_rank else None))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        out.put((rank, None, repr(exc), None))
+
+
+def run_replicas(pkg: Path, cfg: TrainConfig, replicas: int, world: int, order: str = "pipeline-major"):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, str(pkg), cfg, replicas, order, out))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    res = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    errors = [r for r in res if r[1] is None]
+    assert not errors, errors
+    return [(rank, rep, {sid: {n: torch.from_numpy(a) for n, a in w.items()} for sid, w in ws.items()}, losses)
+            for rank, rep, ws, losses in res]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max()) / max(float(want.abs().max()), 1e-2)
+
+
+@pytest.fixture(scope="module")
+def seq2(tmp_path_factory):
+    return compiled(tmp_path_factory.mktemp("rep") / "seq", "gpt2-tiny", "seq", 2)
+
+
+def test_layout_places_replicas_both_ways():
+    from ftcompile.runtime.manifest import Manifest  # noqa: F401 - the layout reads only stage GPUs
+
+    pm = [RankLayout(4, 2, r, "pipeline-major") for r in range(4)]
+    rm = [RankLayout(4, 2, r, "replica-major") for r in range(4)]
+    assert [x.replica for x in pm] == [0, 0, 1, 1] and [x.replica for x in rm] == [0, 1, 0, 1]
+    with pytest.raises(LayoutError, match="choose --replicas"):
+        RankLayout(4, 3, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,order", [("1f1b", "pipeline-major"), ("gpipe", "replica-major")])
+def test_two_replicas_of_two_stages_equal_one_process_on_the_doubled_batch(seq2, schedule, order):
+    cfg = TrainConfig(schedule=schedule, micro_batches=2, steps=3, optimizer="momentum", lr=0.05, seed=4)
+    res = run_replicas(seq2, cfg, replicas=2, world=4, order=order)
+    want = plain_training(seq2, replace(cfg, micro_batches=4), cfg.steps)
+    tied = {}
+    for rank, replica, weights, _ in res:
+        for sid, w in weights.items():
+            for n, t in w.items():
+                if n in want:
+                    assert _close(t, want[n]) < 2e-5, (rank, sid, n, _close(t, want[n]))
+                tied.setdefault(n, []).append(t)
+    for n, copies in tied.items():      # every copy, on every stage and replica, bit for bit
+        assert all(torch.equal(copies[0], c) for c in copies[1:]), n
+    losses = [x[3] for x in res if x[3] is not None]
+    assert len(losses) == 1 and len(losses[0]) == cfg.steps
+
+
+@pytest.mark.slow
+def test_async_replicas_match_the_reference_with_averaged_gradients(seq2):
+    from ftcompile.runtime.data import load_dataset
+    from ftcompile.runtime.reference import reference_train
+
+    cfg = TrainConfig(schedule="async", micro_batches=2, steps=3, optimizer="momentum", lr=0.05, seed=5)
+    res = run_replicas(seq2, cfg, replicas=2, world=4)
+    pkg = load_package(seq2)
+    ref = reference_train(pkg, load_dataset("synthetic", pkg.manifest, micro_batches=4, seed=cfg.seed), cfg,
+                          cfg.steps, replicas=2)
+    want = {n: t for w in ref.weights.values() for n, t in w.items()}
+    for rank, replica, weights, _ in res:
+        for sid, w in weights.items():
+            for n, t in w.items():
+                if n in want:
+                    assert _close(t, want[n]) < 2e-5, (rank, sid, n)
