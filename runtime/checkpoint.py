@@ -79,6 +79,10 @@ class CheckpointSpaceError(CheckpointError):
     """The checkpoint folder has no room for the next checkpoint."""
 
 
+class CheckpointPeerLost(RuntimeError):
+    """A collective of the save failed: a peer rank is gone (its connection closed)."""
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A committed checkpoint: its step, folder and ``meta.json``."""
@@ -372,6 +376,9 @@ def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: d
         failures, line = _dist_failure(exc)
         if isinstance(exc, OSError):
             failures = {rank: exc}
+        if isinstance(exc, RuntimeError) or any(type(e) is RuntimeError for e in failures.values()):
+            # gloo: "Connection closed by peer" and the like; the transport's receivers say who.
+            raise CheckpointPeerLost(f"the collective save of step {step} failed: {line}") from None
         full = [e for e in failures.values() if isinstance(e, OSError) and e.errno in NO_SPACE]
         if full and full[0].errno == errno.EFBIG:
             keep = (f"; the checkpoint of step {previous} is intact (resume from it with --resume)"

@@ -173,6 +173,8 @@ class Heartbeat:
                 self._store.add(self._key("done", self.c.rank), 1)
         except Exception:  # noqa: BLE001 - the store's host may have left already
             pass
+        for t in self._threads:
+            t.join(timeout=2 * self.interval)
 
     def _beat(self) -> None:
         store = self._store

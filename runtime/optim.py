@@ -191,7 +191,9 @@ def load_named_state(opt, params: dict[str, torch.nn.Parameter], state: dict[str
     sd = opt.state_dict()
     by_index = {}
     for n, p in params.items():
-        s = {k: v for k, v in state.get(n, {}).items() if k in keep}
+        # A copy per optimizer: torch keeps the tensors it is given, and two local holders of a
+        # tied weight must not step one shared momentum buffer twice.
+        s = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.get(n, {}).items() if k in keep}
         if s and id(p) in index:
             by_index[index[id(p)]] = s
     # torch casts each value to its parameter's dtype and device (a step counter stays where

@@ -1,7 +1,8 @@
 """``train.jsonl``: one record per step, never truncated, never mixing two runs.
 
 The rank that holds the loss opens the log only once training starts (a refused run never
-touches the previous log), holding the folder's lock (:mod:`.lock`). A fresh run moves an
+touches the previous log), holding the folder's lock (:mod:`.lock`), and removes the
+temporary files a dead run's rewrite left. A fresh run moves an
 existing log aside to ``train.N.jsonl`` (the next free N) and starts a new one. A resumed run
 keeps the records of its own run before the checkpoint step and drops those at or after it,
 which it is about to train again; the file as it was is moved aside first, so nothing written
@@ -86,6 +87,8 @@ def open_log(folder: str | os.PathLike, *, run_id: str, resume_step: int | None 
     notes: list[str] = []
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        for tmp in folder.glob(".tmp-*"):     # an interrupted rewrite of a dead run (we hold the lock)
+            tmp.unlink(missing_ok=True)
         if path.exists() and path.stat().st_size > 0:
             lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
             kept = [x for x in lines if _keep(x, run_id, resume_step)] if resume_step is not None else []

@@ -158,6 +158,8 @@ def _kind(exc: BaseException) -> tuple[str, int | None]:
     m = re.search(r"lost rank (\d+)", text)
     if m:
         return "lost", int(m.group(1))
+    if "lost a peer" in text:
+        return "lost", None
     m = re.search(r"(rank \d+) \(stages [^)]*\) sent no heartbeat", text)
     if m:
         return "hang", int(m.group(1).split()[1])
@@ -194,13 +196,28 @@ def _agree(control, exc: BaseException | None, rank: int) -> None:
             raise Refusal(exc, 2 if isinstance(exc, REFUSALS) else 1)
         return
     code = 0 if exc is None else (2 if isinstance(exc, REFUSALS) else 1)
-    outcomes = control.all_gather(code)
+    try:
+        outcomes = control.all_gather(code)
+    except RuntimeError as err:     # gloo: a peer died while the ranks were starting
+        raise PipelineError(f"rank {rank}: lost a peer while the ranks were starting "
+                            f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
     first = next((r for r, c in enumerate(outcomes) if c), None)
     if first is None:
         return
     if first == rank and exc is not None:
         raise Refusal(exc, code)
     raise Agreed(first, outcomes[first])
+
+
+def _wait_for_failure(engine, seconds: float) -> str | None:
+    """The engine's report of a lost peer, waiting a little for its receivers to notice."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        failure = getattr(engine, "failure", None)
+        if failure:
+            return failure
+        time.sleep(0.05)
+    return None
 
 
 def _abort(engine, message: str) -> None:
@@ -253,13 +270,23 @@ def run(args, report: Reporter | None = None) -> int:
     if launch.world_size > 1:
         from .control import Control, Heartbeat
 
-        transport = make_transport(args.transport, launch, device=device, timeout_s=args.timeout)
-        rank = transport.rank
-        control = Control.connect(launch, transport, timeout_s=args.timeout)
+        try:
+            transport = make_transport(args.transport, launch, device=device, timeout_s=args.timeout)
+            rank = transport.rank
+            control = Control.connect(launch, transport, timeout_s=args.timeout)
+        except TransportError:
+            raise
+        except RuntimeError as err:     # a peer died before the ranks were linked
+            raise TransportError(f"rank {rank}: could not link with the other ranks, lost a peer while starting "
+                                 f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
     report.alike = False
     run_id = (res.checkpoint.run_id if res.checkpoint is not None else None) or launch_run_id
     if control is not None:
-        run_id = control.broadcast(run_id or new_run_id())
+        try:
+            run_id = control.broadcast(run_id or new_run_id())
+        except RuntimeError as err:
+            raise PipelineError(f"rank {rank}: lost a peer while the ranks were starting "
+                                f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
     run_id = run_id or new_run_id()
     engine = None
     if control is not None:
@@ -347,10 +374,11 @@ def run(args, report: Reporter | None = None) -> int:
             phase(f"in the checkpoint of step {step}")
             try:
                 ckpt.save(args.checkpoint_dir, step, engine.state(), meta=meta, control=control, previous=previous)
-            except (CheckpointError, RuntimeError) as exc:
-                # A peer that died mid-save fails the collective; the receivers know which.
-                lost = getattr(engine, "failure", None)
-                raise PipelineError(f"{lost} (during the checkpoint of step {step})") if lost else exc from None
+            except (ckpt.CheckpointPeerLost, RuntimeError) as exc:
+                # A peer that died mid-save fails the collective; the transport's receivers say which.
+                lost = _wait_for_failure(engine, seconds=5)
+                raise PipelineError(f"{lost} (during the checkpoint of step {step})" if lost else
+                                    f"rank {rank}: lost a peer during the checkpoint of step {step}: {exc}") from None
             previous = step
     phase("finishing")
     engine.finish()
@@ -429,6 +457,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.stderr.flush()
     sys.stdout.flush()
     if code == 0:
-        return 0          # a normal exit: MPI finalizes
+        # Finalize MPI ourselves: leaving through os._exit skips the interpreter's teardown, where
+        # C++ threads of torch's stores and groups may still run and abort the process.
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
     # Receiver and heartbeat threads may sit in blocking calls: leave at once.
     os._exit(code)
