@@ -127,13 +127,14 @@ def _broadcast(dist, obj, group, src: int = 0):
 class Heartbeat:
     """Beats for this rank and watches the others' beats (see the module docstring).
 
-    ``describe(rank)`` names a rank in messages (``"rank 1 (stages [1])"``); ``on_failure(message)``
-    is called once, from a background thread, when a peer stops beating; if the process has
+    ``describe(rank)`` names a rank in messages (``"rank 1 (stages [1])"``); ``on_failure(message, peer)``
+    is called once, from a background thread, when a peer stops beating (``peer``: its rank, or
+    None when the store's host is the launcher); if the process has
     not ended ``grace_s`` later (its main thread blocked in a collective), it exits with status 1.
     """
 
     def __init__(self, control: Control, *, timeout_s: float, describe: Callable[[int], str],
-                 on_failure: Callable[[str], None], grace_s: float = 5.0):
+                 on_failure: Callable[[str, int | None], None], grace_s: float = 5.0):
         self.c, self.timeout_s, self.describe, self.on_failure = control, timeout_s, describe, on_failure
         self.interval = max(0.2, min(5.0, timeout_s / 6))
         self.grace_s = grace_s
@@ -199,12 +200,15 @@ class Heartbeat:
                 if not self._stop.is_set():
                     self._fail(f"rank {self.c.rank} ({self.phase}): lost the heartbeat store "
                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                               f"{self._store_host()} has stopped or its host is unreachable")
+                               f"{self._store_host()} has stopped or its host is unreachable", self._store_rank())
                 return
             self._stop.wait(self.interval)
 
+    def _store_rank(self) -> int | None:
+        return None if self.c.prefix.startswith("ftcompile/") else 0
+
     def _store_host(self) -> str:
-        return "the launcher" if self.c.prefix.startswith("ftcompile/") else self.describe(0)
+        return "the launcher" if self._store_rank() is None else self.describe(0)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.interval):
@@ -217,21 +221,21 @@ class Heartbeat:
             if stale_store > self.timeout_s:
                 self._fail(f"rank {self.c.rank} ({self.phase}): the heartbeat store has not answered for "
                            f"{stale_store:.0f} s: {self._store_host()} is stopped or frozen, or its host is "
-                           "unreachable")
+                           "unreachable", self._store_rank())
                 return
             for r, age in sorted(late, key=lambda x: -x[1]):
                 if age > self.timeout_s:
                     self._fail(f"rank {self.c.rank} ({self.phase}): {self.describe(r)} sent no heartbeat for "
                                f"{age:.0f} s: its process is stopped or frozen, or its host is unreachable "
-                               "(a slow rank keeps its heartbeat; --heartbeat-timeout sets the limit)")
+                               "(a slow rank keeps its heartbeat; --heartbeat-timeout sets the limit)", r)
                     return
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, peer: int | None) -> None:
         if self._failed.is_set() or self._stop.is_set():
             return
         self._failed.set()
         try:
-            self.on_failure(message)
+            self.on_failure(message, peer)
         finally:
             # The main thread may sit in a collective that only a timeout would end.
             timer = threading.Timer(self.grace_s, lambda: os._exit(1))

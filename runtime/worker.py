@@ -160,9 +160,12 @@ def _kind(exc: BaseException) -> tuple[str, int | None]:
         return "lost", int(m.group(1))
     if "lost a peer" in text:
         return "lost", None
-    m = re.search(r"(rank \d+) \(stages [^)]*\) sent no heartbeat", text)
+    m = re.search(r"rank (\d+) \(stages [^)]*\) sent no heartbeat", text)
     if m:
-        return "hang", int(m.group(1).split()[1])
+        return "hang", int(m.group(1))
+    if "heartbeat store" in text:
+        m = re.search(r": rank (\d+) \(stages", text)
+        return "hang", int(m.group(1)) if m else None
     return "error", None
 
 
@@ -290,9 +293,8 @@ def run(args, report: Reporter | None = None) -> int:
     run_id = run_id or new_run_id()
     engine = None
     if control is not None:
-        def on_failure(message: str) -> None:
-            kind, peer = _kind(PipelineError(message))
-            report(message, kind=kind, code=1, peer=peer)
+        def on_failure(message: str, peer: int | None) -> None:
+            report(message, kind="hang", code=1, peer=peer)
             _abort(engine, message)
 
         heartbeat = Heartbeat(control, timeout_s=args.heartbeat_timeout, describe=describe,
@@ -406,6 +408,9 @@ def run(args, report: Reporter | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID`: where every thread is
     _die_with_parent()
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)

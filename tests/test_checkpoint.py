@@ -174,12 +174,14 @@ def test_named_optimizer_state_continues_training_exactly():
 def test_a_fresh_run_refuses_a_folder_of_another_run(pkgs, tmp_path):
     pkg = pkgs["seq"]
     ok(run_cli(*args_for(pkg, tmp_path, lr="0.001")))
-    first = ckpt.latest(tmp_path / "ckpt")
+    latest_before = (tmp_path / "ckpt" / "latest").read_bytes()
     log_before = (tmp_path / "log" / "train.jsonl").read_bytes()
-    err = refused(run_cli(*args_for(pkg, tmp_path, lr="0.002")), f"holds checkpoints of run {first.run_id} up to step 2",
-                  "--resume", "--overwrite-checkpoints")
-    assert ckpt.latest(tmp_path / "ckpt").run_id == first.run_id
-    assert (tmp_path / "log" / "train.jsonl").read_bytes() == log_before, err
+    r = run_cli(*args_for(pkg, tmp_path, lr="0.002"))
+    assert r.returncode == 2, r.stderr
+    assert (tmp_path / "ckpt" / "latest").read_bytes() == latest_before
+    assert (tmp_path / "log" / "train.jsonl").read_bytes() == log_before
+    first = ckpt.latest(tmp_path / "ckpt")
+    refused(r, f"holds checkpoints of run {first.run_id} up to step 2", "--resume", "--overwrite-checkpoints")
     ok(run_cli(*args_for(pkg, tmp_path, "--overwrite-checkpoints", lr="0.002")))
     second = ckpt.latest(tmp_path / "ckpt")
     assert second.run_id != first.run_id
@@ -208,7 +210,7 @@ def test_a_fresh_run_killed_while_overwriting_leaves_none_of_the_old_run(pkgs, t
 
     def writing() -> bool:
         try:
-            return any(p.name.startswith(ckpt.STAGING_PREFIX) for p in os.scandir(tmp_path / "ckpt"))
+            return any(p.name.startswith(".tmp-step-") for p in os.scandir(tmp_path / "ckpt"))
         except FileNotFoundError:
             return False
     wait_until(writing, "the first checkpoint of the new run", every=0.002)
@@ -239,9 +241,10 @@ def test_a_refused_run_keeps_the_previous_log(pkgs, tmp_path):
     data = bytearray(w.read_bytes())
     data[-1] ^= 0xFF
     w.write_bytes(bytes(data))
-    refused(run_cli(*args_for(bad, tmp_path / "b", "--log-dir", str(log.parent))), str(w), "checksum mismatch")
+    r = run_cli(*args_for(bad, tmp_path / "b", "--log-dir", str(log.parent)))
     assert log.read_bytes() == before
     assert not list(log.parent.glob("train.*.jsonl"))
+    refused(r, str(w), "checksum mismatch")
     # A new run into the same log folder moves the old log aside: nothing lost, nothing mixed.
     ok(run_cli(*args_for(pkg, tmp_path / "c", "--log-dir", str(log.parent))))
     assert (log.parent / "train.1.jsonl").read_bytes() == before
@@ -266,13 +269,14 @@ def test_temporaries_of_a_dead_run_are_removed_at_the_next_start(pkgs, tmp_path)
     ok(run_cli(*args_for(pkg, tmp_path)))
     ck = tmp_path / "ckpt"
     # what a run killed while writing leaves: a staging folder, temporary files beside their targets
-    staging = ck / f"{ckpt.STAGING_PREFIX}00000004-0123456789ab"
+    staging = ck / ".tmp-step-00000004-0123456789ab"
     staging.mkdir()
     (staging / "shard-00001-model-00001-of-00001.safetensors").write_bytes(os.urandom(1 << 20))
     (ck / ".tmp-abcdlatest").write_text("step-")
-    (ckpt.latest(ck).folder / ".tmp-xyzmeta.json").write_text("{")
-    r = ok(run_cli(*args_for(pkg, tmp_path, "--resume", steps=3)))
-    assert not ckpt.stale_temporaries(ck)
+    (ck / "step-00000002" / ".tmp-xyzmeta.json").write_text("{")
+    r = run_cli(*args_for(pkg, tmp_path, "--resume", steps=3))
+    assert not [p for p in ck.rglob(".tmp-*")], sorted(ck.rglob(".tmp-*"))
+    ok(r)
     assert "removed 3 temporary" in r.stderr and "1.0 MB" in r.stderr, r.stderr
 
 
@@ -282,12 +286,12 @@ def test_resume_applies_the_learning_rate_of_the_command_line(pkgs, tmp_path):
     pkg = pkgs["seq"]
     ok(run_cli(*args_for(pkg, tmp_path, steps=2, lr="0.05")))
     r = ok(run_cli(*args_for(pkg, tmp_path, "--resume", steps=4, lr="0.01")))
-    assert "lr 0.05 -> 0.01" in r.stderr
     # without --lr, a resumed run keeps the checkpoint's (not the default 1e-3)
     ok(run_cli(*args_for(pkg, tmp_path, "--resume", steps=5, lr=None)))
     lrs = [x["lr"] for x in log_records(tmp_path / "log" / "train.jsonl")]
     assert lrs == pytest.approx([0.05, 0.05, 0.01, 0.01, 0.01])
     assert_weights(tmp_path / "ckpt", plain_training(pkg, [0.05, 0.05, 0.01, 0.01, 0.01]))
+    assert "lr 0.05 -> 0.01" in r.stderr
 
 
 def test_resume_refuses_an_optimizer_the_checkpoint_state_does_not_fit(pkgs, tmp_path):

@@ -207,7 +207,7 @@ def test_rank_killed_during_a_step_is_named_and_the_others_stop(pkg, tmp_path, r
 
 def _staging(ck: Path) -> bool:
     try:
-        return any(p.name.startswith(ckpt.STAGING_PREFIX) for p in os.scandir(ck))
+        return any(p.name.startswith(".tmp-step-") for p in os.scandir(ck))     # a save in progress
     except FileNotFoundError:
         return False
 
@@ -312,13 +312,13 @@ def test_a_second_run_into_the_folders_of_a_live_one_is_refused_by_name(pkg, tmp
                   tmp_path)
     log = tmp_path / "log" / "train.jsonl"
     wait_until(lambda: len(log_records(log)) >= 2, "two steps")
-    run_id = log_records(log)[0]["run"]
+    run_id = log_records(log)[0].get("run")
     for extra in (["--log-dir", str(tmp_path / "log")], ["--checkpoint-dir", str(ck), "--log-dir", str(tmp_path / "b")]):
         args = train_args(pkg, tmp_path / "second", steps=2)
         args = args[:args.index("--log-dir")] + args[args.index("--log-dir") + 2:] + extra
         second = start(runs, args, tmp_path)
         assert second.wait() == 2, second.stderr
-        assert "is in use by run " + run_id in second.stderr, second.stderr
+        assert f"is in use by run {run_id}" in second.stderr, second.stderr
         assert f"launcher pid {first.pid}" in second.stderr, second.stderr
     # A rank started by hand (torchrun, mpirun) refuses as well: the lock is the ranks', not the launcher's.
     from ftcompile.runtime.launch import free_port
@@ -328,7 +328,7 @@ def test_a_second_run_into_the_folders_of_a_live_one_is_refused_by_name(pkg, tmp
     r = subprocess.run([sys.executable, "-m", "ftcompile.runtime", str(pkg), "--steps", "2", "--log-dir",
                         str(tmp_path / "log"), "--progress", "off"], capture_output=True, text=True, env=env,
                        timeout=LIMIT)
-    assert r.returncode == 2 and "is in use by run " + run_id in r.stderr, r.stderr
+    assert r.returncode == 2 and f"is in use by run {run_id}" in r.stderr, r.stderr
     # the first run is untouched: its log grows and is the only one
     n = len(log_records(log))
     wait_until(lambda: len(log_records(log)) > n, "the first run to go on")
