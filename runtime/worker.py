@@ -237,174 +237,211 @@ def _abort(engine, message: str) -> None:
             cv.notify_all()
 
 
-def run(args, report: Reporter | None = None) -> int:
-    launch = detect_launcher()
-    rank = launch.rank
-    report = report or Reporter(rank, launch.launcher == "ftcompile")
-    quiet = launch.launcher == "ftcompile"       # the launcher already said what every rank would say
-    check_train_args(args)
-    package = load_package(args.package)
-    m = package.manifest
-    launch_run_id = os.environ.get("FTCOMPILE_RUN_ID") or (
-        os.environ.get("TORCHELASTIC_RUN_ID") if os.environ.get("TORCHELASTIC_RUN_ID") not in (None, "", "none")
-        else None)
-    res = resolve(args, m, restart_run_id=launch_run_id)
-    args = res.args
-    from .engine import programs
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
-    programs(m, config_from_args(args, m), 1)     # a schedule that cannot run is refused here
-    if rank == 0 and not quiet:
-        for w in res.warnings:
-            print(f"ftcompile run: warning: {w}", file=sys.stderr)
-        for n in res.notes:
-            print(f"ftcompile run: {n}", file=sys.stderr)
-    cfg = config_from_args(args, m)
-    device = _device(args.device, launch.local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
 
-    transport = control = heartbeat = None
-    ranks = stage_ranks(m, launch.world_size)
-    owner = ranks[m.loss_stage] if m.loss_stage is not None else 0
+def _launch_run_id() -> str | None:
+    """The run id the launcher gave (``ftcompile run``, or torchrun's ``--rdzv-id``), if any."""
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+    return os.environ.get("FTCOMPILE_RUN_ID") or (elastic if elastic not in (None, "", "none") else None)
 
-    def describe(r: int) -> str:
-        return f"rank {r} (stages {sorted(s for s, x in ranks.items() if x == r)})"
 
-    if launch.world_size > 1:
-        from .control import Control, Heartbeat
+class RankRun:
+    """One rank's run, in the order of the module docstring: :meth:`execute` it."""
 
+    def __init__(self, args, report: Reporter | None = None):
+        self.launch = detect_launcher()
+        self.rank = self.launch.rank
+        self.report = report or Reporter(self.rank, self.launch.launcher == "ftcompile")
+        self.args = args
+        self.transport = self.control = self.heartbeat = self.engine = None
+        self.locks: list = []
+        self.log = self.bar = None
+
+    def execute(self) -> int:
+        self.check()
+        self.link()
+        self.take_folders()
+        self.load()
+        self.train()
+        self.close()
+        return 0
+
+    # ------------------------------------------------------------------ 1. checks
+    def check(self) -> None:
+        from .engine import programs
+
+        check_train_args(self.args)
+        self.package = load_package(self.args.package)
+        m = self.m = self.package.manifest
+        self.res = resolve(self.args, m, restart_run_id=_launch_run_id())
+        args = self.args = self.res.args
+        self.cfg = config_from_args(args, m)
+        programs(m, self.cfg, 1)                 # a schedule that cannot run is refused here
+        if self.rank == 0 and self.launch.launcher != "ftcompile":     # else the launcher said it
+            for w in self.res.warnings:
+                print(f"ftcompile run: warning: {w}", file=sys.stderr)
+            for n in self.res.notes:
+                print(f"ftcompile run: {n}", file=sys.stderr)
+        self.device = _device(args.device, self.launch.local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.ranks = stage_ranks(m, self.launch.world_size)
+        self.owner = self.ranks[m.loss_stage] if m.loss_stage is not None else 0
+        self.log_dir = Path(args.log_dir or Path(args.package) / "runs" / args.schedule)
+
+    def describe(self, r: int) -> str:
+        return f"rank {r} (stages {sorted(s for s, x in self.ranks.items() if x == r)})"
+
+    # ------------------------------------------------------------------ 2. linking the ranks
+    def link(self) -> None:
+        args, launch = self.args, self.launch
+        run_id = (self.res.checkpoint.run_id if self.res.checkpoint is not None else None) or _launch_run_id()
+        if launch.world_size > 1:
+            from .control import Control, Heartbeat
+
+            try:
+                self.transport = make_transport(args.transport, launch, device=self.device, timeout_s=args.timeout)
+                self.rank = self.transport.rank
+                self.control = Control.connect(launch, self.transport, timeout_s=args.timeout)
+                run_id = self.control.broadcast(run_id or new_run_id())
+            except TransportError:
+                raise
+            except RuntimeError as err:     # a peer died before the ranks were linked
+                raise TransportError(f"rank {self.rank}: could not link with the other ranks, lost a peer while "
+                                     f"starting ({_first_line(err)})") from None
+            self.heartbeat = Heartbeat(self.control, timeout_s=args.heartbeat_timeout, describe=self.describe,
+                                       on_failure=self._peer_silent).start()
+        self.report.alike = False
+        self.run_id = run_id or new_run_id()
+
+    def _peer_silent(self, message: str, peer: int | None) -> None:
+        self.report(message, kind="hang", code=1, peer=peer)
+        _abort(self.engine, message)
+
+    def phase(self, text: str) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.phase = text
+
+    # ------------------------------------------------------------------ 3. the folders
+    def take_folders(self) -> None:
+        """The loss rank locks the folders for the whole run; nothing is written before every rank agrees."""
+        args, failure = self.args, None
+        if self.rank == self.owner:
+            try:
+                self.locks.append(acquire(self.log_dir, self.run_id, what="logs"))
+                if args.checkpoint_dir:
+                    if Path(args.checkpoint_dir).resolve() != self.log_dir.resolve():
+                        self.locks.append(acquire(args.checkpoint_dir, self.run_id, what="checkpoints"))
+                    for note in ckpt.prepare_folder(args.checkpoint_dir, resume=self.res.checkpoint is not None,
+                                                    overwrite=args.overwrite_checkpoints):
+                        print(f"ftcompile run: {note}", file=sys.stderr)
+            except (FolderBusy, CheckpointError, OSError) as exc:
+                failure = exc
+        _agree(self.control, failure, self.rank)
+
+    # ------------------------------------------------------------------ 4. stages and checkpoint
+    def load(self) -> None:
+        self.phase("loading its stages")
+        failure, ck = None, self.res.checkpoint
         try:
-            transport = make_transport(args.transport, launch, device=device, timeout_s=args.timeout)
-            rank = transport.rank
-            control = Control.connect(launch, transport, timeout_s=args.timeout)
-        except TransportError:
-            raise
-        except RuntimeError as err:     # a peer died before the ranks were linked
-            raise TransportError(f"rank {rank}: could not link with the other ranks, lost a peer while starting "
-                                 f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
-    report.alike = False
-    run_id = (res.checkpoint.run_id if res.checkpoint is not None else None) or launch_run_id
-    if control is not None:
-        try:
-            run_id = control.broadcast(run_id or new_run_id())
-        except RuntimeError as err:
-            raise PipelineError(f"rank {rank}: lost a peer while the ranks were starting "
-                                f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
-    run_id = run_id or new_run_id()
-    engine = None
-    if control is not None:
-        def on_failure(message: str, peer: int | None) -> None:
-            report(message, kind="hang", code=1, peer=peer)
-            _abort(engine, message)
-
-        heartbeat = Heartbeat(control, timeout_s=args.heartbeat_timeout, describe=describe,
-                              on_failure=on_failure).start()
-
-    def phase(text: str) -> None:
-        if heartbeat is not None:
-            heartbeat.phase = text
-
-    # The loss rank holds the folders for the whole run; nothing is written before every rank agrees.
-    log_dir = Path(args.log_dir or Path(args.package) / "runs" / args.schedule)
-    locks, failure = [], None
-    if rank == owner:
-        try:
-            locks.append(acquire(log_dir, run_id, what="logs"))
-            if args.checkpoint_dir:
-                if Path(args.checkpoint_dir).resolve() != log_dir.resolve():
-                    locks.append(acquire(args.checkpoint_dir, run_id, what="checkpoints"))
-                for note in ckpt.prepare_folder(args.checkpoint_dir, resume=res.checkpoint is not None,
-                                                overwrite=args.overwrite_checkpoints):
-                    print(f"ftcompile run: {note}", file=sys.stderr)
-        except (FolderBusy, CheckpointError, OSError) as exc:
+            self.engine = RankEngine(self.package, self.cfg, rank=self.rank, world_size=self.launch.world_size,
+                                     transport=self.transport, device=self.device, ranks=self.ranks)
+            if ck is not None:
+                self.phase(f"loading the checkpoint of step {ck.step}")
+                names = [n for mod in self.engine.modules.values() for n in mod.state_dict()]
+                self.engine.load_state(ckpt.load(ck, names, self.device, optimizer=not self.args.reset_optimizer))
+        except (PipelineError, CheckpointError, PackageError, OSError) as exc:
             failure = exc
-    _agree(control, failure, rank)
+        _agree(self.control, failure, self.rank)
+        self.start = ck.step if ck is not None else 0
 
-    phase("loading its stages")
-    failure = None
-    try:
-        engine = RankEngine(package, cfg, rank=rank, world_size=launch.world_size, transport=transport,
-                            device=device, ranks=ranks)
-        if res.checkpoint is not None:
-            phase(f"loading the checkpoint of step {res.checkpoint.step}")
-            names = [n for mod in engine.modules.values() for n in mod.state_dict()]
-            state = ckpt.load(res.checkpoint, names, device, optimizer=not args.reset_optimizer)
-            engine.load_state(state)
-    except (PipelineError, CheckpointError, PackageError, OSError) as exc:
-        failure = exc
-    _agree(control, failure, rank)
-    start = res.checkpoint.step if res.checkpoint is not None else 0
-
-    from .data import load_dataset
-
-    batches = iter(load_dataset(args.data, m, micro_batches=cfg.micro_batches, seed=args.seed))
-    for _ in range(start):
-        next(batches)
-    is_logger = rank == engine.log_rank
-    log = bar = None
-    if is_logger:
-        log, notes = open_log(log_dir, run_id=run_id, resume_step=start if res.checkpoint is not None else None)
+    # ------------------------------------------------------------------ 5. training
+    def _open_log(self) -> None:
+        args = self.args
+        if self.rank != self.engine.log_rank:
+            return
+        resumed = self.start if self.res.checkpoint is not None else None
+        self.log, notes = open_log(self.log_dir, run_id=self.run_id, resume_step=resumed)
         for note in notes:
             print(f"ftcompile run: {note}", file=sys.stderr)
-        show = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
-        if show:
+        if args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty()):
             from tqdm import tqdm
-            bar = tqdm(total=args.steps, initial=start, desc=f"{cfg.schedule} x{launch.world_size}", unit="step",
-                       file=sys.stderr)
+            self.bar = tqdm(total=args.steps, initial=self.start, unit="step", file=sys.stderr,
+                            desc=f"{self.cfg.schedule} x{self.launch.world_size}")
 
-    def on_step(rec: dict) -> None:
-        rec = {"run": run_id, "schedule": cfg.schedule, "micro_batches": cfg.micro_batches,
-               "world_size": launch.world_size, **rec}
-        log.write(rec)
-        if bar is not None:
-            bar.update(1)
+    def _on_step(self, rec: dict) -> None:
+        rec = {"run": self.run_id, "schedule": self.cfg.schedule, "micro_batches": self.cfg.micro_batches,
+               "world_size": self.launch.world_size, **rec}
+        self.log.write(rec)
+        if self.bar is not None:
+            self.bar.update(1)
             if rec.get("loss") is not None:
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", sps=f"{rec.get('samples_per_s') or 0:.1f}")
+                self.bar.set_postfix(loss=f"{rec['loss']:.4f}", sps=f"{rec.get('samples_per_s') or 0:.1f}")
 
-    meta = {"run_id": run_id, "package": m.generator.get("graph_hash"), "model": m.model.get("name"),
-            "world_size": launch.world_size, "config": recorded_config(args)}
-    t0 = time.perf_counter()
-    every = args.checkpoint_every or args.steps
-    step, previous = start, start if res.checkpoint is not None else None
-    engine.start()
-    while step < args.steps:
-        n = min(every, args.steps - step)
-        phase(f"training steps {step}-{step + n - 1}")
-        engine.run(batches, n, on_step=on_step if is_logger else None, step_offset=step)
-        step += n
-        if args.checkpoint_dir and (args.checkpoint_every or step == args.steps):
-            phase(f"in the checkpoint of step {step}")
-            try:
-                ckpt.save(args.checkpoint_dir, step, engine.state(), meta=meta, control=control, previous=previous)
-            except (ckpt.CheckpointPeerLost, RuntimeError) as exc:
-                # A peer that died mid-save fails the collective; the transport's receivers say which.
-                lost = _wait_for_failure(engine, seconds=5)
-                raise PipelineError(f"{lost} (during the checkpoint of step {step})" if lost else
-                                    f"rank {rank}: lost a peer during the checkpoint of step {step}: {exc}") from None
-            previous = step
-    phase("finishing")
-    engine.finish()
-    if heartbeat is not None:
-        heartbeat.stop()
-    seconds = time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
-    if is_logger:
-        done = args.steps - start
-        summary = {"run": run_id, "summary": True, "steps": done, "seconds": seconds, "schedule": cfg.schedule,
-                   "samples_per_s": done * cfg.micro_batches * m.micro_batch_size / seconds}
-        log.write(summary)
-        log.close()
-        print(f"ftcompile run: {done} steps of {cfg.schedule} on {launch.world_size} rank(s) in "
-              f"{seconds:.1f} s ({summary['samples_per_s']:.1f} samples/s); log: {log_dir / 'train.jsonl'}",
-              file=sys.stderr)
-    if control is not None:
-        control.close()
-    if transport is not None:
-        transport.close()
-    for lk in locks:
-        lk.release()
-    return 0
+    def _save(self, step: int, previous: int | None) -> None:
+        args, m = self.args, self.m
+        meta = {"run_id": self.run_id, "package": m.generator.get("graph_hash"), "model": m.model.get("name"),
+                "world_size": self.launch.world_size, "config": recorded_config(args)}
+        self.phase(f"in the checkpoint of step {step}")
+        try:
+            ckpt.save(args.checkpoint_dir, step, self.engine.state(), meta=meta, control=self.control,
+                      previous=previous)
+        except (ckpt.CheckpointPeerLost, RuntimeError) as exc:
+            # A peer that died mid-save fails the collective; the transport's receivers say which.
+            lost = _wait_for_failure(self.engine, seconds=5)
+            raise PipelineError(f"{lost} (during the checkpoint of step {step})" if lost else
+                                f"rank {self.rank}: lost a peer during the checkpoint of step {step}: {exc}") from None
+
+    def train(self) -> None:
+        from .data import load_dataset
+
+        args, cfg, engine = self.args, self.cfg, self.engine
+        batches = iter(load_dataset(args.data, self.m, micro_batches=cfg.micro_batches, seed=args.seed))
+        for _ in range(self.start):
+            next(batches)
+        self._open_log()
+        t0 = time.perf_counter()
+        every = args.checkpoint_every or args.steps
+        step, previous = self.start, (self.start if self.res.checkpoint is not None else None)
+        engine.start()
+        while step < args.steps:
+            n = min(every, args.steps - step)
+            self.phase(f"training steps {step}-{step + n - 1}")
+            engine.run(batches, n, on_step=self._on_step if self.log is not None else None, step_offset=step)
+            step += n
+            if args.checkpoint_dir and (args.checkpoint_every or step == args.steps):
+                self._save(step, previous)
+                previous = step
+        self.phase("finishing")
+        engine.finish()
+        self.seconds = time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if self.bar is not None:
+            self.bar.close()
+        if self.log is not None:
+            done, cfg = self.args.steps - self.start, self.cfg
+            sps = done * cfg.micro_batches * self.m.micro_batch_size / self.seconds
+            self.log.write({"run": self.run_id, "summary": True, "steps": done, "seconds": self.seconds,
+                            "schedule": cfg.schedule, "samples_per_s": sps})
+            self.log.close()
+            print(f"ftcompile run: {done} steps of {cfg.schedule} on {self.launch.world_size} rank(s) in "
+                  f"{self.seconds:.1f} s ({sps:.1f} samples/s); log: {self.log_dir / 'train.jsonl'}", file=sys.stderr)
+        if self.control is not None:
+            self.control.close()
+        if self.transport is not None:
+            self.transport.close()
+        for lk in self.locks:
+            lk.release()
+
+
+def run(args, report: Reporter | None = None) -> int:
+    """Train as one rank (see the module docstring); returns 0, or raises what stopped it."""
+    return RankRun(args, report).execute()
 
 
 def main(argv: list[str] | None = None) -> int:

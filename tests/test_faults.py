@@ -206,8 +206,11 @@ def test_rank_killed_during_a_step_is_named_and_the_others_stop(pkg, tmp_path, r
 
 
 def _staging(ck: Path) -> bool:
+    """A checkpoint is being written: temporary files or folders are there."""
     try:
-        return any(p.name.startswith(".tmp-step-") for p in os.scandir(ck))     # a save in progress
+        return any(p.name.startswith(".tmp-") or (p.name.startswith("step-") and p.is_dir() and
+                                                  any(q.name.startswith(".tmp-") for q in os.scandir(p)))
+                   for p in os.scandir(ck))
     except FileNotFoundError:
         return False
 
