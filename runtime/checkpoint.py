@@ -119,26 +119,33 @@ def entries(stages: dict[int, dict]) -> tuple[dict[str, torch.Tensor], dict[str,
 
     ``stages`` maps a stage id to ``{"weights": {name: tensor}, "optimizer": {name: {key: value}}}``.
     Returns the flat ``{key: tensor}`` that :func:`save` writes (a name several local stages hold
-    appears once) and the Python type of optimizer-state values that were numbers (``{"step":
+    appears once; their copies must be equal, else CheckpointError) and the Python type of optimizer-state values that were numbers (``{"step":
     "int"}``), which are stored as 0-dim tensors and turned back on load.
     """
     out: dict[str, torch.Tensor] = {}
     scalars: dict[str, str] = {}
+    holder: dict[str, int] = {}
+
+    def put(k: str, t: torch.Tensor, sid: int) -> None:
+        if k not in out:
+            out[k], holder[k] = t.detach(), sid
+        elif not torch.equal(out[k], t.detach()):
+            raise CheckpointError(f"stages {holder[k]} and {sid} hold different copies of {k}, which they share: "
+                                  "their training diverged (a bug); this checkpoint would keep only one of them")
+
     for sid in sorted(stages):
         s = stages[sid]
         for name, t in s.get("weights", {}).items():
-            out.setdefault(name, t.detach())
+            put(name, t, sid)
         for name, state in (s.get("optimizer") or {}).items():
             for key, value in state.items():
                 k = f"{OPTIMIZER_PREFIX}{name}/{key}"
-                if k in out:
-                    continue
                 if isinstance(value, torch.Tensor):
-                    out[k] = value.detach()
+                    put(k, value, sid)
                 elif isinstance(value, (bool, int, float)):
                     kind = "bool" if isinstance(value, bool) else type(value).__name__
                     scalars[key] = kind
-                    out[k] = torch.tensor(value, dtype=torch.float64 if kind == "float" else torch.int64)
+                    put(k, torch.tensor(value, dtype=torch.float64 if kind == "float" else torch.int64), sid)
     return out, scalars
 
 
@@ -347,6 +354,8 @@ def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: d
     unique: dict[str, int] = {}
     for s in all_sizes:
         unique.update(s)
+    if world > 1:
+        _check_copies(flat, all_sizes, control, step)
     needed = sum(unique.values()) + 64 * 1024 * world    # headers and meta.json
     staging = root / f"{STAGING_PREFIX}{step:08d}-{save_id}"
     # One rank decides for all: on a shared file system every host sees the same free space.
@@ -412,6 +421,29 @@ def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: d
     if error:
         raise _everyone(CheckpointSpaceError(error) if "no room" in error else CheckpointError(error))
     return step_dir(root, step)
+
+
+def _digest(t: torch.Tensor) -> str:
+    import hashlib
+
+    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()
+
+
+def _check_copies(flat: dict[str, torch.Tensor], all_keys: list[dict], control, step: int) -> None:
+    """Tensors several ranks hold (tied weights, replicated stages) must be equal: the save keeps one copy."""
+    held = {}
+    for r, keys in enumerate(all_keys):
+        for k in keys:
+            held.setdefault(k, []).append(r)
+    shared = sorted(k for k, rs in held.items() if len(rs) > 1 and k in flat)
+    digests = control.all_gather({k: _digest(flat[k]) for k in shared})
+    for k in sorted(k for k, rs in held.items() if len(rs) > 1):
+        seen = {r: d[k] for r, d in enumerate(digests) if k in d}
+        if len(set(seen.values())) > 1:
+            raise _everyone(CheckpointError(
+                f"ranks {sorted(seen)} hold different copies of {k}, which they share, at step {step}: their "
+                "training diverged (a bug); the checkpoint would keep only one of them, so it is not written"))
 
 
 def _commit(root: Path, staging: Path, step: int, run_id: str | None) -> None:

@@ -212,14 +212,13 @@ def resolve(args, manifest, *, restart_run_id: str | None = None) -> Resolved:
         ck = check_resumable(args.checkpoint_dir, package=package,
                              steps=args.steps if args.steps is not None else 2 ** 62)
         was = ck.meta.get("config") or {}
-        inherited, changed = [], []
+        changed = []
         for name in RECORDED:
             given = getattr(args, name, None)
             old = was.get(name)
             if given is None:
                 if name in was:
                     setattr(args, name, old)
-                    inherited.append(name)
             elif name in was and given != old and name != "steps":
                 changed.append((name, old, given))
         new_opt, old_opt = args.optimizer or DEFAULTS["optimizer"], was.get("optimizer")

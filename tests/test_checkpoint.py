@@ -387,3 +387,50 @@ def test_a_folder_lock_names_its_holder_and_dies_with_it(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+_SAVE = """
+import os, sys, torch, torch.distributed as dist
+from ftcompile.runtime import checkpoint as ckpt
+from ftcompile.runtime.control import Control
+r = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=r, world_size=2)
+c = Control(r, 2, None, None, "t", owns_default_group=False, hosts_store=False)
+shared = torch.ones(3) + (1e-6 if r == 1 and sys.argv[2] == "diverged" else 0.0)
+stages = {r: {"weights": {"shared.w": shared, f"own{r}.w": torch.full((2,), float(r))},
+              "optimizer": {f"own{r}.w": {"step": 3, "exp_avg": torch.ones(2)}}}}
+try:
+    ckpt.save(sys.argv[1], 1, stages, meta={"run_id": "t"}, control=c)
+    print("saved", flush=True)
+except ckpt.CheckpointError as e:
+    print("refused:", e, flush=True)
+"""
+
+
+@pytest.mark.parametrize("case", ["same", "diverged"])
+def test_the_collective_save_writes_a_shared_tensor_once_and_refuses_diverged_copies(tmp_path, case):
+    """Two processes over gloo call checkpoint.save directly: the tensor both hold is written once, and
+    copies that differ (replicas or tied weights that drifted apart) stop the save on both ranks."""
+    from ftcompile.runtime.launch import free_port
+
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    procs = [subprocess.Popen([PY, "-c", _SAVE, str(tmp_path / "ckpt"), case], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=LIMIT)[0] for p in procs]
+    if case == "diverged":
+        assert all("refused: ranks [0, 1] hold different copies of shared.w" in o for o in outs), outs
+        assert ckpt.latest(tmp_path / "ckpt") is None and not ckpt.stale_temporaries(tmp_path / "ckpt")
+        return
+    assert all(o.strip() == "saved" for o in outs), outs
+    ck = ckpt.latest(tmp_path / "ckpt")
+    got = ckpt.load(ck, ["shared.w", "own0.w", "own1.w"])
+    assert torch.equal(got["weights"]["own1.w"], torch.ones(2)) and torch.equal(got["weights"]["shared.w"],
+                                                                                  torch.ones(3))
+    assert got["optimizer"]["own1.w"]["step"] == 3 and isinstance(got["optimizer"]["own1.w"]["step"], int)
+    from safetensors import safe_open
+
+    holders = 0
+    for f in ck.folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as fh:
+            holders += "shared.w" in fh.keys()
+    assert holders == 1
