@@ -60,12 +60,16 @@ def add_parsers(sub) -> None:
             "mpirun (`mpirun -np N python -m ftcompile.runtime PACKAGE ...`).\n\n"
             "The rank holding the loss writes LOG_DIR/train.jsonl: per step the loss, samples/s,\n"
             "learning rate, each stage's forward/backward/recompute/update seconds, and each rank's\n"
-            "waiting time and peak memory."),
+            "waiting time and peak memory.\n\n"
+            "Options are checked before any rank starts. A rank that fails, dies or stops responding\n"
+            "stops the run, named with its signal; SIGTERM, Ctrl-C or kill -9 of this command stop\n"
+            "every rank. Exit status: 0 done, 2 refused, 1 failed, 128+N a signal N."),
         epilog=(
             "examples:\n"
             "  ftcompile run out/gpt2 --nproc 2 --schedule 1f1b --steps 20 --data text\n"
             "  ftcompile run out/gpt2 --nproc 2 --schedule async --micro-batches 4 --optimizer momentum\n"
-            "  ftcompile run out/gpt2 --nproc 2 --checkpoint-dir ckpt --checkpoint-every 5 --resume"))
+            "  ftcompile run out/gpt2 --nproc 2 --steps 100 --checkpoint-dir ckpt --checkpoint-every 5\n"
+            "  ftcompile run out/gpt2 --nproc 2 --checkpoint-dir ckpt --resume     # after a crash"))
     base._add_common(p, top=False)
     add_train_arguments(p)
     p.add_argument("--nproc", type=int, default=None, metavar="N",
@@ -135,6 +139,7 @@ def _check_weights(package) -> None:
 def _preflight(args: argparse.Namespace):
     """Everything that can refuse a run, checked before any rank starts; returns (package, resolved, nproc)."""
     from .runtime import checkpoint as ckpt
+    from .runtime import load_package
     from .runtime.lock import check_free
     from .runtime.options import resolve
     from .runtime.worker import check_train_args
@@ -148,7 +153,7 @@ def _preflight(args: argparse.Namespace):
         raise base.UsageError(f"--nproc must be at least 1, got {args.nproc}")
     if args.max_restarts < 0:
         raise base.UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
-    package = load_package_checked(args.package)
+    package = load_package(args.package)    # a damaged package: code and plan here, weights below
     m = package.manifest
     nproc = args.nproc if args.nproc is not None else m.num_gpus
     if nproc > m.num_gpus:
@@ -164,11 +169,8 @@ def _preflight(args: argparse.Namespace):
     check_free(log_dir, what="logs")
     if args.checkpoint_dir:
         check_free(args.checkpoint_dir, what="checkpoints")
-        if res.checkpoint is None and ckpt.committed(args.checkpoint_dir) and not args.overwrite_checkpoints:
-            raise ckpt.CheckpointError(
-                f"{args.checkpoint_dir} holds {ckpt.describe(args.checkpoint_dir)}; a new run would mix with them. "
-                "Continue that run with --resume, choose another --checkpoint-dir, or pass --overwrite-checkpoints "
-                "to delete them")
+        if res.checkpoint is None:
+            ckpt.check_fresh(args.checkpoint_dir, overwrite=args.overwrite_checkpoints)
     from .runtime.data import load_dataset
     from .runtime.engine import programs
     from .runtime.worker import config_from_args
@@ -177,12 +179,6 @@ def _preflight(args: argparse.Namespace):
     load_dataset(res.args.data, m, micro_batches=res.args.micro_batches, seed=res.args.seed)
     _check_weights(package)
     return package, res, nproc
-
-
-def load_package_checked(path):
-    from .runtime import load_package
-
-    return load_package(path)   # refuses a damaged package (code, plan; weights in _check_weights)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -277,14 +277,19 @@ def prepare_folder(root: str | os.PathLike, *, resume: bool, overwrite: bool) ->
     old = committed(root)
     if resume or not old:
         return notes
-    if not overwrite:
-        raise CheckpointError(f"{root} holds {describe(root)}; a new run would mix with them. Continue that run "
-                              "with --resume, choose another --checkpoint-dir, or pass --overwrite-checkpoints "
-                              "to delete them")
+    check_fresh(root, overwrite=overwrite)
     for p in old:
         _remove(p)
     notes.append(f"deleted the checkpoints in {root} (--overwrite-checkpoints)")
     return notes
+
+
+def check_fresh(root: str | os.PathLike, *, overwrite: bool) -> None:
+    """Refuse a new run into ``root`` when it holds checkpoints, unless they are to be overwritten."""
+    if committed(root) and not overwrite:
+        raise CheckpointError(f"{root} holds {describe(root)}; a new run would mix with them. Continue that run "
+                              "with --resume, choose another --checkpoint-dir, or pass --overwrite-checkpoints "
+                              "to delete them")
 
 
 def check_resumable(root: str | os.PathLike, *, package: str | None, steps: int) -> Checkpoint:

@@ -137,7 +137,7 @@ def _environ(**values: str):
 
 
 def spawn(worker_args: list[str], nproc: int, *, run_id: str, describe: Callable[[int], str] | None = None,
-          max_restarts: int = 0, threads_per_rank: int | None = None, shutdown_timeout_s: int = 15,
+          max_restarts: int = 0, threads_per_rank: int | None = None, shutdown_timeout_s: int = 5,
           debug: bool = False) -> int:
     """Run ``nproc`` ranks of ``python -m ftcompile.runtime WORKER_ARGS``; returns the exit status."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
