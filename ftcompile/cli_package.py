@@ -60,16 +60,23 @@ def add_parsers(sub) -> None:
             "mpirun (`mpirun -np N python -m ftcompile.runtime PACKAGE ...`).\n\n"
             "The rank holding the loss writes LOG_DIR/train.jsonl: per step the loss, samples/s,\n"
             "learning rate, each stage's forward/backward/recompute/update seconds, and each rank's\n"
-            "waiting time and peak memory."),
+            "waiting time and peak memory.\n\n"
+            "Options are checked before any rank starts. A rank that fails, dies or stops responding\n"
+            "stops the run, named with its signal; SIGTERM, Ctrl-C or kill -9 of this command stop\n"
+            "every rank. Exit status: 0 done, 2 refused, 1 failed, 128+N a signal N."),
         epilog=(
             "examples:\n"
             "  ftcompile run out/gpt2 --nproc 2 --schedule 1f1b --steps 20 --data text\n"
             "  ftcompile run out/gpt2 --nproc 2 --schedule async --micro-batches 4 --optimizer momentum\n"
-            "  ftcompile run out/gpt2 --nproc 2 --checkpoint-dir ckpt --checkpoint-every 5 --resume"))
+            "  ftcompile run out/gpt2 --nproc 2 --steps 100 --checkpoint-dir ckpt --checkpoint-every 5\n"
+            "  ftcompile run out/gpt2 --nproc 2 --checkpoint-dir ckpt --resume     # after a crash"))
     base._add_common(p, top=False)
     add_train_arguments(p)
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="ranks to start on this host (default: the plan's GPU count)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="restart every rank up to K times after a failure; with --checkpoint-dir the restarted "
+                        "ranks resume from the run's latest checkpoint (default 0)")
     p.set_defaults(func=cmd_run)
 
 
@@ -85,8 +92,13 @@ def _device(text: str) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    import math
+
     from .verify import verify_package
 
+    if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance >= 0):
+        raise base.UsageError(f"--tolerance {args.tolerance!r} makes no sense: give the largest relative error to "
+                              "accept, a number >= 0 (default 1e-5 for float32, 1e-2 for float16)")
     ui = base._Ui(args)
     device = _device(args.device)
     phases = ["load package", "rebuild the model", "run the model", "run the package", "recompute every stage"]
@@ -115,21 +127,77 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from .runtime import load_package
-    from .runtime.launch import spawn
-    from .runtime.engine import PipelineError
-    from .runtime.worker import check_train_args, worker_argv
+def _check_weights(package) -> None:
+    """Every stage's weights against SHA256SUMS, before any rank starts (a rank checks only its own)."""
+    from .runtime.package import _check_file
 
+    for s in package.manifest.stages:
+        if s.weights and package.verify:
+            _check_file(package.path, s.weights, package.checksums[s.weights])
+
+
+def _preflight(args: argparse.Namespace):
+    """Everything that can refuse a run, checked before any rank starts; returns (package, resolved, nproc)."""
+    from .runtime import checkpoint as ckpt
+    from .runtime import load_package
+    from .runtime.lock import check_free
+    from .runtime.options import resolve
+    from .runtime.worker import check_train_args
+
+    ui = base._Ui(args)
     try:
         check_train_args(args)
-    except (ValueError, PipelineError) as exc:
+    except ValueError as exc:
         raise base.UsageError(str(exc)) from None
-    package = load_package(args.package)   # refuse a damaged package before starting any rank
-    nproc = args.nproc or package.manifest.num_gpus
-    if nproc < 1:
-        raise base.UsageError("--nproc must be at least 1")
+    if args.nproc is not None and args.nproc < 1:
+        raise base.UsageError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.max_restarts < 0:
+        raise base.UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    package = load_package(args.package)    # a damaged package: code and plan here, weights below
+    m = package.manifest
+    nproc = args.nproc if args.nproc is not None else m.num_gpus
+    if nproc > m.num_gpus:
+        raise base.UsageError(f"--nproc {nproc}: the plan has {m.num_gpus} GPU(s), so ranks beyond {m.num_gpus} "
+                              f"would hold no stage; give --nproc {m.num_gpus} or fewer (several GPUs' stages "
+                              "then share a rank)")
+    res = resolve(args, m)
+    for w in res.warnings:
+        print(f"{base.PROG}: warning: {w}", file=sys.stderr)
+    for n in res.notes:
+        ui.note(n)
+    log_dir = args.log_dir or str(package.path / "runs" / res.args.schedule)
+    check_free(log_dir, what="logs")
+    if args.checkpoint_dir:
+        check_free(args.checkpoint_dir, what="checkpoints")
+        if res.checkpoint is None:
+            ckpt.check_fresh(args.checkpoint_dir, overwrite=args.overwrite_checkpoints)
+    from .runtime.data import load_dataset
+    from .runtime.engine import programs
+    from .runtime.worker import config_from_args
+
+    programs(m, config_from_args(res.args, m), 1)      # ScheduleError: e.g. 2bw with too few micro-batches
+    load_dataset(res.args.data, m, micro_batches=res.args.micro_batches, seed=res.args.seed)
+    _check_weights(package)
+    return package, res, nproc
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .runtime.engine import stage_ranks
+    from .runtime.launch import spawn
+    from .runtime.options import NothingToDo, new_run_id, worker_argv
+
+    try:
+        package, res, nproc = _preflight(args)
+    except NothingToDo as exc:
+        print(f"{base.PROG} run: {exc}", file=sys.stderr)
+        return 0
+    ranks = stage_ranks(package.manifest, nproc)
+
+    def describe(r: int) -> str:
+        return f"rank {r} (stages {sorted(s for s, x in ranks.items() if x == r)})"
+
     worker = worker_argv(args)
     if getattr(args, "quiet", False) and args.progress == "auto":
         worker[worker.index("--progress") + 1] = "off"
-    return spawn(worker, nproc)
+    return spawn(worker, nproc, run_id=new_run_id(), describe=describe, max_restarts=args.max_restarts,
+                 debug=bool(getattr(args, "debug", False)))

@@ -1,101 +1,551 @@
-"""Checkpoints: one shard per stage, written atomically, resumed by any plan-compatible run.
+"""Checkpoints keyed by parameter name, written collectively with ``torch.distributed.checkpoint``.
 
-Layout of a checkpoint folder::
+Layout of a checkpoint folder ``DIR``::
 
-    DIR/latest                         the name of the newest complete checkpoint
-    DIR/step-00000020/stage_3.safetensors   a stage's weights (canonical names)
-    DIR/step-00000020/stage_3.state.pt      its optimizer and LR-scheduler state
-    DIR/step-00000020/rank_1.done           rank 1 wrote all its shards
-    DIR/step-00000020/meta.json             step, schedule, package, written last
+    DIR/latest                               {"folder": "step-00000020", "step": 20, "run_id": ...}
+    DIR/step-00000020/meta.json              step, run id, package (graph hash), optimizer, settings
+    DIR/step-00000020/shard-0000R-model-00001-of-00001.safetensors   what rank R-1 wrote
+    DIR/.ftcompile-lock                      held by the run writing here (:mod:`.lock`)
 
-Every file goes through a temporary file and a rename; ``meta.json`` is written
-(by the logging rank, once every rank's ``.done`` marker is there) before
-``latest`` moves, so a crash at any moment leaves the previous checkpoint
-usable. Ranks on several hosts need ``DIR`` on a shared file system.
+**Content.** Every weight under its canonical name (``transformer.h.0.attn.c_attn.weight``),
+every piece of per-parameter optimizer state as ``optimizer/NAME/KEY`` (``exp_avg``,
+``momentum_buffer``...). Nothing is keyed by stage, rank or an optimizer's integer index, so a
+checkpoint loads into another plan of the same model, another stage layout, another number
+of ranks or replicas: each rank reads the names its stages hold. The learning-rate schedule
+is a function of the step (:func:`~ftcompile.runtime.optim.set_position`), and the settings
+the run trained with are in ``meta.json``.
+
+**Writing** (:func:`save`, called by every rank at the same step) is
+``torch.distributed.checkpoint.save`` with its Hugging Face safetensors writer, one file per
+rank: the planner writes a tensor that several ranks hold (a tied weight, a stage replicated
+across pipelines) once, and a write failure on any rank reaches every rank. The files go into a
+staging folder ``DIR/.tmp-step-00000020-SAVEID`` of this save alone; once every rank's write has
+succeeded, the coordinator writes ``meta.json``, renames the staging folder to
+``step-00000020`` and then moves ``latest``. A crash at any moment leaves the previous
+checkpoint as ``latest`` and, at worst, a staging folder that the next run removes
+(:func:`remove_stale`); no file of one save or one run can be mixed into another.
+
+**Runs.** ``meta.json`` and ``latest`` carry the run id; a fresh run refuses a folder that
+holds checkpoints (:func:`prepare_folder`) unless told to overwrite them, and ``--resume``
+continues the run of ``latest`` (tied to its package by the graph hash).
+
+Ranks on several hosts need ``DIR`` on a shared file system.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import shutil
 import time
+import uuid
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from .atomic import atomic_path, atomic_write_text
+from .atomic import atomic_write_text
 
 FORMAT = "ftcompile.checkpoint"
-VERSION = 1
+VERSION = 2
+LATEST = "latest"
+META = "meta.json"
+OPTIMIZER_PREFIX = "optimizer/"
+STAGING_PREFIX = ".tmp-step-"
+#: Errors that mean the file system has no room (or the process may not grow a file).
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class CheckpointError(ValueError):
-    """A checkpoint cannot be read or does not belong to this package."""
+    """A checkpoint cannot be read, written, or does not belong to this run or package.
+
+    ``every_rank``: every rank of the run raised this same error (a collective save failed), so
+    one of them is enough to report it.
+    """
+
+    every_rank = False
+
+
+def _everyone(exc: CheckpointError) -> CheckpointError:
+    exc.every_rank = True
+    return exc
+
+
+class CheckpointSpaceError(CheckpointError):
+    """The checkpoint folder has no room for the next checkpoint."""
+
+
+class CheckpointPeerLost(RuntimeError):
+    """A collective of the save failed: a peer rank is gone (its connection closed)."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint: its step, folder and ``meta.json``."""
+
+    step: int
+    folder: Path
+    meta: dict
+
+    @property
+    def run_id(self) -> str | None:
+        return self.meta.get("run_id")
+
+    @property
+    def optimizer(self) -> str | None:
+        return (self.meta.get("config") or {}).get("optimizer")
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
 
 
-def save_shards(root: str | os.PathLike, step: int, rank: int, state: dict[int, dict]) -> None:
-    """Write this rank's stages (``RankEngine.state()``) for the checkpoint after ``step`` steps."""
-    d = step_dir(root, step)
-    d.mkdir(parents=True, exist_ok=True)
-    for sid, s in state.items():
-        with atomic_path(d / f"stage_{sid}.safetensors") as tmp:
-            save_file({n: t.detach().to("cpu").contiguous() for n, t in s["weights"].items()}, str(tmp))
-        with atomic_path(d / f"stage_{sid}.state.pt") as tmp:
-            torch.save({"optimizer": s["optimizer"], "scheduler": s["scheduler"]}, tmp)
-    atomic_write_text(d / f"rank_{rank}.done", json.dumps(sorted(state)))
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
 
 
-def commit(root: str | os.PathLike, step: int, ranks: int, meta: dict, *, timeout_s: float = 300.0) -> Path:
-    """Wait for every rank's shards, then write ``meta.json`` and point ``latest`` at this checkpoint."""
-    d = step_dir(root, step)
-    deadline = time.monotonic() + timeout_s
-    while not all((d / f"rank_{r}.done").exists() for r in range(ranks)):
-        if time.monotonic() > deadline:
-            missing = [r for r in range(ranks) if not (d / f"rank_{r}.done").exists()]
-            raise CheckpointError(f"{d}: ranks {missing} did not write their shards within {timeout_s:.0f} s")
-        time.sleep(0.05)
-    atomic_write_text(d / "meta.json", json.dumps({"format": FORMAT, "version": VERSION, "step": step, **meta},
-                                                  indent=1))
-    atomic_write_text(Path(root) / "latest", d.name + "\n")
-    return d
+# --------------------------------------------------------------------------- content
+
+def entries(stages: dict[int, dict]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """One rank's checkpoint entries from its stages' states (``RankEngine.state()``).
+
+    ``stages`` maps a stage id to ``{"weights": {name: tensor}, "optimizer": {name: {key: value}}}``.
+    Returns the flat ``{key: tensor}`` that :func:`save` writes (a name several local stages hold
+    appears once; their copies must be equal, else CheckpointError) and the Python type of optimizer-state values that were numbers (``{"step":
+    "int"}``), which are stored as 0-dim tensors and turned back on load.
+    """
+    out: dict[str, torch.Tensor] = {}
+    scalars: dict[str, str] = {}
+    holder: dict[str, int] = {}
+
+    def put(k: str, t: torch.Tensor, sid: int) -> None:
+        if k not in out:
+            out[k], holder[k] = t.detach(), sid
+        elif not torch.equal(out[k], t.detach()):
+            raise CheckpointError(f"stages {holder[k]} and {sid} hold different copies of {k}, which they share: "
+                                  "their training diverged (a bug); this checkpoint would keep only one of them")
+
+    for sid in sorted(stages):
+        s = stages[sid]
+        for name, t in s.get("weights", {}).items():
+            put(name, t, sid)
+        for name, state in (s.get("optimizer") or {}).items():
+            for key, value in state.items():
+                k = f"{OPTIMIZER_PREFIX}{name}/{key}"
+                if isinstance(value, torch.Tensor):
+                    put(k, value, sid)
+                elif isinstance(value, (bool, int, float)):
+                    kind = "bool" if isinstance(value, bool) else type(value).__name__
+                    scalars[key] = kind
+                    put(k, torch.tensor(value, dtype=torch.float64 if kind == "float" else torch.int64), sid)
+    return out, scalars
 
 
-def latest(root: str | os.PathLike) -> tuple[int, Path, dict] | None:
-    """The newest complete checkpoint under ``root``: ``(step, folder, meta)``, or None if there is none."""
+def entry_bytes(flat: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {k: t.numel() * t.element_size() for k, t in flat.items()}
+
+
+# --------------------------------------------------------------------------- finding checkpoints
+
+def _read_meta(folder: Path) -> dict:
+    try:
+        meta = json.loads((folder / META).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder} has no {META}: it is not a complete checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
+        raise CheckpointError(f"{folder / META} is damaged ({exc}); resume from an older step folder by "
+                              f"writing its name into {folder.parent / LATEST}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{folder} is not an ftcompile checkpoint")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{folder} is an ftcompile checkpoint of format version {meta.get('version')}, "
+                              f"this version reads {VERSION}: resume it with the ftcompile that wrote it, or "
+                              "start afresh")
+    return meta
+
+
+def latest(root: str | os.PathLike) -> Checkpoint | None:
+    """The checkpoint ``root/latest`` names, or None if there is none (CheckpointError if damaged)."""
     root = Path(root)
     try:
-        name = (root / "latest").read_text().strip()
+        text = (root / LATEST).read_text().strip()
     except FileNotFoundError:
         return None
-    d = root / name
+    except OSError as exc:
+        raise CheckpointError(f"{root / LATEST} cannot be read ({exc})") from None
+    run_id = None
     try:
-        meta = json.loads((d / "meta.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{d}: meta.json is missing or damaged ({exc}); resume from an older step folder "
-                              f"by writing its name into {root / 'latest'}") from None
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise CheckpointError(f"{d} is not an ftcompile checkpoint of version {VERSION}")
-    return int(meta["step"]), d, meta
+        doc = json.loads(text)
+        name, run_id = doc["folder"], doc.get("run_id")
+    except (json.JSONDecodeError, TypeError, KeyError):
+        name = text          # a folder name written by hand: "step-00000010"
+    folder = root / name
+    if not folder.is_dir():
+        raise CheckpointError(f"{root / LATEST} names {name}, which does not exist; write the name of a step "
+                              f"folder of {root} into it, or start afresh")
+    meta = _read_meta(folder)
+    if run_id is not None and meta.get("run_id") != run_id:
+        raise CheckpointError(f"{root / LATEST} belongs to run {run_id} but {folder} to run {meta.get('run_id')}: "
+                              "the folder mixes two runs; write the name of the step folder to resume into "
+                              f"{root / LATEST}")
+    return Checkpoint(int(meta["step"]), folder, meta)
 
 
-def load_shards(folder: Path, stages: list[int], device: torch.device) -> dict[int, dict]:
-    """The states of ``stages`` from one checkpoint folder (see :func:`save_shards`)."""
-    out = {}
-    for sid in stages:
-        w, s = folder / f"stage_{sid}.safetensors", folder / f"stage_{sid}.state.pt"
-        if not w.exists() or not s.exists():
-            raise CheckpointError(f"{folder} has no shard for stage {sid}: the checkpoint was written for another "
-                                  "plan; resume with the package it was trained with")
-        try:
-            extra = torch.load(s, map_location=device, weights_only=False)
-            out[sid] = {"weights": load_file(str(w), device=str(device)), **extra}
-        except Exception as exc:  # noqa: BLE001 - torch and safetensors raise many kinds on a damaged file
-            raise CheckpointError(f"{folder}: the shard of stage {sid} cannot be read ({type(exc).__name__}: "
-                                  f"{str(exc).splitlines()[0] if str(exc) else ''}); resume from an older step "
-                                  f"folder by writing its name into {folder.parent / 'latest'}") from None
+def committed(root: str | os.PathLike) -> list[Path]:
+    """Every checkpoint-like entry of ``root``: step folders and ``latest`` (complete or not)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name == LATEST or (p.name.startswith("step-") and p.is_dir()))
+
+
+def describe(root: str | os.PathLike) -> str:
+    """A line about the checkpoints in ``root`` (which run, up to which step), for messages."""
+    try:
+        ck = latest(root)
+    except CheckpointError as exc:
+        return f"damaged checkpoints ({exc})"
+    if ck is None:
+        steps = [p.name for p in committed(root) if p.name != LATEST]
+        return f"{len(steps)} step folder(s) without a 'latest' file" if steps else "no checkpoint"
+    when = ck.meta.get("written")
+    return (f"checkpoints of run {ck.run_id} up to step {ck.step}"
+            + (f" (written {when})" if when else ""))
+
+
+def stale_temporaries(root: str | os.PathLike) -> list[Path]:
+    """Temporary files and staging folders under ``root`` (top level and step folders)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = [p for p in root.iterdir() if p.name.startswith(".tmp-")]
+    for d in root.iterdir():
+        if d.name.startswith("step-") and d.is_dir():
+            out += [p for p in d.iterdir() if p.name.startswith(".tmp-")]
     return out
+
+
+def _size(p: Path) -> int:
+    if p.is_dir() and not p.is_symlink():
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+    with contextlib.suppress(OSError):
+        return p.lstat().st_size
+    return 0
+
+
+def remove_stale(root: str | os.PathLike) -> tuple[int, int]:
+    """Remove the temporaries a dead run left in ``root``; returns ``(entries, bytes)``.
+
+    Only call it while holding ``root``'s lock (:mod:`.lock`): then no live run writes there.
+    """
+    n = size = 0
+    for p in stale_temporaries(root):
+        size += _size(p)
+        n += 1
+        _remove(p)
+    return n, size
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
+def prepare_folder(root: str | os.PathLike, *, resume: bool, overwrite: bool) -> list[str]:
+    """Make ``root`` ready for a run (call it holding ``root``'s lock); returns notes for the user.
+
+    Removes what dead runs left half-written. A fresh run (not ``resume``) into a folder holding
+    checkpoints is refused, unless ``overwrite``, which deletes them.
+    """
+    root = Path(root)
+    notes = []
+    n, size = remove_stale(root)
+    if n:
+        notes.append(f"removed {n} temporary file(s) and folder(s) ({human_bytes(size)}) that a run which "
+                     f"died left in {root}")
+    old = committed(root)
+    if resume or not old:
+        return notes
+    check_fresh(root, overwrite=overwrite)
+    for p in old:
+        _remove(p)
+    notes.append(f"deleted the checkpoints in {root} (--overwrite-checkpoints)")
+    return notes
+
+
+def check_fresh(root: str | os.PathLike, *, overwrite: bool) -> None:
+    """Refuse a new run into ``root`` when it holds checkpoints, unless they are to be overwritten."""
+    if committed(root) and not overwrite:
+        raise CheckpointError(f"{root} holds {describe(root)}; a new run would mix with them. Continue that run "
+                              "with --resume, choose another --checkpoint-dir, or pass --overwrite-checkpoints "
+                              "to delete them")
+
+
+def check_resumable(root: str | os.PathLike, *, package: str | None, steps: int) -> Checkpoint:
+    """The checkpoint ``--resume`` continues from, refusing one of another package or past ``steps``."""
+    ck = latest(root)
+    if ck is None:
+        raise CheckpointError(f"--resume: no checkpoint in {root} (no '{LATEST}' file); drop --resume to start "
+                              "afresh")
+    if package is not None and ck.meta.get("package") != package:
+        raise CheckpointError(f"{ck.folder} was written by another package (graph {ck.meta.get('package')}, this "
+                              f"package's is {package}); resume with a package of the model it was trained with")
+    if steps < ck.step:
+        raise CheckpointError(f"--steps {steps} is below the checkpoint's step {ck.step} ({ck.folder}): --steps "
+                              f"counts every step of the run, those already done included; give --steps N with "
+                              f"N > {ck.step} to train N - {ck.step} more")
+    return ck
+
+
+# --------------------------------------------------------------------------- writing
+
+def _dist_failure(exc: BaseException) -> tuple[dict[int, BaseException], str]:
+    failures = {}
+    for rank, pair in getattr(exc, "failures", {}).items():
+        failures[rank] = pair[0] if isinstance(pair, tuple) else pair
+    first = next(iter(failures.values()), exc)
+    line = str(first).splitlines()[0] if str(first) else type(first).__name__
+    return failures, line
+
+
+def free_bytes(path: Path) -> int:
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def space_message(root: Path, step: int, needed: int, free: int | None, previous: int | None) -> str:
+    have = f", {human_bytes(free)} free" if free is not None else ""
+    keep = (f"; the checkpoint of step {previous} is intact (resume from it with --resume)" if previous is not None
+            else "")
+    return (f"no room for the checkpoint of step {step} in {root}: it needs {human_bytes(needed)}{have}{keep}. "
+            "Free space there, or give another --checkpoint-dir")
+
+
+def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: dict, control=None,
+         previous: int | None = None) -> Path:
+    """Write the checkpoint after ``step`` steps; every rank calls it with its stages' states.
+
+    ``stages`` is ``RankEngine.state()``; ``meta`` goes into ``meta.json`` (run id, package,
+    settings); ``control`` (:class:`~ftcompile.runtime.control.Control`) links the ranks, None for
+    a single rank. ``previous`` is the step of the last checkpoint, named when this one fails. Every
+    rank returns the committed folder, or raises the same :class:`CheckpointError`.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    root = Path(root)
+    rank = control.rank if control is not None else 0
+    world = control.world_size if control is not None else 1
+    flat, scalars = entries(stages)
+    sizes = entry_bytes(flat)
+    if world > 1:
+        save_id, all_sizes = control.broadcast(uuid.uuid4().hex[:12]), control.all_gather(sizes)
+    else:
+        save_id, all_sizes = uuid.uuid4().hex[:12], [sizes]
+    unique: dict[str, int] = {}
+    for s in all_sizes:
+        unique.update(s)
+    if world > 1:
+        _check_copies(flat, all_sizes, control, step)
+    needed = sum(unique.values()) + 64 * 1024 * world    # headers and meta.json
+    staging = root / f"{STAGING_PREFIX}{step:08d}-{save_id}"
+    # One rank decides for all: on a shared file system every host sees the same free space.
+    problem = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            free = free_bytes(root)
+            if free < needed:
+                problem = space_message(root, step, needed, free, previous)
+        except OSError as exc:
+            problem = f"cannot create the checkpoint folder {root}: {exc.strerror or exc}"
+    if world > 1:
+        problem = control.broadcast(problem)
+    if problem:
+        raise _everyone(CheckpointSpaceError(problem) if "no room" in problem else CheckpointError(problem))
+
+    writer = HuggingFaceStorageWriter(str(staging), save_distributed=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # "assuming the intent is to save in a single process"
+            dcp.save(flat, storage_writer=writer, process_group=control.group if control is not None else None,
+                     no_dist=world == 1)
+    except (CheckpointException, OSError, RuntimeError) as exc:
+        if rank == 0:
+            _remove(staging)
+        failures, line = _dist_failure(exc)
+        if isinstance(exc, OSError):
+            failures = {rank: exc}
+        if isinstance(exc, RuntimeError) or any(type(e) is RuntimeError for e in failures.values()):
+            # gloo: "Connection closed by peer" and the like; the transport's receivers say who.
+            raise CheckpointPeerLost(f"the collective save of step {step} failed: {line}") from None
+        full = [e for e in failures.values() if isinstance(e, OSError) and e.errno in NO_SPACE]
+        if full and full[0].errno == errno.EFBIG:
+            keep = (f"; the checkpoint of step {previous} is intact (resume from it with --resume)"
+                    if previous is not None else "")
+            raise _everyone(CheckpointSpaceError(
+                f"cannot write the checkpoint of step {step} into {root}: {full[0].strerror} (a file would exceed "
+                f"this process's file-size limit, see `ulimit -f`){keep}")) from None
+        if full:
+            free = None
+            with contextlib.suppress(OSError):
+                free = free_bytes(root)
+            raise _everyone(CheckpointSpaceError(space_message(root, step, needed, free, previous))) from None
+        who = f"rank(s) {sorted(failures)}" if failures else f"rank {rank}"
+        err = CheckpointError(f"writing the checkpoint of step {step} into {root} failed on {who}: {line}")
+        raise (_everyone(err) if isinstance(exc, CheckpointException) else err) from None
+
+    error = None
+    if rank == 0:
+        try:
+            doc = {"format": FORMAT, "version": VERSION, "step": step, **meta, "scalars": scalars,
+                   "bytes": sum(unique.values()), "tensors": len(unique),
+                   "written": time.strftime("%Y-%m-%d %H:%M:%S")}
+            atomic_write_text(staging / META, json.dumps(doc, indent=1))
+            _commit(root, staging, step, meta.get("run_id"))
+        except OSError as exc:
+            _remove(staging)
+            error = (space_message(root, step, needed, None, previous) if exc.errno in NO_SPACE
+                     else f"committing the checkpoint of step {step} in {root} failed: {exc.strerror or exc}")
+    if world > 1:
+        error = control.broadcast(error)
+    if error:
+        raise _everyone(CheckpointSpaceError(error) if "no room" in error else CheckpointError(error))
+    return step_dir(root, step)
+
+
+def _digest(t: torch.Tensor) -> str:
+    import hashlib
+
+    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()
+
+
+def _check_copies(flat: dict[str, torch.Tensor], all_keys: list[dict], control, step: int) -> None:
+    """Tensors several ranks hold (tied weights, replicated stages) must be equal: the save keeps one copy."""
+    held = {}
+    for r, keys in enumerate(all_keys):
+        for k in keys:
+            held.setdefault(k, []).append(r)
+    shared = sorted(k for k, rs in held.items() if len(rs) > 1 and k in flat)
+    digests = control.all_gather({k: _digest(flat[k]) for k in shared})
+    for k in sorted(k for k, rs in held.items() if len(rs) > 1):
+        seen = {r: d[k] for r, d in enumerate(digests) if k in d}
+        if len(set(seen.values())) > 1:
+            raise _everyone(CheckpointError(
+                f"ranks {sorted(seen)} hold different copies of {k}, which they share, at step {step}: their "
+                "training diverged (a bug); the checkpoint would keep only one of them, so it is not written"))
+
+
+def _commit(root: Path, staging: Path, step: int, run_id: str | None) -> None:
+    """Make a fully written staging folder the checkpoint of ``step``, then point ``latest`` at it."""
+    final = step_dir(root, step)
+    old = None
+    if final.exists():
+        # The same step of this run, committed by an attempt that died before moving 'latest'.
+        old = root / f".tmp-old-{final.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(final, old)
+    os.replace(staging, final)
+    _fsync_dir(root)
+    atomic_write_text(root / LATEST, json.dumps({"folder": final.name, "step": step, "run_id": run_id}) + "\n")
+    if old is not None:
+        _remove(old)
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# --------------------------------------------------------------------------- reading
+
+def keys(ck: Checkpoint) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every entry of a checkpoint: key -> (shape, dtype), from the safetensors headers."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import _getdtype
+
+    out = {}
+    files = sorted(ck.folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{ck.folder} holds no tensor file; resume from an older step folder by writing its "
+                              f"name into {ck.folder.parent / LATEST}")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    sl = fh.get_slice(k)
+                    out[k] = (tuple(sl.get_shape()), _getdtype(sl.get_dtype()))
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"{f} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                                  f"resume from an older step folder by writing its name into "
+                                  f"{ck.folder.parent / LATEST}") from None
+    return out
+
+
+def load(ck: Checkpoint, names: Iterable[str], device: str | torch.device = "cpu", *,
+         optimizer: bool = True) -> dict:
+    """The weights and optimizer state of the parameters ``names`` from checkpoint ``ck``.
+
+    Returns ``{"step", "weights": {name: tensor}, "optimizer": {name: {key: value}}}`` with
+    tensors on ``device``: what ``RankEngine.load_state`` takes. Each rank reads only the
+    entries it asks for, from whichever files hold them (``torch.distributed.checkpoint.load``
+    without collectives). A name the checkpoint lacks is a CheckpointError.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    names = list(dict.fromkeys(names))
+    available = keys(ck)
+    missing = [n for n in names if n not in available]
+    if missing:
+        raise CheckpointError(f"{ck.folder} lacks {len(missing)} of the tensors this rank holds ({', '.join(missing[:3])}"
+                              f"{'...' if len(missing) > 3 else ''}): it was written for another model")
+    wanted = set(names)
+    template: dict[str, torch.Tensor] = {n: torch.empty(available[n][0], dtype=available[n][1]) for n in names}
+    if optimizer:
+        for k, (shape, dtype) in available.items():
+            if k.startswith(OPTIMIZER_PREFIX) and k[len(OPTIMIZER_PREFIX):].rsplit("/", 1)[0] in wanted:
+                template[k] = torch.empty(shape, dtype=dtype)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(template, storage_reader=HuggingFaceStorageReader(str(ck.folder)), no_dist=True)
+    except Exception as exc:  # noqa: BLE001 - torch and safetensors raise many kinds on a damaged file
+        raise CheckpointError(f"{ck.folder} cannot be read ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}); resume from an older step folder "
+                              f"by writing its name into {ck.folder.parent / LATEST}") from None
+    scalars = ck.meta.get("scalars", {})
+    out: dict = {"step": ck.step, "weights": {}, "optimizer": {}}
+    for k, t in template.items():
+        if not k.startswith(OPTIMIZER_PREFIX):
+            out["weights"][k] = t.to(device)
+            continue
+        name, key = k[len(OPTIMIZER_PREFIX):].rsplit("/", 1)
+        kind = scalars.get(key)
+        value = {"int": int, "float": float, "bool": bool}[kind](t.item()) if kind else t.to(device)
+        out["optimizer"].setdefault(name, {})[key] = value
+    return out
+
+
+def load_weights(ck: Checkpoint) -> dict[str, torch.Tensor]:
+    """Every weight of a checkpoint by canonical name (no optimizer state), on the CPU."""
+    names = [k for k in keys(ck) if not k.startswith(OPTIMIZER_PREFIX)]
+    return load(ck, names, optimizer=False)["weights"]

@@ -1065,28 +1065,45 @@ class RankEngine:
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[int, dict]:
-        """Per local stage: its weights (canonical names) and optimizer state, for checkpoints."""
+        """Per local stage: ``{"weights": {name: tensor}, "optimizer": {name: {key: value}}}``.
+
+        Everything is keyed by canonical parameter name (weights include persistent buffers;
+        optimizer state is per trainable parameter, see :func:`~ftcompile.runtime.optim.named_state`),
+        so :mod:`~ftcompile.runtime.checkpoint` can write a tensor several stages or replicas hold
+        once, and load it into any other layout. The learning-rate schedule is a function of the
+        step and is not part of it.
+        """
         out = {}
         for sid, (params, opt, sched) in self._opt.items():
             mod = self.modules[sid]
             out[sid] = {"weights": {n: t.detach() for n, t in mod.state_dict().items()},
-                        "optimizer": opt.state_dict(),
-                        "scheduler": sched.state_dict() if sched is not None else None}
+                        "optimizer": _optim.named_state(opt, params)}
         return out
 
-    def load_state(self, state: dict[int, dict]) -> None:
+    def load_state(self, state: dict) -> None:
+        """Take weights and optimizer state by name (``checkpoint.load``): ``{"weights", "optimizer", "step"}``.
+
+        Each local stage copies the tensors it holds; the optimizers take the per-parameter state
+        their kind keeps, with the hyperparameters of this run's configuration (the command line's
+        lr, not the checkpoint's); the learning-rate schedule moves to ``state["step"]`` updates.
+        """
+        weights, opt_state = state.get("weights", {}), state.get("optimizer") or {}
         for sid, (params, opt, sched) in self._opt.items():
-            s = state[sid]
+            mod = self.modules[sid]
+            own = mod.state_dict()
+            missing = [n for n in own if n not in weights]
+            if missing:
+                raise PipelineError(f"rank {self.rank}: the checkpoint lacks {missing[0]} (and {len(missing) - 1} "
+                                    f"more) of stage {sid}; resume with a package of the model it was trained with")
             try:
-                self.modules[sid].load_state_dict(s["weights"])
+                mod.load_state_dict({n: weights[n] for n in own})
             except RuntimeError as exc:
                 first = str(exc).splitlines()[1:2] or [str(exc)]
-                raise PipelineError(f"rank {self.rank}: the checkpoint's shard of stage {sid} does not fit it "
-                                    f"({first[0].strip()}); resume with the package it was trained with") from None
-            if s.get("optimizer"):
-                opt.load_state_dict(s["optimizer"])
-            if sched is not None and s.get("scheduler"):
-                sched.load_state_dict(s["scheduler"])
+                raise PipelineError(f"rank {self.rank}: the checkpoint's tensors do not fit stage {sid} "
+                                    f"({first[0].strip()}); resume with a package of the model it was trained "
+                                    "with") from None
+            _optim.load_named_state(opt, params, opt_state, self.cfg.optimizer)
+            _optim.set_position(opt, sched, self.cfg.optim_config(), int(state.get("step", 0)))
 
 
 def merge_records(parts: list[dict]) -> dict:

@@ -18,6 +18,14 @@ import torch
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adafactor")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
+#: The per-parameter state each optimizer keeps (torch's and transformers' keys): what a
+#: checkpoint stores for it, and what an optimizer resumed from it can take over.
+STATE_KEYS = {"sgd": (), "momentum": ("momentum_buffer",), "adam": ("step", "exp_avg", "exp_avg_sq"),
+              "adamw": ("step", "exp_avg", "exp_avg_sq"),
+              "adafactor": ("step", "exp_avg", "exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col", "RMS")}
+#: Optimizers that predict weights from their state (FTPipe §4.2): see :func:`predict`.
+PREDICTS = ("momentum", "adam", "adamw")
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -155,3 +163,81 @@ class _NoOp:
 
     def load_state_dict(self, sd):
         pass
+
+
+# --------------------------------------------------------------------------- state by parameter name
+
+def named_state(opt, params: dict[str, torch.nn.Parameter]) -> dict[str, dict]:
+    """``opt``'s per-parameter state keyed by parameter name (not torch's integer index).
+
+    ``params`` maps names to the parameters ``opt`` updates. A checkpoint keyed this way loads into
+    another stage layout, another plan or another number of replicas: whoever holds a parameter
+    takes its state. Values are tensors, or Python numbers for optimizers that keep some (Adafactor's
+    ``step``); ``None`` entries (no momentum yet) are left out.
+    """
+    names = {id(p): n for n, p in params.items()}
+    out: dict[str, dict] = {}
+    for p, state in getattr(opt, "state", {}).items():
+        n = names.get(id(p))
+        if n is not None and state:
+            out[n] = {k: v for k, v in state.items() if v is not None}
+    return out
+
+
+def load_named_state(opt, params: dict[str, torch.nn.Parameter], state: dict[str, dict], optimizer: str) -> None:
+    """Give ``opt`` (an ``optimizer``) the per-parameter state ``state`` (from :func:`named_state`).
+
+    Only the keys ``optimizer`` keeps (:data:`STATE_KEYS`) are taken, so a change allowed by
+    :func:`resume_change` (momentum to SGD: the buffers are dropped) loads cleanly. The
+    hyperparameters (lr, betas, weight decay) stay those ``opt`` was built with: the command line's,
+    not the checkpoint's. Parameters without saved state start afresh, as on a first step.
+    """
+    if not params or not hasattr(opt, "load_state_dict") or isinstance(opt, _NoOp):
+        return
+    keep = STATE_KEYS.get(optimizer, ())
+    index: dict[int, int] = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            index[id(p)] = len(index)
+    sd = opt.state_dict()
+    by_index = {}
+    for n, p in params.items():
+        # A copy per optimizer: torch keeps the tensors it is given, and two local holders of a
+        # tied weight must not step one shared momentum buffer twice.
+        s = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.get(n, {}).items() if k in keep}
+        if s and id(p) in index:
+            by_index[index[id(p)]] = s
+    # torch casts each value to its parameter's dtype and device (a step counter stays where
+    # the optimizer keeps it); param_groups are the current ones, so no hyperparameter changes.
+    opt.load_state_dict({"state": by_index, "param_groups": sd["param_groups"]})
+
+
+def resume_change(old: str, new: str) -> str | None:
+    """Why an ``new`` optimizer cannot continue from ``old``'s checkpointed state, or None if it can.
+
+    Allowed: the same optimizer; Adam and AdamW (the same moments); SGD to momentum (the buffer
+    starts at zero, as on a first step); momentum to SGD (the buffers are dropped).
+    """
+    if old == new or {old, new} == {"adam", "adamw"} or {old, new} == {"sgd", "momentum"}:
+        return None
+    kept = ", ".join(STATE_KEYS.get(old, ())) or "no state"
+    return (f"the checkpoint was trained with --optimizer {old}, whose state ({kept}) means nothing to {new}")
+
+
+def set_position(opt, sched, cfg: OptimConfig, updates: int) -> None:
+    """Put the learning-rate schedule after ``updates`` updates, with ``cfg``'s base lr.
+
+    The schedule is a function of the update count (:func:`lr_factor`), so a resumed run takes
+    the lr the command line gives (not the checkpoint's) at the position the checkpoint reached.
+    """
+    groups = getattr(opt, "param_groups", None) or []
+    factor = lr_factor(updates, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps) \
+        if sched is not None else 1.0
+    for g in groups:
+        g["lr"] = cfg.lr * factor
+        if "initial_lr" in g:
+            g["initial_lr"] = cfg.lr
+    if sched is not None:
+        sched.base_lrs = [cfg.lr for _ in groups]
+        sched.last_epoch = updates
+        sched._last_lr = [g["lr"] for g in groups]

@@ -1,15 +1,27 @@
 """One rank of a training run: ``python -m ftcompile.runtime PACKAGE [options]``.
 
-Started by ``ftcompile run --nproc N`` (which spawns the ranks on this host),
-by ``torchrun --nproc-per-node N -m ftcompile.runtime PACKAGE`` or by
-``mpirun -np N python -m ftcompile.runtime PACKAGE``; the rank and world size
-come from the launcher's environment (:func:`~ftcompile.runtime.transport.detect_launcher`).
+Started by ``ftcompile run --nproc N`` (torch's elastic agent, on this host), by
+``torchrun --nproc-per-node N -m ftcompile.runtime PACKAGE`` or by
+``mpirun -np N python -m ftcompile.runtime PACKAGE``; the rank and world size come from the
+launcher's environment (:func:`~ftcompile.runtime.transport.detect_launcher`).
 
-Each rank loads only its own stages' weights, builds the same data iterator
-(every rank takes the graph inputs its stages read), trains in segments
-between checkpoints, and the rank holding the loss writes ``train.jsonl`` and
-the progress bar. On any failure a rank prints one line naming itself and its
-stages and exits non-zero, so the launcher stops the others.
+A rank, in order:
+
+1. checks the options (:mod:`.options`), the package and, with ``--resume``, the checkpoint;
+   an error found by every rank alike is printed by rank 0 only;
+2. joins the transport and the control plane (:mod:`.control`), agrees on the run id and
+   starts its heartbeat;
+3. the rank holding the loss stage locks the log and checkpoint folders (:mod:`.lock`),
+   removes what dead runs left there and refuses a folder of another run's checkpoints;
+   every rank learns the outcome before any of them goes on;
+4. loads its stages, and with ``--resume`` their weights and optimizer state by name;
+5. trains in segments between checkpoints (:mod:`.checkpoint`), the loss rank writing
+   ``train.jsonl`` (:mod:`.runlog`), opened only now.
+
+On a failure a rank prints one line naming itself and its stages, records it for an elastic
+agent (``TORCHELASTIC_ERROR_FILE``) and exits non-zero: 2 for a refusal (bad options,
+damaged package or checkpoint, busy folder), 1 for a failed run, 128 + N when stopped by
+signal N. Started by an elastic agent, a rank dies with it (parent-death signal).
 """
 
 from __future__ import annotations
@@ -17,107 +29,46 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, commit, latest, load_shards, save_shards
-from .engine import PipelineError, RankEngine, TrainConfig, stage_ranks
-from .optim import LR_SCHEDULES, OPTIMIZERS
+from . import checkpoint as ckpt
+from .checkpoint import CheckpointError
+from .engine import PipelineError, PipelineHang, RankEngine, TrainConfig, stage_ranks
+from .lock import FolderBusy, acquire
+from .options import (NothingToDo, OptionError, add_train_arguments, check, new_run_id, recorded_config,
+                      resolve, worker_argv)
 from .package import PackageError, load_package
-from .schedules import SCHEDULES, ScheduleError
+from .runlog import RunLogError, open_log
+from .schedules import ScheduleError
 from .transport import TransportError, detect_launcher, make_transport
 
+__all__ = ["add_train_arguments", "check_train_args", "config_from_args", "main", "run", "worker_argv"]
 
-def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    """The training options, shared by ``ftcompile run`` and ``python -m ftcompile.runtime``."""
-    p.add_argument("package", metavar="PACKAGE", help="a package folder written by `ftcompile compile -o`")
-    g = p.add_argument_group("schedule")
-    g.add_argument("--schedule", choices=SCHEDULES, default=None,
-                   help="pipeline schedule (default: the one the plan was compiled for)")
-    g.add_argument("--micro-batches", type=int, default=None, metavar="M",
-                   help="micro-batches per step; one optimizer update per step (default: the plan's)")
-    g.add_argument("--steps", type=int, default=10, metavar="K", help="optimizer steps to run (default 10)")
-    g.add_argument("--recompute", action="store_true",
-                   help="gpipe/1f1b/2bw/2gw: recompute activations in backward (async always recomputes)")
-    g.add_argument("--weight-prediction", action="store_true",
-                   help="async: forward with weights predicted to the backward's version (FTPipe §4.2; "
-                        "momentum, adam, adamw)")
-    g = p.add_argument_group("optimizer")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
-    g.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
-    g.add_argument("--momentum", type=float, default=0.9, help="for --optimizer momentum (default 0.9)")
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant")
-    g.add_argument("--warmup-steps", type=int, default=0)
-    g.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
-                   help="clip the global gradient norm (all stages together) to X")
-    g = p.add_argument_group("data and devices")
-    g.add_argument("--data", default="synthetic", metavar="SPEC",
-                   help="synthetic (random inputs of the right shapes), text (the Python standard library's "
-                        "source as bytes: language models), text:DIR, or file.py:function")
-    g.add_argument("--seed", type=int, default=0, help="data order and dropout seed (default 0)")
-    g.add_argument("--no-dropout", action="store_true", help="train with dropout off")
-    g.add_argument("--device", default="cpu", help="cpu or cuda (each rank takes cuda:LOCAL_RANK)")
-    g.add_argument("--transport", choices=("auto", "gloo", "nccl", "mpi"), default="auto",
-                   help="auto: mpi under mpirun, nccl on cuda, else gloo")
-    g.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                   help="give up when nothing arrives for S seconds, naming the rank waited for (default 300)")
-    g = p.add_argument_group("logs and checkpoints")
-    g.add_argument("--log-dir", default=None, metavar="DIR",
-                   help="where train.jsonl goes (default PACKAGE/runs/SCHEDULE)")
-    g.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="write checkpoints here")
-    g.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
-                   help="checkpoint every N steps (each segment fills and drains the pipeline)")
-    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
-    g.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
-                   help="progress bar on the loss rank's stderr (auto: when it is a terminal)")
+#: Errors a user can cause or fix: exit status 2.
+REFUSALS = (OptionError, CheckpointError, FolderBusy, PackageError, ScheduleError, ValueError)
 
 
-def worker_argv(args) -> list[str]:
-    """The command line that gives a rank the same options as ``args`` (from :func:`add_train_arguments`)."""
-    out = [str(args.package)]
-    for flag, value in (("--schedule", args.schedule), ("--micro-batches", args.micro_batches),
-                        ("--steps", args.steps), ("--optimizer", args.optimizer), ("--lr", args.lr),
-                        ("--momentum", args.momentum), ("--weight-decay", args.weight_decay),
-                        ("--lr-schedule", args.lr_schedule), ("--warmup-steps", args.warmup_steps),
-                        ("--clip-grad-norm", args.clip_grad_norm), ("--data", args.data), ("--seed", args.seed),
-                        ("--device", args.device), ("--transport", args.transport), ("--timeout", args.timeout),
-                        ("--log-dir", args.log_dir), ("--checkpoint-dir", args.checkpoint_dir),
-                        ("--checkpoint-every", args.checkpoint_every), ("--progress", args.progress)):
-        if value is not None:
-            out += [flag, repr(value) if isinstance(value, float) else str(value)]
-    for flag, on in (("--recompute", args.recompute), ("--weight-prediction", args.weight_prediction),
-                     ("--no-dropout", args.no_dropout), ("--resume", args.resume)):
-        if on:
-            out.append(flag)
-    return out
-
-
-def check_train_args(args) -> None:
-    """Refuse training options that make no sense, before any rank starts (``ValueError``)."""
-    for flag, value in (("--steps", args.steps), ("--micro-batches", args.micro_batches),
-                        ("--checkpoint-every", args.checkpoint_every)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
-    if args.checkpoint_every is not None and not args.checkpoint_dir:
-        raise ValueError("--checkpoint-every needs --checkpoint-dir")
-    if args.resume and not args.checkpoint_dir:
-        raise ValueError("--resume needs --checkpoint-dir")
-    if not args.timeout > 0:
-        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+def check_train_args(args) -> list[str]:
+    """Refuse option values that make no sense (``ValueError``); returns warnings (see :func:`.options.check`)."""
+    warnings = check(args)
     _device(args.device, 0)
+    return warnings
 
 
 def config_from_args(args, manifest) -> TrainConfig:
-    schedule = args.schedule or (manifest.schedule if manifest.schedule in SCHEDULES else "1f1b")
-    M = args.micro_batches if args.micro_batches is not None else (manifest.micro_batches or 4)
-    return TrainConfig(schedule=schedule, micro_batches=M, steps=args.steps, optimizer=args.optimizer, lr=args.lr,
-                       momentum=args.momentum, weight_decay=args.weight_decay, lr_schedule=args.lr_schedule,
-                       warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm,
-                       recompute=args.recompute, weight_prediction=args.weight_prediction, seed=args.seed,
+    """The engine's configuration from resolved options (:func:`.options.resolve`)."""
+    return TrainConfig(schedule=args.schedule, micro_batches=args.micro_batches, steps=args.steps,
+                       optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+                       lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
+                       clip_grad_norm=args.clip_grad_norm, recompute=bool(args.recompute),
+                       weight_prediction=bool(args.weight_prediction), seed=args.seed,
                        dropout=not args.no_dropout, timeout_s=args.timeout, total_steps=args.steps)
 
 
@@ -127,119 +78,431 @@ def _device(spec: str, local_rank: int) -> torch.device:
     except (RuntimeError, TypeError):
         device = None
     if device is None or device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu, cuda (each rank takes cuda:LOCAL_RANK) or cuda:N; got {spec!r}")
+        raise OptionError(f"--device must be cpu, cuda (each rank takes cuda:LOCAL_RANK) or cuda:N; got {spec!r}")
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise PipelineError("--device cuda but torch sees no GPU; use --device cpu")
+            raise OptionError("--device cuda but torch sees no GPU; use --device cpu")
         if device.index is None:
             return torch.device("cuda", local_rank % torch.cuda.device_count())
         if device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {spec}: this machine has {torch.cuda.device_count()} GPU(s)")
+            raise OptionError(f"--device {spec}: this machine has {torch.cuda.device_count()} GPU(s)")
     return device
 
 
-def run(args) -> int:
-    launch = detect_launcher()
-    rank = launch.rank
-    check_train_args(args)
-    package = load_package(args.package)
-    m = package.manifest
-    cfg = config_from_args(args, m)
-    device = _device(args.device, launch.local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    transport = None
-    if launch.world_size > 1:
-        transport = make_transport(args.transport, launch, device=device, timeout_s=args.timeout)
-        rank = transport.rank
-    ranks = stage_ranks(m, launch.world_size)
-    engine = RankEngine(package, cfg, rank=rank, world_size=launch.world_size, transport=transport,
-                        device=device, ranks=ranks)
-    start = 0
-    if args.resume:
-        found = latest(args.checkpoint_dir)
-        if found is None:
-            raise CheckpointError(f"--resume: no checkpoint in {args.checkpoint_dir} (no 'latest' file)")
-        start, folder, meta = found
-        if meta.get("package") != m.generator.get("graph_hash"):
-            raise CheckpointError(f"{folder} was written by another package (graph {meta.get('package')}); "
-                                  "resume with the package it was trained with")
-        engine.load_state(load_shards(folder, sorted(engine.modules), device))
-    from .data import load_dataset
+# --------------------------------------------------------------------------- reporting
 
-    batches = iter(load_dataset(args.data, m, micro_batches=cfg.micro_batches, seed=args.seed))
-    for _ in range(start):
-        next(batches)
-    log_dir = Path(args.log_dir or Path(args.package) / "runs" / cfg.schedule)
-    is_logger = rank == engine.log_rank
-    log = None
-    bar = None
-    if is_logger:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(log_dir / "train.jsonl", "a" if args.resume else "w", encoding="utf-8")
-        show = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
+class Stopped(BaseException):
+    """A signal asked this rank to stop."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class Agreed(Exception):
+    """Another rank refused to go on; it has said why."""
+
+    def __init__(self, rank: int, code: int):
+        super().__init__(f"rank {rank} refused")
+        self.rank, self.code = rank, code
+
+
+class Refusal(Exception):
+    """This rank is the first to fail a start-up step every rank agreed on: it says why."""
+
+    def __init__(self, exc: BaseException, code: int):
+        super().__init__(str(exc))
+        self.exc, self.code = exc, code
+
+
+class Reporter:
+    """Says once why this rank stops: a line on stderr and a record for the elastic agent."""
+
+    def __init__(self, rank: int, under_ftcompile: bool):
+        self.rank, self.under_ftcompile = rank, under_ftcompile
+        self._lock = threading.Lock()
+        self.done = False
+        # Until the ranks are linked, every rank checks the same options and files alike:
+        # an error then is the same on every rank, and rank 0 alone prints it.
+        self.alike = True
+
+    def __call__(self, message: str, *, kind: str, code: int, peer: int | None = None, show: bool = True) -> None:
+        with self._lock:
+            if self.done:
+                return
+            self.done = True
+        if not message.startswith("rank "):
+            message = f"rank {self.rank}: {message}"
         if show:
+            print(f"ftcompile run: error: {message}", file=sys.stderr, flush=True)
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if path:
+            # The elastic agent reads "message" and "timestamp"; "ftcompile" tells our launcher
+            # whether this rank failed itself or saw a peer fail, and whether it already spoke.
+            record = {"message": message, "timestamp": int(time.time()),
+                      "ftcompile": {"rank": self.rank, "kind": kind, "peer": peer, "code": code, "shown": show,
+                                    "time": time.time()}}
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                Path(path).write_text(json.dumps(record))
+            except OSError:
+                pass
+
+
+def _kind(exc: BaseException) -> tuple[str, int | None]:
+    """How a failure relates to the peers: (``error`` | ``lost`` | ``hang``, the peer it names)."""
+    text = str(exc)
+    if isinstance(exc, PipelineHang):
+        m = re.search(r"\(rank (\d+)\)", text)
+        return "hang", int(m.group(1)) if m else None
+    m = re.search(r"lost rank (\d+)", text)
+    if m:
+        return "lost", int(m.group(1))
+    if "lost a peer" in text:
+        return "lost", None
+    m = re.search(r"rank (\d+) \(stages [^)]*\) sent no heartbeat", text)
+    if m:
+        return "hang", int(m.group(1))
+    if "heartbeat store" in text:
+        m = re.search(r": rank (\d+) \(stages", text)
+        return "hang", int(m.group(1)) if m else None
+    return "error", None
+
+
+def _die_with_parent() -> None:
+    """Started by an elastic agent (``ftcompile run``, torchrun): die if it dies, even by ``kill -9``."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    parent = int(os.environ.get("FTCOMPILE_LAUNCHER_PID", 0)) or os.getppid()
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:      # it died before the signal was set
+        os._exit(128 + signal.SIGKILL)
+
+
+def _on_signal(signum, frame) -> None:
+    raise Stopped(signum)
+
+
+# --------------------------------------------------------------------------- the run
+
+def _agree(control, exc: BaseException | None, rank: int) -> None:
+    """Every rank learns whether any rank failed a start-up step; only the first failing rank reports it."""
+    if control is None:
+        if exc is not None:
+            raise Refusal(exc, 2 if isinstance(exc, REFUSALS) else 1)
+        return
+    code = 0 if exc is None else (2 if isinstance(exc, REFUSALS) else 1)
+    try:
+        outcomes = control.all_gather(code)
+    except RuntimeError as err:     # gloo: a peer died while the ranks were starting
+        raise PipelineError(f"rank {rank}: lost a peer while the ranks were starting "
+                            f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+    first = next((r for r, c in enumerate(outcomes) if c), None)
+    if first is None:
+        return
+    if first == rank and exc is not None:
+        raise Refusal(exc, code)
+    raise Agreed(first, outcomes[first])
+
+
+def _wait_for_failure(engine, seconds: float) -> str | None:
+    """The engine's report of a lost peer, waiting a little for its receivers to notice."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        failure = getattr(engine, "failure", None)
+        if failure:
+            return failure
+        time.sleep(0.05)
+    return None
+
+
+def _abort(engine, message: str) -> None:
+    """Make a rank's engine stop at its next wait with ``message`` (from the heartbeat thread)."""
+    abort = getattr(engine, "abort", None)
+    if callable(abort):
+        abort(message)
+        return
+    cv = getattr(engine, "cv", None)
+    if cv is not None:
+        with cv:
+            if getattr(engine, "failure", None) is None:
+                engine.failure = message
+            cv.notify_all()
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+def _launch_run_id() -> str | None:
+    """The run id the launcher gave (``ftcompile run``, or torchrun's ``--rdzv-id``), if any."""
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+    return os.environ.get("FTCOMPILE_RUN_ID") or (elastic if elastic not in (None, "", "none") else None)
+
+
+class RankRun:
+    """One rank's run, in the order of the module docstring: :meth:`execute` it."""
+
+    def __init__(self, args, report: Reporter | None = None):
+        self.launch = detect_launcher()
+        self.rank = self.launch.rank
+        self.report = report or Reporter(self.rank, self.launch.launcher == "ftcompile")
+        self.args = args
+        self.transport = self.control = self.heartbeat = self.engine = None
+        self.locks: list = []
+        self.log = self.bar = None
+
+    def execute(self) -> int:
+        self.check()
+        self.link()
+        self.take_folders()
+        self.load()
+        self.train()
+        self.close()
+        return 0
+
+    # ------------------------------------------------------------------ 1. checks
+    def check(self) -> None:
+        from .engine import programs
+
+        check_train_args(self.args)
+        self.package = load_package(self.args.package)
+        m = self.m = self.package.manifest
+        self.res = resolve(self.args, m, restart_run_id=_launch_run_id())
+        args = self.args = self.res.args
+        self.cfg = config_from_args(args, m)
+        programs(m, self.cfg, 1)                 # a schedule that cannot run is refused here
+        if self.rank == 0 and self.launch.launcher != "ftcompile":     # else the launcher said it
+            for w in self.res.warnings:
+                print(f"ftcompile run: warning: {w}", file=sys.stderr)
+            for n in self.res.notes:
+                print(f"ftcompile run: {n}", file=sys.stderr)
+        self.device = _device(args.device, self.launch.local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.ranks = stage_ranks(m, self.launch.world_size)
+        self.owner = self.ranks[m.loss_stage] if m.loss_stage is not None else 0
+        self.log_dir = Path(args.log_dir or Path(args.package) / "runs" / args.schedule)
+
+    def describe(self, r: int) -> str:
+        return f"rank {r} (stages {sorted(s for s, x in self.ranks.items() if x == r)})"
+
+    # ------------------------------------------------------------------ 2. linking the ranks
+    def link(self) -> None:
+        args, launch = self.args, self.launch
+        run_id = (self.res.checkpoint.run_id if self.res.checkpoint is not None else None) or _launch_run_id()
+        if launch.world_size > 1:
+            from .control import Control, Heartbeat
+
+            try:
+                self.transport = make_transport(args.transport, launch, device=self.device, timeout_s=args.timeout)
+                self.rank = self.transport.rank
+                self.control = Control.connect(launch, self.transport, timeout_s=args.timeout)
+                run_id = self.control.broadcast(run_id or new_run_id())
+            except TransportError:
+                raise
+            except RuntimeError as err:     # a peer died before the ranks were linked
+                raise TransportError(f"rank {self.rank}: could not link with the other ranks, lost a peer while "
+                                     f"starting ({_first_line(err)})") from None
+            self.heartbeat = Heartbeat(self.control, timeout_s=args.heartbeat_timeout, describe=self.describe,
+                                       on_failure=self._peer_silent).start()
+        self.report.alike = False
+        self.run_id = run_id or new_run_id()
+
+    def _peer_silent(self, message: str, peer: int | None) -> None:
+        self.report(message, kind="hang", code=1, peer=peer)
+        _abort(self.engine, message)
+
+    def phase(self, text: str) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.phase = text
+
+    # ------------------------------------------------------------------ 3. the folders
+    def take_folders(self) -> None:
+        """The loss rank locks the folders for the whole run; nothing is written before every rank agrees."""
+        args, failure = self.args, None
+        if self.rank == self.owner:
+            try:
+                self.locks.append(acquire(self.log_dir, self.run_id, what="logs"))
+                if args.checkpoint_dir:
+                    if Path(args.checkpoint_dir).resolve() != self.log_dir.resolve():
+                        self.locks.append(acquire(args.checkpoint_dir, self.run_id, what="checkpoints"))
+                    for note in ckpt.prepare_folder(args.checkpoint_dir, resume=self.res.checkpoint is not None,
+                                                    overwrite=args.overwrite_checkpoints):
+                        print(f"ftcompile run: {note}", file=sys.stderr)
+            except (FolderBusy, CheckpointError, OSError) as exc:
+                failure = exc
+        _agree(self.control, failure, self.rank)
+
+    # ------------------------------------------------------------------ 4. stages and checkpoint
+    def load(self) -> None:
+        self.phase("loading its stages")
+        failure, ck = None, self.res.checkpoint
+        try:
+            self.engine = RankEngine(self.package, self.cfg, rank=self.rank, world_size=self.launch.world_size,
+                                     transport=self.transport, device=self.device, ranks=self.ranks)
+            if ck is not None:
+                self.phase(f"loading the checkpoint of step {ck.step}")
+                names = [n for mod in self.engine.modules.values() for n in mod.state_dict()]
+                self.engine.load_state(ckpt.load(ck, names, self.device, optimizer=not self.args.reset_optimizer))
+        except (PipelineError, CheckpointError, PackageError, OSError) as exc:
+            failure = exc
+        _agree(self.control, failure, self.rank)
+        self.start = ck.step if ck is not None else 0
+
+    # ------------------------------------------------------------------ 5. training
+    def _open_log(self) -> None:
+        args = self.args
+        if self.rank != self.engine.log_rank:
+            return
+        resumed = self.start if self.res.checkpoint is not None else None
+        self.log, notes = open_log(self.log_dir, run_id=self.run_id, resume_step=resumed)
+        for note in notes:
+            print(f"ftcompile run: {note}", file=sys.stderr)
+        if args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty()):
             from tqdm import tqdm
-            bar = tqdm(total=args.steps, initial=start, desc=f"{cfg.schedule} x{launch.world_size}", unit="step",
-                       file=sys.stderr)
+            self.bar = tqdm(total=args.steps, initial=self.start, unit="step", file=sys.stderr,
+                            desc=f"{self.cfg.schedule} x{self.launch.world_size}")
 
-    def on_step(rec: dict) -> None:
-        rec = {"schedule": cfg.schedule, "micro_batches": cfg.micro_batches, "world_size": launch.world_size,
-               **rec}
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
-        if bar is not None:
-            bar.update(1)
+    def _on_step(self, rec: dict) -> None:
+        rec = {"run": self.run_id, "schedule": self.cfg.schedule, "micro_batches": self.cfg.micro_batches,
+               "world_size": self.launch.world_size, **rec}
+        self.log.write(rec)
+        if self.bar is not None:
+            self.bar.update(1)
             if rec.get("loss") is not None:
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", sps=f"{rec.get('samples_per_s') or 0:.1f}")
+                self.bar.set_postfix(loss=f"{rec['loss']:.4f}", sps=f"{rec.get('samples_per_s') or 0:.1f}")
 
-    t0 = time.perf_counter()
-    every = args.checkpoint_every or args.steps
-    step = start
-    engine.start()
-    while step < args.steps:
-        n = min(every, args.steps - step)
-        engine.run(batches, n, on_step=on_step if is_logger else None, step_offset=step)
-        step += n
-        if args.checkpoint_dir and (args.checkpoint_every or step == args.steps):
-            save_shards(args.checkpoint_dir, step, rank, engine.state())
-            if is_logger:
-                commit(args.checkpoint_dir, step, launch.world_size,
-                       {"package": m.generator.get("graph_hash"), "schedule": cfg.schedule,
-                        "micro_batches": cfg.micro_batches, "world_size": launch.world_size},
-                       timeout_s=args.timeout)
-    engine.finish()
-    seconds = time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
-    if is_logger:
-        summary = {"summary": True, "steps": args.steps - start, "seconds": seconds, "schedule": cfg.schedule,
-                   "samples_per_s": (args.steps - start) * cfg.micro_batches * m.micro_batch_size / seconds}
-        log.write(json.dumps(summary) + "\n")
-        log.close()
-        print(f"ftcompile run: {args.steps - start} steps of {cfg.schedule} on {launch.world_size} rank(s) in "
-              f"{seconds:.1f} s ({summary['samples_per_s']:.1f} samples/s); log: {log_dir / 'train.jsonl'}",
-              file=sys.stderr)
-    if transport is not None:
-        transport.close()
-    return 0
+    def _save(self, step: int, previous: int | None) -> None:
+        args, m = self.args, self.m
+        meta = {"run_id": self.run_id, "package": m.generator.get("graph_hash"), "model": m.model.get("name"),
+                "world_size": self.launch.world_size, "config": recorded_config(args)}
+        self.phase(f"in the checkpoint of step {step}")
+        try:
+            ckpt.save(args.checkpoint_dir, step, self.engine.state(), meta=meta, control=self.control,
+                      previous=previous)
+        except (ckpt.CheckpointPeerLost, RuntimeError) as exc:
+            # A peer that died mid-save fails the collective; the transport's receivers say which.
+            lost = _wait_for_failure(self.engine, seconds=5)
+            raise PipelineError(f"{lost} (during the checkpoint of step {step})" if lost else
+                                f"rank {self.rank}: lost a peer during the checkpoint of step {step}: {exc}") from None
+
+    def train(self) -> None:
+        from .data import load_dataset
+
+        args, cfg, engine = self.args, self.cfg, self.engine
+        batches = iter(load_dataset(args.data, self.m, micro_batches=cfg.micro_batches, seed=args.seed))
+        for _ in range(self.start):
+            next(batches)
+        self._open_log()
+        t0 = time.perf_counter()
+        every = args.checkpoint_every or args.steps
+        step, previous = self.start, (self.start if self.res.checkpoint is not None else None)
+        engine.start()
+        while step < args.steps:
+            n = min(every, args.steps - step)
+            self.phase(f"training steps {step}-{step + n - 1}")
+            engine.run(batches, n, on_step=self._on_step if self.log is not None else None, step_offset=step)
+            step += n
+            if args.checkpoint_dir and (args.checkpoint_every or step == args.steps):
+                self._save(step, previous)
+                previous = step
+        self.phase("finishing")
+        engine.finish()
+        self.seconds = time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if self.bar is not None:
+            self.bar.close()
+        if self.log is not None:
+            done, cfg = self.args.steps - self.start, self.cfg
+            sps = done * cfg.micro_batches * self.m.micro_batch_size / self.seconds
+            self.log.write({"run": self.run_id, "summary": True, "steps": done, "seconds": self.seconds,
+                            "schedule": cfg.schedule, "samples_per_s": sps})
+            self.log.close()
+            print(f"ftcompile run: {done} steps of {cfg.schedule} on {self.launch.world_size} rank(s) in "
+                  f"{self.seconds:.1f} s ({sps:.1f} samples/s); log: {self.log_dir / 'train.jsonl'}", file=sys.stderr)
+        if self.control is not None:
+            self.control.close()
+        if self.transport is not None:
+            self.transport.close()
+        for lk in self.locks:
+            lk.release()
+
+
+def run(args, report: Reporter | None = None) -> int:
+    """Train as one rank (see the module docstring); returns 0, or raises what stopped it."""
+    return RankRun(args, report).execute()
 
 
 def main(argv: list[str] | None = None) -> int:
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID`: where every thread is
+    _die_with_parent()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _on_signal)
     p = argparse.ArgumentParser(prog="python -m ftcompile.runtime",
                                 description="Train a generated package; one process per rank (see `ftcompile run`).")
     add_train_arguments(p)
     args = p.parse_args(argv)
     launch = detect_launcher()
+    report = Reporter(launch.rank, launch.launcher == "ftcompile")
+    code = 0
     try:
-        return run(args)
-    except (PipelineError, PackageError, CheckpointError, ScheduleError, TransportError, ValueError,
-            OSError) as exc:
-        msg = str(exc)
-        if not msg.startswith("rank "):
-            msg = f"rank {launch.rank}: {msg}"
-        print(f"ftcompile run: error: {msg}", file=sys.stderr, flush=True)
-        # Receiver threads may sit in a blocking receive from a dead peer: leave at once.
-        os._exit(1)
+        code = run(args, report)
+    except Stopped as exc:
+        name = signal.Signals(exc.signum).name
+        # Under ftcompile run the launcher says why it stopped the ranks.
+        report(f"stopped by {name}", kind="signal", code=128 + exc.signum,
+               show=launch.launcher != "ftcompile")
+        code = 128 + exc.signum
     except KeyboardInterrupt:
-        os._exit(130)
+        report("interrupted", kind="signal", code=130, show=False)
+        code = 130
+    except NothingToDo as exc:
+        if launch.rank == 0:
+            print(f"ftcompile run: {exc}", file=sys.stderr)
+        code = 0
+    except Refusal as exc:
+        kind, peer = _kind(exc.exc)
+        report(str(exc.exc), kind=kind, code=exc.code, peer=peer)
+        code = exc.code
+    except Agreed as exc:
+        report(f"stopped: rank {exc.rank} refused to go on", kind="agreed", code=exc.code, show=False)
+        code = exc.code
+    except (PipelineError, TransportError, RunLogError, OSError) as exc:
+        kind, peer = _kind(exc)
+        report(str(exc) if not isinstance(exc, OSError) or isinstance(exc, RunLogError) else
+               f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}", kind=kind, code=1, peer=peer)
+        code = 1
+    except REFUSALS as exc:
+        alike = report.alike or getattr(exc, "every_rank", False)
+        report(str(exc), kind="error", code=2, show=launch.rank == 0 or not alike)
+        code = 2
+    except Exception as exc:  # noqa: BLE001 - a bug: say so in one line, the traceback on request
+        if os.environ.get("FTCOMPILE_DEBUG"):
+            import traceback
+            traceback.print_exc()
+        report(f"internal error: {type(exc).__name__}: {exc} (this is a bug; FTCOMPILE_DEBUG=1 shows the "
+               "traceback)", kind="error", code=1)
+        code = 1
+    sys.stderr.flush()
+    sys.stdout.flush()
+    if code == 0:
+        # Finalize MPI ourselves: leaving through os._exit skips the interpreter's teardown, where
+        # C++ threads of torch's stores and groups may still run and abort the process.
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    # Receiver and heartbeat threads may sit in blocking calls: leave at once.
+    os._exit(code)

@@ -58,18 +58,14 @@ def albert_package(tmp_path_factory):
     return out
 
 
-def _assert_close(got: dict[int, dict[str, torch.Tensor]], want: dict[str, torch.Tensor]) -> None:
-    """Every stage's copy of every expected tensor matches, relative to the tensor's own scale with a
-    floor: attention key biases start at zero and get gradients that are zero in exact arithmetic,
-    so their values are rounding noise on both sides."""
-    seen = set()
-    for sid, w in got.items():
-        for n, t in w.items():
-            if n in want:
-                seen.add(n)
-                err = float((t - want[n]).abs().max()) / max(float(want[n].abs().max()), 1e-2)
-                assert err < 2e-5, f"stage {sid}: {n} differs by {err:.2e}"
-    assert seen == set(want), sorted(set(want) - seen)[:5]
+def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Every expected tensor of the checkpoint (canonical names) matches, relative to the tensor's own
+    scale with a floor: attention key biases start at zero and get gradients that are zero in exact
+    arithmetic, so their values are rounding noise on both sides."""
+    assert set(want) <= set(got), sorted(set(want) - set(got))[:5]
+    for n, t in want.items():
+        err = float((got[n] - t).abs().max()) / max(float(t.abs().max()), 1e-2)
+        assert err < 2e-5, f"{n} differs by {err:.2e}"
 
 
 def _holders_per_rank(m, world: int) -> dict[str, dict[int, int]]:
@@ -124,11 +120,9 @@ def test_albert_trains_like_the_model_on_several_ranks(albert_package, tmp_path,
     r = run_cli(*cli_args(cfg, albert_package, tmp_path, nproc=nproc))
     assert r.returncode == 0, r.stderr
     want = plain_training(albert_package, cfg, cfg.steps)
-    got = final_weights(tmp_path / "ckpt")
-    _assert_close(got, want)
-    for name, holders in load_package(albert_package).manifest.shared_params().items():
-        copies = [got[h][name] for h in holders]
-        assert all(torch.equal(copies[0], c) for c in copies[1:]), name
+    # The checkpoint holds one copy of a shared tensor: its save refuses copies that differ between
+    # the holders (checkpoint._check_copies), so a written checkpoint proves they stayed identical.
+    _assert_close(final_weights(tmp_path / "ckpt"), want)
 
 
 @pytest.mark.slow

@@ -1,0 +1,274 @@
+"""Training options: their definitions, their checks, and what a resumed run takes from its checkpoint.
+
+Shared by ``ftcompile run`` (which checks everything before any rank starts) and every rank
+(``python -m ftcompile.runtime``, started by ``ftcompile run``, torchrun or mpirun, which checks
+again, so that a rank started by hand is as safe). :func:`check` refuses values that make no
+sense with a :class:`OptionError` saying what to give instead, and returns warnings for options
+that are pointless. :func:`resolve` reconciles the options with the checkpoint of ``--resume``:
+an option not given takes the checkpoint's value; one given explicitly applies (the lr, the
+schedule...) when that is meaningful, and is refused when it is not (another optimizer's state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from .checkpoint import Checkpoint, CheckpointError, check_resumable, latest
+from .control import HEARTBEAT_TIMEOUT_S
+from .optim import LR_SCHEDULES, OPTIMIZERS, PREDICTS, resume_change
+from .schedules import SCHEDULES
+
+#: Defaults of the options a resumed run otherwise takes from its checkpoint.
+DEFAULTS = {"steps": 10, "optimizer": "adam", "lr": 1e-3, "momentum": 0.9, "weight_decay": 0.0,
+            "lr_schedule": "constant", "warmup_steps": 0, "seed": 0, "data": "synthetic", "recompute": False,
+            "weight_prediction": False, "no_dropout": False, "clip_grad_norm": None}
+#: Recorded in every checkpoint's ``meta.json`` (``config``), and inherited by ``--resume``.
+RECORDED = ("schedule", "micro_batches", "steps", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
+            "warmup_steps", "clip_grad_norm", "seed", "data", "recompute", "weight_prediction", "no_dropout")
+
+
+class OptionError(ValueError):
+    """An option value that makes no sense; the message says what to give."""
+
+
+class NothingToDo(Exception):
+    """``--resume`` found the run already at its last step."""
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The training options, shared by ``ftcompile run`` and ``python -m ftcompile.runtime``."""
+    p.add_argument("package", metavar="PACKAGE", help="a package folder written by `ftcompile compile -o`")
+    g = p.add_argument_group("schedule")
+    g.add_argument("--schedule", choices=SCHEDULES, default=None,
+                   help="pipeline schedule (default: the one the plan was compiled for)")
+    g.add_argument("--micro-batches", type=int, default=None, metavar="M",
+                   help="micro-batches per step; one optimizer update per step (default: the plan's)")
+    g.add_argument("--steps", type=int, default=None, metavar="K",
+                   help="steps of the whole run, those a resumed run already did included (default 10; with "
+                        "--resume: the checkpoint's)")
+    g.add_argument("--recompute", action="store_true", default=None,
+                   help="gpipe/1f1b/2bw/2gw: recompute activations in backward (async always recomputes)")
+    g.add_argument("--weight-prediction", action="store_true", default=None,
+                   help="async: forward with weights predicted to the backward's version (FTPipe §4.2; "
+                        "momentum, adam, adamw)")
+    g = p.add_argument_group("optimizer (with --resume, an option not given keeps the checkpoint's value)")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default adam")
+    g.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3)")
+    g.add_argument("--momentum", type=float, default=None, help="for --optimizer momentum, in [0, 1) (default 0.9)")
+    g.add_argument("--weight-decay", type=float, default=None, help="default 0")
+    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=None, help="default constant")
+    g.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default 0)")
+    g.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
+                   help="clip the global gradient norm (all stages together) to X > 0")
+    g = p.add_argument_group("data and devices")
+    g.add_argument("--data", default=None, metavar="SPEC",
+                   help="synthetic (default: random inputs of the right shapes), text (the Python standard "
+                        "library's source as bytes: language models), text:DIR, or file.py:function")
+    g.add_argument("--seed", type=int, default=None, help="data order and dropout seed (default 0)")
+    g.add_argument("--no-dropout", action="store_true", default=None, help="train with dropout off")
+    g.add_argument("--device", default="cpu", help="cpu or cuda (each rank takes cuda:LOCAL_RANK)")
+    g.add_argument("--transport", choices=("auto", "gloo", "nccl", "mpi"), default="auto",
+                   help="auto: mpi under mpirun, nccl on cuda, else gloo")
+    g.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help="give up when nothing arrives for S seconds, naming the rank waited for (default 300)")
+    g.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S, metavar="S",
+                   help="report a rank whose process has stopped beating for S seconds (stopped, frozen, "
+                        f"unreachable), however long --timeout is (default {HEARTBEAT_TIMEOUT_S:.0f})")
+    g = p.add_argument_group("logs and checkpoints")
+    g.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="where train.jsonl goes (default PACKAGE/runs/SCHEDULE); an earlier run's log is moved "
+                        "aside to train.N.jsonl")
+    g.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="write checkpoints here")
+    g.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="checkpoint every N steps (each segment fills and drains the pipeline)")
+    g.add_argument("--resume", action="store_true", help="continue the run of the latest checkpoint in --checkpoint-dir")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="a fresh run into a --checkpoint-dir that holds checkpoints deletes them (else refused)")
+    g.add_argument("--reset-optimizer", action="store_true",
+                   help="with --resume: take the checkpoint's weights and step, but start the optimizer state "
+                        "afresh (to change to an optimizer that cannot use the checkpoint's state)")
+    g.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                   help="progress bar on the loss rank's stderr (auto: when it is a terminal)")
+
+
+_VALUED = ("schedule", "micro_batches", "steps", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
+           "warmup_steps", "clip_grad_norm", "data", "seed", "device", "transport", "timeout", "heartbeat_timeout",
+           "log_dir", "checkpoint_dir", "checkpoint_every", "progress")
+_FLAGS = ("recompute", "weight_prediction", "no_dropout", "resume", "overwrite_checkpoints", "reset_optimizer")
+
+
+def worker_argv(args) -> list[str]:
+    """The command line that gives a rank the same options as ``args`` (options not given stay unset)."""
+    out = [str(args.package)]
+    for name in _VALUED:
+        value = getattr(args, name, None)
+        if value is not None:
+            out += ["--" + name.replace("_", "-"), repr(value) if isinstance(value, float) else str(value)]
+    for name in _FLAGS:
+        if getattr(args, name, None):
+            out.append("--" + name.replace("_", "-"))
+    return out
+
+
+def _finite(flag: str, value: float | None, *, low: float | None = None, low_open: bool = False,
+            high_open: float | None = None, must: str = "") -> None:
+    if value is None:
+        return
+    bad = not math.isfinite(value)
+    if not bad and low is not None:
+        bad = value <= low if low_open else value < low
+    if not bad and high_open is not None:
+        bad = value >= high_open
+    if bad:
+        raise OptionError(f"{flag} must be {must}, got {value!r}")
+
+
+def check(args) -> list[str]:
+    """Refuse option values that make no sense (OptionError); return warnings for pointless ones."""
+    for flag, value in (("--steps", args.steps), ("--micro-batches", args.micro_batches),
+                        ("--checkpoint-every", args.checkpoint_every)):
+        if value is not None and value < 1:
+            raise OptionError(f"{flag} must be at least 1, got {value}")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        raise OptionError(f"--warmup-steps must be 0 or more, got {args.warmup_steps}")
+    _finite("--lr", args.lr, low=0.0, must="a finite learning rate >= 0 (e.g. 1e-3)")
+    _finite("--momentum", args.momentum, low=0.0, high_open=1.0, must="in [0, 1) (e.g. 0.9)")
+    _finite("--weight-decay", args.weight_decay, low=0.0, must="a finite number >= 0 (e.g. 0.01)")
+    _finite("--clip-grad-norm", args.clip_grad_norm, low=0.0, low_open=True,
+            must="the largest gradient norm, a finite number > 0 (omit the option not to clip)")
+    _finite("--timeout", args.timeout, low=0.0, low_open=True, must="a positive number of seconds")
+    _finite("--heartbeat-timeout", args.heartbeat_timeout, low=0.0, low_open=True,
+            must="a positive number of seconds")
+    if args.checkpoint_every is not None and not args.checkpoint_dir:
+        raise OptionError("--checkpoint-every needs --checkpoint-dir")
+    if args.resume and not args.checkpoint_dir:
+        raise OptionError("--resume needs --checkpoint-dir")
+    if args.overwrite_checkpoints and not args.checkpoint_dir:
+        raise OptionError("--overwrite-checkpoints needs --checkpoint-dir")
+    if args.overwrite_checkpoints and args.resume:
+        raise OptionError("--overwrite-checkpoints deletes the checkpoints --resume continues from; give one of them")
+    if args.reset_optimizer and not args.resume:
+        raise OptionError("--reset-optimizer needs --resume (a fresh run starts its optimizer afresh anyway)")
+    warnings = []
+    if args.lr == 0:
+        warnings.append("--lr 0: no weight will change")
+    if args.momentum is not None and args.optimizer not in (None, "momentum"):
+        warnings.append(f"--momentum is ignored by --optimizer {args.optimizer} (it is for --optimizer momentum)")
+    if args.weight_prediction and args.optimizer is not None and args.optimizer not in PREDICTS:
+        warnings.append(f"--weight-prediction does nothing with --optimizer {args.optimizer}: weights are "
+                        f"predicted from momentum or Adam's moments ({', '.join(PREDICTS)})")
+    if args.weight_prediction and args.schedule not in (None, "async"):
+        warnings.append(f"--weight-prediction does nothing under --schedule {args.schedule}: only async forwards "
+                        "run on weights older than their backward's")
+    if args.recompute and args.schedule == "async":
+        warnings.append("--recompute is implied by --schedule async (every stage but the last recomputes)")
+    if args.warmup_steps and args.steps is not None and args.warmup_steps >= args.steps:
+        warnings.append(f"--warmup-steps {args.warmup_steps} >= --steps {args.steps}: the whole run is warm-up")
+    if args.checkpoint_every and args.steps is not None and args.checkpoint_every >= args.steps:
+        warnings.append(f"--checkpoint-every {args.checkpoint_every} >= --steps {args.steps}: only the final "
+                        "checkpoint is written")
+    return warnings
+
+
+@dataclass
+class Resolved:
+    """Options with every default filled, the checkpoint to resume from, and what to tell the user."""
+
+    args: argparse.Namespace
+    checkpoint: Checkpoint | None
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def _fmt(v) -> str:
+    return "off" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
+
+
+def resolve(args, manifest, *, restart_run_id: str | None = None) -> Resolved:
+    """Fill the options' defaults, reconciled with the checkpoint of ``--resume`` (see the module docstring).
+
+    ``restart_run_id``: when the elastic agent restarts the ranks of a run, a checkpoint of that
+    run is resumed even without ``--resume``.
+    """
+    cli = args
+    args = copy.copy(args)
+    warnings = check(args)
+    notes: list[str] = []
+    ck = None
+    package = manifest.generator.get("graph_hash")
+    if (not args.resume and restart_run_id and args.checkpoint_dir and os.environ.get("TORCHELASTIC_RESTART_COUNT",
+                                                                                        "0") != "0"):
+        found = latest(args.checkpoint_dir)
+        if found is not None and found.run_id == restart_run_id:
+            args.resume = True
+            notes.append(f"restarted by the launcher: resuming from step {found.step}")
+    if args.resume:
+        ck = check_resumable(args.checkpoint_dir, package=package,
+                             steps=args.steps if args.steps is not None else 2 ** 62)
+        was = ck.meta.get("config") or {}
+        changed = []
+        for name in RECORDED:
+            given = getattr(args, name, None)
+            old = was.get(name)
+            if given is None:
+                if name in was:
+                    setattr(args, name, old)
+            elif name in was and given != old and name != "steps":
+                changed.append((name, old, given))
+        new_opt, old_opt = args.optimizer or DEFAULTS["optimizer"], was.get("optimizer")
+        if old_opt and new_opt != old_opt:
+            why = resume_change(old_opt, new_opt)
+            if why and not args.reset_optimizer:
+                raise CheckpointError(f"--resume --optimizer {new_opt}: {why}. Resume with --optimizer {old_opt}, or "
+                                      "pass --reset-optimizer to keep the weights and start the optimizer state "
+                                      "afresh")
+        if args.steps is None:
+            args.steps = int(was.get("steps") or ck.step)
+        if args.steps == ck.step:
+            raise NothingToDo(f"the run in {args.checkpoint_dir} is at step {ck.step} of {args.steps} already; give "
+                              f"--steps N with N > {ck.step} to train further")
+        what = f"resuming run {ck.run_id} from step {ck.step} ({ck.folder}) to step {args.steps}"
+        if changed:
+            what += "; changed: " + ", ".join(f"{n.replace('_', '-')} {_fmt(o)} -> {_fmt(g)}" for n, o, g in changed)
+        notes.append(what)
+        for name, old, given in changed:
+            if name in ("micro_batches", "seed", "data"):
+                warnings.append(f"--{name.replace('_', '-')} differs from the checkpoint's ({_fmt(old)}): the resumed "
+                                "run skips the steps done in its own data order, so it does not see the data an "
+                                "uninterrupted run would")
+        if args.reset_optimizer:
+            notes.append("--reset-optimizer: the optimizer state starts afresh")
+    for name, default in DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
+    schedule = args.schedule or (manifest.schedule if manifest.schedule in SCHEDULES else "1f1b")
+    args.schedule = schedule
+    if args.micro_batches is None:
+        args.micro_batches = manifest.micro_batches or 4
+    # Pointless combinations of what was given with what the plan or the checkpoint decided.
+    if cli.weight_prediction:
+        if args.optimizer not in PREDICTS and cli.optimizer is None:
+            warnings.append(f"--weight-prediction does nothing with --optimizer {args.optimizer}: weights are "
+                            f"predicted from momentum or Adam's moments ({', '.join(PREDICTS)})")
+        if schedule != "async" and cli.schedule is None:
+            warnings.append(f"--weight-prediction does nothing under --schedule {schedule}: only async forwards "
+                            "run on weights older than their backward's")
+    if cli.recompute and schedule == "async" and cli.schedule is None:
+        warnings.append("--recompute is implied by --schedule async (every stage but the last recomputes)")
+    return Resolved(args, ck, notes, warnings)
+
+
+def recorded_config(args) -> dict:
+    """The settings a checkpoint records (``meta.json``'s ``config``)."""
+    return {name: getattr(args, name) for name in RECORDED}
+
+
+def new_run_id() -> str:
+    """A run id that sorts by start time and never repeats: ``20240102-030405-1a2b3c``."""
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
