@@ -107,12 +107,27 @@ def programs(manifest: Manifest, cfg: TrainConfig, steps: int) -> dict[int, Stag
             for s in manifest.stages}
 
 
-def _call(module: torch.nn.Module, weights: dict, live: dict, args: tuple, seed: int):
+def accepts_update_buffers(module: torch.nn.Module) -> bool:
+    """Whether a stage's forward takes ``update_buffers=`` (stages that write running statistics)."""
+    import inspect
+
+    try:
+        return "update_buffers" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _call(module: torch.nn.Module, weights: dict, live: dict, args: tuple, seed: int, *, recompute: bool = False):
+    # A recomputation repeats a forward that already ran: it must not update running
+    # statistics (BatchNorm) a second time.
+    kwargs = {"seed": seed}
+    if recompute and getattr(module, "_ftc_updates_buffers", False):
+        kwargs["update_buffers"] = False
     # The live weights are the module's own: call it directly, skipping functional_call's
     # re-parametrisation, which costs more than a small stage's compute.
     if weights is live:
-        return module(*args, seed=seed)
-    return functional_call(module, weights, args, {"seed": seed}, strict=False)
+        return module(*args, **kwargs)
+    return functional_call(module, weights, args, kwargs, strict=False)
 
 
 def micro_batch_seed(seed: int, k: int) -> int:
@@ -176,6 +191,7 @@ class RankEngine:
             if self.ranks[s.id] == rank:
                 mod = package.build_stage(s.id, self.device, dtype=dtype)
                 mod.train(cfg.dropout)
+                mod._ftc_updates_buffers = accepts_update_buffers(mod)
                 self.modules[s.id] = mod
         self.stages: dict[int, _Stage] = {}
         self.cv = threading.Condition()
@@ -191,6 +207,8 @@ class RankEngine:
         # Looked up on every scheduling pass: computed once.
         self._spec = {s.id: s for s in self.m.stages}
         self._shared = self.m.shared_params()
+        self._local_holders = {n: tuple(h for h in sorted(hs) if self.ranks[h] == rank)
+                               for n, hs in self._shared.items()}
         self.step_offset = 0
         self._parked: dict[int, list[tuple]] = {}     # messages of segments this rank has not begun
         self._refs: dict[tuple, int] = {}
@@ -263,7 +281,12 @@ class RankEngine:
                 elif kind == GRAD:
                     self._deliver(segment, ("G", self.value_names[a], k, stage), buf)
                 elif kind == SHARED:
-                    self._deliver(segment, ("S", self.param_names[a], k, stage), buf)
+                    # One message per rank: every holder here reads it (keyed by the receiving
+                    # stage, so that holders sharing a rank never take each other's copy).
+                    name = self.param_names[a]
+                    for h in self._local_holders.get(name, ()):
+                        if h != stage:
+                            self._deliver(segment, ("S", name, k, stage, h), buf)
                 elif kind == NORM:
                     self._deliver(segment, ("N", k, stage), pickle.loads(buf.numpy().tobytes()))
                 elif kind == STATS:
@@ -362,7 +385,7 @@ class RankEngine:
             for name, holders in self._shared.items():
                 if name in mine:
                     for h in holders:
-                        if h != st.id and ("S", name, j, h) not in self.inbox:
+                        if h != st.id and ("S", name, j, h, st.id) not in self.inbox:
                             miss.append(f"shared gradient of {name} for step {j} from stage {h} "
                                         f"(rank {self.ranks[h]})")
             if self.cfg.clip_grad_norm and st.update_phase >= 2:
@@ -433,7 +456,7 @@ class RankEngine:
             weights = self._weights(st, version, across_update=False)
             args = [self._leaf(v, x) for v, x in zip(spec.inputs, args)]
             with torch.enable_grad():
-                outs = _call(st.module, weights, st.params, tuple(args), seed)
+                outs = _call(st.module, weights, st.params, tuple(args), seed, recompute=True)
             t1 = time.perf_counter()
             st.times.recompute_s += t1 - t0
             t0 = t1
@@ -479,32 +502,41 @@ class RankEngine:
         self._used(st, version)
 
     def _begin_update(self, st: _Stage, j: int) -> None:
-        """Phase 1 of U(j): send this stage's gradients of shared parameters to the other holders."""
+        """Phase 1 of U(j): send this stage's gradients of shared parameters to the other holders.
+
+        Each other holder on this rank gets the tensor itself (keyed by its own id); each other
+        rank gets one message, which its receiver hands to every holder there. Nobody writes
+        into a gradient once it is sent: holders sum into a tensor of their own.
+        """
         for name, holders in self._shared.items():
             if name not in st.params:
                 continue
             p = st.params[name]
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            for h in holders:
-                if h == st.id:
-                    continue
-                if self.ranks[h] == self.rank:
-                    self._put(("S", name, j, st.id), g.detach().clone())
-                else:
-                    self._send(self.ranks[h], [SHARED, self.param_index[name], j, st.id, 0], g.detach())
+            g = (p.grad if p.grad is not None else torch.zeros_like(p)).detach()
+            for h in self._local_holders[name]:
+                if h != st.id:
+                    self._put(("S", name, j, st.id, h), g)
+            for r in sorted({self.ranks[h] for h in holders} - {self.rank}):
+                self._send(r, [SHARED, self.param_index[name], j, st.id, 0], g)
         st.update_phase = 1
 
     def _sum_shared(self, st: _Stage, j: int) -> None:
-        for name, holders in self._shared.items():
-            if name not in st.params:
-                continue
-            p = st.params[name]
-            total = None
-            for h in sorted(holders):
-                g = (p.grad if p.grad is not None else torch.zeros_like(p)) if h == st.id else \
-                    self.inbox.pop(("S", name, j, h))
-                total = g.clone() if total is None else total + g
-            p.grad = total
+        """Every holder sums all holders' gradients in stage order, so the copies take the same step."""
+        parts: dict[str, list[torch.Tensor]] = {}
+        with self.cv:
+            for name, holders in self._shared.items():
+                if name not in st.params:
+                    continue
+                p = st.params[name]
+                own = p.grad if p.grad is not None else torch.zeros_like(p)
+                parts[name] = [own if h == st.id else self.inbox.pop(("S", name, j, h, st.id))
+                               for h in sorted(holders)]
+        # Outside the lock: the receiver threads keep delivering meanwhile.
+        for name, gs in parts.items():
+            total = gs[0] + gs[1]
+            for g in gs[2:]:
+                total.add_(g)
+            st.params[name].grad = total
 
     def _norm_part(self, st: _Stage) -> float:
         shared = self._shared
@@ -533,8 +565,7 @@ class RankEngine:
             if self._missing(st, st.next, data):
                 return False
         if st.update_phase == 1:
-            with self.cv:
-                self._sum_shared(st, j)
+            self._sum_shared(st, j)
             if self.cfg.clip_grad_norm:
                 self._send_norm(st, j)
                 with self.cv:

@@ -27,7 +27,7 @@ import torch
 from torch.func import functional_call
 
 from . import optim as _optim
-from .engine import TrainConfig, micro_batch_seed, programs
+from .engine import TrainConfig, accepts_update_buffers, micro_batch_seed, programs
 from .package import Package
 
 
@@ -103,8 +103,11 @@ def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig,
                         if vs is not None and vs.requires_grad and vs.producer is not None and x.is_floating_point():
                             x.requires_grad_(True)
                     args.append(x)
+                # The backward recomputes the forward: running statistics were updated by the
+                # forward already.
+                kw = {"seed": seed, **({"update_buffers": False} if accepts_update_buffers(modules[s]) else {})}
                 with torch.enable_grad():
-                    outs = functional_call(modules[s], w, tuple(args), {"seed": seed}, strict=False)
+                    outs = functional_call(modules[s], w, tuple(args), kw, strict=False)
                 roots, gs = [], []
                 for v, o in zip(spec.outputs, outs):
                     if not (isinstance(o, torch.Tensor) and o.requires_grad):
