@@ -15,7 +15,7 @@ from typing import Mapping
 import torch
 
 from .manifest import Manifest, StageSpec
-from .ops import accepts_update_buffers
+from .engine import accepts_update_buffers
 from .package import Package
 
 

@@ -292,14 +292,6 @@ def update_buffer(owner: torch.nn.Module, name: str, value: torch.Tensor) -> Non
     owner._buffers[name] = value.detach().to(dtype=old.dtype)
 
 
-def accepts_update_buffers(module: torch.nn.Module) -> bool:
-    """Whether a stage module's ``forward`` takes ``update_buffers=`` (packages of format 2 on)."""
-    try:
-        return "update_buffers" in inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 class StageModule(torch.nn.Module):
     """Base class of generated stages: a straight-line ``forward`` over named stage inputs.
 

@@ -188,3 +188,23 @@ def vit_mae():
 def m2m100():
     """M2M100: its sinusoidal position embedding runs under @torch.no_grad() (a no-grad region)."""
     return _encdec(tf.M2M100Config, tf.M2M100ForConditionalGeneration)
+
+
+class _Autocast(torch.nn.Module):
+    """Mixed-precision training as users write it: the whole forward under ``torch.autocast``."""
+
+    def __init__(self, inner: torch.nn.Module, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.inner, self.dtype = inner, dtype
+
+    def forward(self, input_ids, labels):
+        with torch.autocast("cpu", dtype=self.dtype):
+            return self.inner(input_ids=input_ids, labels=labels, use_cache=False)
+
+
+def gpt2_autocast():
+    """GPT-2 under autocast(bfloat16), with its upcast attention (an autocast-disabled region inside)."""
+    model, _args, kwargs = _causal(tf.GPT2Config, tf.GPT2LMHeadModel, vocab_size=VOCAB, n_embd=32, n_layer=2,
+                                   n_head=4, n_positions=64, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,
+                                   reorder_and_upcast_attn=True)
+    return _Autocast(model).train(), (), {"input_ids": kwargs["input_ids"], "labels": kwargs["labels"]}
