@@ -339,6 +339,13 @@ def _as_fused_attention(instrs: list) -> list:
     return out
 
 
+def _storage_bytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return t.numel() * t.element_size()
+
+
 def _nbytes(t: Any) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
@@ -479,7 +486,9 @@ def _run_node_once(node: Node, inputs: dict[str, Any], params: Mapping[str, torc
         if k in input_keys:
             saved_inputs.add(input_keys[k])
         else:
-            internal += t.numel() * t.element_size()
+            # the memory kept is the storage's: an expanded (stride-0) view of a small
+            # tensor keeps only that tensor, however many elements the view has
+            internal += _storage_bytes(t)
 
     bwd = _KernelCounter() if count else None
     diff_out = [t for v, t in outputs.items() if isinstance(t, torch.Tensor) and t.requires_grad

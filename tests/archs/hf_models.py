@@ -208,3 +208,10 @@ def gpt2_autocast():
                                    n_head=4, n_positions=64, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,
                                    reorder_and_upcast_attn=True)
     return _Autocast(model).train(), (), {"input_ids": kwargs["input_ids"], "labels": kwargs["labels"]}
+
+
+def m2m100_layerdrop():
+    """M2M100 as its config ships (layerdrop 0.05): a layer is skipped when torch.rand([]) says so,
+    Python control flow on a tensor's value, which no static pipeline can hold (refused)."""
+    return _encdec(tf.M2M100Config, tf.M2M100ForConditionalGeneration, encoder_layerdrop=0.05,
+                   decoder_layerdrop=0.05)
