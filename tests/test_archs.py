@@ -217,3 +217,24 @@ def test_trains_like_the_eager_model(name, schedule, pkg_root, tmp_path):
             # normalised inputs, ~1e-9) is measured against 1e-3, not against its own noise
             err = float((got_b - b).abs().max() / b.abs().max().clamp_min(1e-3))
             assert err < 1e-4, (n, err)
+
+
+@pytest.mark.slow
+def test_compile_plans_a_real_7b_llama(tmp_path):
+    """`ftcompile compile llama-7b` traces Llama 2 7B on meta (no weights) and plans it for 8 GPUs."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "llama7b"
+    r = subprocess.run([sys.executable, "-m", "ftcompile", "compile", "llama-7b", "--gpus", "8", "--gpu-memory",
+                        "40GB", "--hardware", "a100-80gb", "--strategy", "seq", "-q", "-o", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads((out / "plan.json").read_text())
+    m = doc["package"]
+    assert m["weights"] == "init" and m["num_gpus"] == 8
+    graph = json.loads((out / "graph.json").read_text())
+    params = sum(int(math.prod(p["shape"])) for p in graph["params"] if p["kind"] == "parameter")
+    assert params == 6_738_415_616
+    assert any(n["op"] == "aten.scaled_dot_product_attention.default" for n in graph["nodes"])
