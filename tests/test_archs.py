@@ -47,10 +47,12 @@ from test_runtime import call_of, cli_args, final_weights, losses, run_cli
 ARCHS = Path(__file__).parent / "archs"
 HF = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "phi", "gpt_neox", "falcon", "bloom",
       "gpt2", "gpt_neo", "opt", "marian", "pegasus", "mbart", "bart", "m2m100", "t5", "bert", "albert", "roberta",
-      "electra", "distilbert", "deberta_v2", "vit_mae", "gpt2_autocast"]
+      "electra", "distilbert", "deberta_v2", "vit_mae", "gpt2_autocast",
+      # with torch's fused attention (dropout inside it keyed like any other)
+      "llama_sdpa", "gpt2_sdpa", "bert_sdpa", "bart_sdpa", "t5_sdpa", "qwen3_sdpa"]
 PLAIN = ["resnet", "mobilenet_v2", "lstm_gru", "lstm_dropout"]
 # one per construct of issue 10, fast enough for every run of the suite
-QUICK = {"llama", "m2m100", "bloom", "resnet", "mobilenet_v2", "lstm_gru", "vit_mae", "gpt2_autocast"}
+QUICK = {"llama", "m2m100", "bloom", "resnet", "mobilenet_v2", "lstm_gru", "vit_mae", "gpt2_autocast", "gpt2_sdpa"}
 VERIFY_TOL = 1e-6
 
 
@@ -104,6 +106,9 @@ def test_compiles_and_verifies(name, pkg_root):
     assert report.random_calls["model"] == report.random_calls["package"]
     assert report.random_calls["model_other"] == report.random_calls["package_other"]
     m = load_package(path).manifest
+    if name.endswith("_sdpa"):
+        ops = [ins.target for n in _traced(name)[1].nodes for ins in n.instrs]
+        assert "aten.scaled_dot_product_attention.default" in ops
     if name in ("resnet", "mobilenet_v2"):
         assert report.compared["buffer"] >= 3 and any(s.mutates_buffers for s in m.stages)
     if name == "vit_mae":

@@ -22,10 +22,14 @@ def _ids(vocab: int = VOCAB, b: int = B, s: int = S, seed: int = 0) -> torch.Ten
     return torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
 
 
+_FORCED: list[str] = []     # set by the *_sdpa builders below
+
+
 def _make(model_cls, cfg_cls, **kw):
     """``model_cls`` in training mode, random weights, attention as ``ATTENTION`` asks where supported."""
     cfg = cfg_cls(**kw)
-    cfg._attn_implementation = ATTENTION if getattr(model_cls, "_supports_sdpa", False) else "eager"
+    wanted = _FORCED[-1] if _FORCED else ATTENTION
+    cfg._attn_implementation = wanted if getattr(model_cls, "_supports_sdpa", False) else "eager"
     if hasattr(cfg, "use_cache"):
         cfg.use_cache = False
     return model_cls(cfg).train()
@@ -215,3 +219,23 @@ def m2m100_layerdrop():
     Python control flow on a tensor's value, which no static pipeline can hold (refused)."""
     return _encdec(tf.M2M100Config, tf.M2M100ForConditionalGeneration, encoder_layerdrop=0.05,
                    decoder_layerdrop=0.05)
+
+
+def _sdpa(builder):
+    """The same architecture with torch's fused scaled_dot_product_attention (transformers' default)."""
+    def build():
+        _FORCED.append("sdpa")
+        try:
+            return builder()
+        finally:
+            _FORCED.pop()
+    build.__doc__ = f"{builder.__name__} with SDPA attention"
+    return build
+
+
+llama_sdpa = _sdpa(llama)
+gpt2_sdpa = _sdpa(gpt2)
+bert_sdpa = _sdpa(bert)
+bart_sdpa = _sdpa(bart)
+t5_sdpa = _sdpa(t5)
+qwen3_sdpa = _sdpa(qwen3)
