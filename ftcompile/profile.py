@@ -836,6 +836,11 @@ def _measure_node(node: Node, names: list[str], host: dict, hparams: Mapping[str
     outputs = {v: (t.detach().to("cpu") if isinstance(t, torch.Tensor) else t) for v, t in run.outputs.items()}
     saved_internal, saved_pos = run.saved_internal_bytes, run.saved_inputs
     del run             # its outputs hold the autograd graph and every tensor it saved
+    if any(ins.target == _SDPA_TARGET for ins in node.instrs):
+        # Plans are for GPUs running the fused attention kernel; a CPU (or a GPU's math
+        # fallback, as for dropout in float32 attention on some) keeps the s x s matrix.
+        # What the node keeps is counted as the analytic profile counts it, on meta.
+        saved_internal, saved_pos = _saved_as_fused(node, names, graph, grads)
     fwd_times, bwd_times = [], []
     for r in range(warmup + repeats):
         env = dict(ins)
@@ -858,6 +863,17 @@ def _measure_node(node: Node, names: list[str], host: dict, hparams: Mapping[str
     cost = NodeCost(forward_ms=f, recompute_ms=f, backward_ms=statistics.median(bwd_times),
                     activation_bytes=saved_internal)
     return cost, saved_pos, outputs
+
+
+def _saved_as_fused(node: Node, names: list[str], graph: OpGraph, grads: set[str]) -> tuple[int, frozenset]:
+    """Activation memory of ``node`` with its attention as the fused kernel (a run on ``meta``)."""
+    metas = dict(_node_inputs(graph, node))
+    inputs = {n: (_make_leaf(metas[n].tensor, "meta", n in grads) if metas[n].tensor is not None
+                  else _literal_value(metas[n].literal)) for n in names}
+    params = {p: _make_leaf(graph.params[p].meta, "meta", graph.params[p].trainable) for p in node.params}
+    run = _run_node_once(node, inputs, params, "meta", False, torch.ones_like,
+                         _as_fused_attention(_as_gpu_kernels(node.instrs)), grads)
+    return run.saved_internal_bytes, run.saved_inputs
 
 
 def measured_hardware_name(device: str | torch.device) -> str:
