@@ -45,7 +45,7 @@ test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow"
 
 example: $(STAMP)
-	$(BIN)/ftcompile compile gpt2-tiny --cluster 2xcpu --gpus 3 --strategy mixed -q -o examples/gpt2-tiny-mixed
+	$(BIN)/ftcompile compile gpt2-tiny --attention eager --cluster 2xcpu --gpus 3 --strategy mixed -q -o examples/gpt2-tiny-mixed
 	$(BIN)/ftcompile verify examples/gpt2-tiny-mixed
 
 clean:

@@ -110,10 +110,14 @@ def _add_model_options(p: argparse.ArgumentParser, *, device: bool = True) -> No
                    help="a local HuggingFace checkpoint directory (config.json + *.safetensors) "
                         "whose config and weights replace the zoo's random ones")
     g.add_argument("--seed", type=int, metavar="N", help="seed of the random weights and inputs (default: 0)")
+    g.add_argument("--attention", choices=("sdpa", "eager"),
+                   help="HuggingFace models: torch's fused scaled_dot_product_attention (sdpa, the default where "
+                        "the architecture has it) or the explicit softmax(q k^T) v (eager), which keeps the "
+                        "s x s attention matrix")
 
 
 _MODEL_OPTION_FIELDS = ("batch_size", "seq_len", "encoder_len", "decoder_len", "dtype", "device",
-                        "pretrained", "seed")
+                        "pretrained", "seed", "attention")
 
 
 def _given_model_options(args: argparse.Namespace) -> dict[str, Any]:

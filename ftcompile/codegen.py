@@ -36,7 +36,8 @@ from . import __version__
 from .ir import OpGraph, ValueMeta, atomic_write_text, iter_params, iter_refs
 from .plan import Plan, stage_depths, stage_graph
 from .runtime.atomic import atomic_path
-from .runtime.manifest import GraphInput, Manifest, ParamSpec, StageSpec, ValueSpec, call_leaves
+from .runtime.manifest import PACKAGE_VERSION, GraphInput, Manifest, ParamSpec, StageSpec, ValueSpec, call_leaves
+from .runtime.ops import OTHER_RANDOM_KEYS
 from .runtime.package import CHECKSUMS, PackageError, read_checksums, sha256_file
 from .weights import WeightSource
 
@@ -60,8 +61,6 @@ _ATTENTION_OPS = {"aten.scaled_dot_product_attention.default": 4,
                   "torch._C._nn.scaled_dot_product_attention": 4,
                   "torch.nn.functional.scaled_dot_product_attention": 4}
 _ATTENTION_DROPOUT = "dropout_p"        # the keyword of the dropout probability, when not positional
-# Keys of other random operators (torch.rand in forward...) start here, apart from the dropout sequence.
-OTHER_RANDOM_KEYS = 1 << 20
 
 _INFIX = {"operator.add": "+", "operator.sub": "-", "operator.mul": "*", "operator.truediv": "/",
           "operator.floordiv": "//", "operator.mod": "%", "operator.pow": "**", "operator.matmul": "@"}
@@ -100,11 +99,31 @@ def _random_kind(target: str, ins_args: list, ins_kwargs: dict) -> str | None:
         except AttributeError:
             return None
         if torch.Tag.nondeterministic_seeded in op.tags:
+            if parts[1] in _RNN_OPS:
+                return "other" if _rnn_drops(op, ins_args, ins_kwargs) else None
             return "other"
     if target in ("torch.rand", "torch.randn", "torch.randint", "torch.rand_like", "torch.randn_like",
                   "torch.bernoulli", "torch.randperm", "torch.normal", "torch.multinomial"):
         return "other"
     return None
+
+
+# Recurrent operators are tagged random because of their dropout between layers, which
+# draws only when training with dropout > 0 and more than one layer.
+_RNN_OPS = {"lstm", "gru", "rnn_tanh", "rnn_relu"}
+
+
+def _rnn_drops(op, args: list, kwargs: dict) -> bool:
+    values = {}
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args):
+            values[a.name] = args[i]
+        elif a.name in kwargs:
+            values[a.name] = kwargs[a.name]
+    p, train, layers = values.get("dropout", 0.0), values.get("train", True), values.get("num_layers", 1)
+    if not isinstance(p, (int, float)) or not isinstance(layers, int):
+        return True     # not a literal: assume it may draw
+    return bool(p > 0 and train is not False and layers > 1)
 
 
 def random_keys(graph: OpGraph) -> dict[str, int]:
@@ -335,6 +354,7 @@ class _Emitter:
         self.uses_operator = False
         self.uses_functional = False
         self.uses_math = False
+        self.buffer_updates: list[str] = []
 
     # ----------------------------------------------------------------- expressions
     def expr(self, tree: Any) -> str:
@@ -528,6 +548,12 @@ class _Emitter:
                 lines.append(f"del {tmp}")
             else:
                 lines.append(f"{names[ins.name]} = {rhs}")
+            for v, buf in sorted(ins.writes.items()):
+                # the buffer's new content (running statistics); a recomputation passes False
+                lines.append("if update_buffers:")
+                owner, _, leaf = buf.rpartition(".")
+                lines.append(f"    rt.update_buffer({_param_expr(owner) if owner else 'self'}, {leaf!r}, {names[v]})")
+                self.buffer_updates.append(buf)
             dead = [names[v] for v in dead_after.get(i, []) if v in names]
             if dead:
                 lines.append("del " + ", ".join(sorted(dead)))
@@ -644,6 +670,17 @@ def generate(graph: OpGraph, doc: dict, weights: WeightSource, *, name: str | No
             trainable=info.trainable, aliases=tuple(info.aliases), holders=tuple(hs),
             init=None if weights.stored else weights.recipe(info))
 
+    # ---- buffers forward updates: one stage must own each, or copies would drift apart
+    for buf, (nid, _v) in graph.buffer_writes().items():
+        if len(holders.get(buf, [])) > 1:
+            writer = plan.stage_of().get(nid)
+            others = [h for h in holders[buf] if h != writer]
+            raise CodegenError(
+                f"buffer {buf} is updated in forward by stage {writer} ({graph.node(nid).scope or 'the model'}) but "
+                f"also read by stage{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}, whose copy would "
+                "never see the update; keep its module whole with --basic-blocks "
+                f"{graph.node(nid).scope_class or 'CLASS'} so that one stage holds it")
+
     # ---- stage sources
     sources: dict[str, str] = {}
     specs: list[StageSpec] = []
@@ -708,13 +745,13 @@ def generate(graph: OpGraph, doc: dict, weights: WeightSource, *, name: str | No
             uses_math=em.uses_math,
             inputs=[names[v] for v in st.inputs], outputs=[names[v] for v in st.outputs],
             input_values_repr=repr(tuple(st.inputs)), output_values_repr=repr(tuple(st.outputs)), random=n_random,
-            declarations=decls, body=body)
+            buffer_updates_repr=repr(tuple(em.buffer_updates)), declarations=decls, body=body)
         sources[f"{module}.py"] = text
         specs.append(StageSpec(
             id=st.id, gpu=st.gpu, depth=st.depth, module=module, cls=cls,
             weights=f"weights/{module}.safetensors" if weights.stored else None,
             inputs=tuple(st.inputs), outputs=tuple(st.outputs), params=tuple(st.params), nodes=tuple(st.nodes),
-            computes_loss=computes_loss, random_ops=n_random,
+            computes_loss=computes_loss, random_ops=n_random, mutates_buffers=bool(em.buffer_updates),
             forward_ms=cost.get("forward_ms"), backward_ms=cost.get("backward_ms")))
         if weights.stored:
             stage_weights[st.id] = {p: weights.value(graph.params[p]) for p in st.params}
@@ -749,7 +786,8 @@ def generate(graph: OpGraph, doc: dict, weights: WeightSource, *, name: str | No
                    "schedule": doc.get("schedule")})
     manifest.check()
     sources["__init__.py"] = env.get_template("__init__.py.j2").render(
-        version=__version__, manifest=manifest, model=model_name, strategy=doc.get("chosen"))
+        version=__version__, manifest=manifest, model=model_name, strategy=doc.get("chosen"),
+        package_version=PACKAGE_VERSION)
     sources["README.md"] = env.get_template("README.md.j2").render(
         version=__version__, manifest=manifest, model=model_name, doc=doc, values=values,
         stage_rows=[(s, costs.get(s.id, {})) for s in specs], options=options)

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Iterator
 from .runtime.atomic import atomic_write_text  # noqa: F401  (re-exported: the compiler's writers use it)
 
 #: Version of the on-disk format; bump on any incompatible change.
-OPGRAPH_VERSION = 1
+OPGRAPH_VERSION = 2     # 2: buffer writes (Instr.writes), explicit stop-gradients and autocast casts
 OPGRAPH_FORMAT = "ftcompile.opgraph"
 
 
@@ -169,6 +169,10 @@ class Instr:
     unpack: dict[int, str] = field(default_factory=dict)
     unpack_meta: dict[int, ValueMeta] = field(default_factory=dict)
     scope: str = ""           # module path, "" for the root module
+    # Buffer updates: value this instruction makes -> canonical name of the buffer that
+    # takes it as its new content after forward (BatchNorm's running statistics). Running
+    # the instruction never writes; generated code copies the value when asked to.
+    writes: dict[str, str] = field(default_factory=dict)
 
     def produced(self) -> dict[str, ValueMeta | None]:
         """Names of the values this instruction makes visible, with their metadata."""
@@ -182,6 +186,8 @@ class Instr:
         if self.unpack:
             d["unpack"] = {str(i): n for i, n in self.unpack.items()}
             d["unpack_meta"] = {str(i): m.to_json() for i, m in self.unpack_meta.items()}
+        if self.writes:
+            d["writes"] = dict(self.writes)
         return d
 
     @staticmethod
@@ -191,7 +197,7 @@ class Instr:
             out=ValueMeta.from_json(d["out"]) if d.get("out") else None,
             unpack={int(i): n for i, n in d.get("unpack", {}).items()},
             unpack_meta={int(i): ValueMeta.from_json(m) for i, m in d.get("unpack_meta", {}).items()},
-            scope=d.get("scope", ""),
+            scope=d.get("scope", ""), writes={str(k): str(v) for k, v in d.get("writes", {}).items()},
         )
 
 
@@ -338,6 +344,10 @@ class OpGraph:
         kinds = tuple(kinds)
         return [p for p in self.params.values() if p.kind in kinds]
 
+    def buffer_writes(self) -> dict[str, tuple[int, str]]:
+        """Buffers forward updates (running statistics): name -> (node id, value written)."""
+        return {buf: (n.id, v) for n in self.nodes for ins in n.instrs for v, buf in ins.writes.items()}
+
     @property
     def num_parameters(self) -> int:
         """Trainable-parameter count; a tied tensor counts once."""
@@ -375,6 +385,7 @@ class OpGraph:
             "parameter_bytes": self.parameter_bytes,
             "buffers": sum(1 for p in self.params.values() if p.kind != "parameter"),
             "tied_parameters": sum(1 for p in self.params.values() if p.aliases),
+            "buffer_writes": len(self.buffer_writes()),
             "activation_bytes": self.activation_bytes,
             "inputs": [i["path"] for i in self.inputs],
             "loss": self.loss,
@@ -421,6 +432,13 @@ class OpGraph:
                         raise GraphError(f"node {n.id} ({n.name}) reads {ref!r} but no edge brings it")
                 local.add(ins.name)
                 local.update(ins.unpack.values())
+                for v, buf in ins.writes.items():
+                    if v not in ins.produced():
+                        raise GraphError(f"node {n.id} ({n.name}) writes {v!r} into {buf!r}, but its instruction "
+                                         f"{ins.name} does not make {v!r}")
+                    info = self.params.get(buf)
+                    if info is None or info.kind != "buffer" or buf not in n.params:
+                        raise GraphError(f"node {n.id} ({n.name}) writes {buf!r}, which is not a buffer it holds")
         if self.loss is not None and self.loss not in producers:
             raise GraphError(f"loss value {self.loss!r} is not produced by any node")
 

@@ -37,7 +37,7 @@ from .execute import run_instrs
 from .hardware import HardwareSpec
 from .ir import Node, OpGraph, TensorMeta, atomic_write_text, iter_refs
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2     # 2: gradients from the real dataflow, fused attention, no leftovers in measured runs
 PROFILE_FORMAT = "ftcompile.profile"
 OPTIMIZERS = ("sgd", "momentum", "adam", "adafactor")
 
@@ -262,6 +262,10 @@ class _KernelCounter(TorchDispatchMode):
                 flops = float(counter(*args, **kwargs, out_val=out))
             except Exception:  # noqa: BLE001 - a counter that cannot read these shapes counts nothing
                 flops = 0.0
+            if func in _FUSED_ATTENTION and _causal(func, args, kwargs):
+                # fused kernels skip the blocks a causal mask hides; torch's counter counts them all
+                q, k = (args[1], args[2]) if func is _EFFICIENT_BWD else (args[0], args[1])
+                flops *= causal_fraction(q.shape[-2], k.shape[-2])
         is_view = bool(getattr(func, "is_view", False))
         nbytes = 0.0
         if not is_view:
@@ -274,6 +278,72 @@ class _KernelCounter(TorchDispatchMode):
                         nbytes += t.numel() * t.element_size()
         self.kernels.append((flops, nbytes, is_view))
         return out
+
+
+# ---- fused attention: what scaled_dot_product_attention costs on a GPU
+_EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention.default
+_EFFICIENT_BWD = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+_FUSED_ATTENTION = {_EFFICIENT, _EFFICIENT_BWD}
+_SDPA_TARGET = "aten.scaled_dot_product_attention.default"
+
+
+def _causal(func, args: tuple, kwargs: dict) -> bool:
+    if "is_causal" in kwargs:
+        return bool(kwargs["is_causal"])
+    pos = 11 if func is _EFFICIENT_BWD else 6   # fwd: (q, k, v, bias, lse, p, is_causal); bwd: ... mask, is_causal
+    return len(args) > pos and bool(args[pos])
+
+
+def causal_fraction(sq: int, sk: int) -> float:
+    """Share of a causal (top-left aligned, as ``is_causal=True``) attention matrix a fused kernel computes."""
+    if sq <= 0 or sk <= 0:
+        return 1.0
+    kept = sum(min(i + 1, sk) for i in range(sq))
+    return kept / (sq * sk)
+
+
+def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False):
+    """``scaled_dot_product_attention`` as the memory-efficient kernel runs it (analytic profiles).
+
+    On ``meta`` (and on the CPU's math path) SDPA decomposes into two matrix products
+    around a softmax and keeps the ``s x s`` probabilities for backward; the fused
+    kernels users run on GPUs (memory-efficient, flash) keep only the output and one
+    log-sum-exp per row, recompute the probabilities in backward (2.5x the forward
+    FLOPs), and draw dropout from a seed instead of storing a mask. A boolean mask is
+    turned into an additive bias, as torch does before calling the kernel.
+    """
+    q, k, v = query, key, value
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return torch.ops.aten.scaled_dot_product_attention.default(q, k, v, attn_mask, dropout_p, is_causal,
+                                                                   scale=scale, enable_gqa=enable_gqa)
+    if enable_gqa and k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    bias = attn_mask
+    if bias is not None:
+        if bias.dtype == torch.bool:
+            bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill(~bias, float("-inf"))
+        bias = bias.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    need_lse = q.requires_grad or k.requires_grad or v.requires_grad
+    return _EFFICIENT(q, k, v, bias, need_lse, float(dropout_p), bool(is_causal), scale=scale)[0]
+
+
+def _as_fused_attention(instrs: list) -> list:
+    """SDPA instructions as the fused kernel (see :func:`fused_attention`); for profiles made on ``meta``."""
+    out = []
+    for ins in instrs:
+        if ins.target == _SDPA_TARGET:
+            ins = replace(ins, target="ftcompile.profile.fused_attention")
+        out.append(ins)
+    return out
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return t.numel() * t.element_size()
 
 
 def _nbytes(t: Any) -> int:
@@ -330,6 +400,46 @@ class _NodeRun:
     outputs: dict                  # value name -> tensor
 
 
+def gradient_values(graph: OpGraph) -> set[str]:
+    """Values a gradient flows back through in training: they require grad and lead to the loss.
+
+    Found from the real dataflow, by running the graph once on ``meta`` with autograd
+    (trainable parameters require grad, inputs do not): an operator autograd does not
+    differentiate (``empty_like``, ``argmax``, ``detach``, a no-grad region's
+    stop-gradient) passes no requirement on; and a value that only feeds other outputs
+    than the loss gets no gradient. Profiles make exactly these inputs require grad,
+    so a node is costed with the backward it really runs.
+    """
+    from .ir import decode_literal
+
+    params = {n: _make_leaf(p.meta, "meta", p.trainable) for n, p in graph.params.items()}
+    env: dict[str, Any] = {}
+    for inp in graph.inputs:
+        if inp.get("node") is not None:
+            env[inp["value"]] = _make_leaf(graph.node(inp["node"]).outputs[inp["value"]].tensor, "meta", False)
+    requires: set[str] = set()
+    instrs = [ins for n in graph.nodes for ins in n.instrs]
+    with torch.enable_grad():
+        for ins in _as_fused_attention(_as_gpu_kernels(instrs)):
+            try:
+                run_instrs([ins], env, params, "meta")
+            except Exception:  # noqa: BLE001 - an operator meta cannot run: assume it passes gradients on
+                for v, meta in ins.produced().items():
+                    if meta is not None and meta.tensor is not None:
+                        env[v] = _make_leaf(meta.tensor, "meta", meta.tensor.is_floating and any(
+                            r in requires for r in iter_refs(ins.args, ins.kwargs)))
+            for v in ins.produced():
+                t = env.get(v)
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    requires.add(v)
+    del env
+    reach = {graph.loss} if graph.loss else set()
+    for ins in reversed(instrs):
+        if any(v in reach for v in ins.produced()):
+            reach.update(r for r in iter_refs(ins.args, ins.kwargs) if r in requires)
+    return requires & reach if graph.loss else requires
+
+
 def _make_leaf(meta: TensorMeta, device, requires_grad: bool) -> torch.Tensor:
     dtype = getattr(torch, meta.dtype)
     t = torch.empty(meta.shape, dtype=dtype, device=device)
@@ -340,8 +450,12 @@ def _make_leaf(meta: TensorMeta, device, requires_grad: bool) -> torch.Tensor:
 
 def _run_node_once(node: Node, inputs: dict[str, Any], params: Mapping[str, torch.Tensor], device,
                    count: bool, grad_seed: Callable[[torch.Tensor], torch.Tensor],
-                   instrs: list | None = None) -> _NodeRun:
-    """Run ``node`` forward then backward, counting kernels (optionally) and saved tensors."""
+                   instrs: list | None = None, grads: set[str] | None = None) -> _NodeRun:
+    """Run ``node`` forward then backward, counting kernels (optionally) and saved tensors.
+
+    The backward starts from the outputs that get a gradient in training (``grads``,
+    see :func:`gradient_values`; all differentiable outputs when None).
+    """
     input_keys = {_storage_key(t): i for i, t in enumerate(inputs.values()) if isinstance(t, torch.Tensor)}
     param_keys = {_storage_key(params[p]) for p in node.params if isinstance(params.get(p), torch.Tensor)}
     saved: list[torch.Tensor] = []
@@ -372,10 +486,13 @@ def _run_node_once(node: Node, inputs: dict[str, Any], params: Mapping[str, torc
         if k in input_keys:
             saved_inputs.add(input_keys[k])
         else:
-            internal += t.numel() * t.element_size()
+            # the memory kept is the storage's: an expanded (stride-0) view of a small
+            # tensor keeps only that tensor, however many elements the view has
+            internal += _storage_bytes(t)
 
     bwd = _KernelCounter() if count else None
-    diff_out = [t for t in outputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+    diff_out = [t for v, t in outputs.items() if isinstance(t, torch.Tensor) and t.requires_grad
+                and (grads is None or v in grads)]
     wrt = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
     wrt += [params[p] for p in node.params if isinstance(params.get(p), torch.Tensor) and params[p].requires_grad]
     if diff_out and wrt:
@@ -400,7 +517,7 @@ def _node_inputs(graph: OpGraph, node: Node) -> list[tuple[str, Any]]:
     return list(seen.items())
 
 
-def _signature(graph: OpGraph, node: Node) -> str:
+def _signature(graph: OpGraph, node: Node, grads: set[str] = frozenset()) -> str:
     """A key equal for nodes that compute the same thing on the same shapes (repeated layers)."""
     rename: dict[str, str] = {}
 
@@ -423,8 +540,8 @@ def _signature(graph: OpGraph, node: Node) -> str:
         body.append([ins.target, args, kwargs])
         for v in [ins.name, *ins.unpack.values()]:
             rename.setdefault(v, f"v{len(rename)}")
-    ins_meta = {rename[k]: m for k, m in metas.items() if k in rename}
-    outs = sorted(rename[v] for v in node.outputs if v in rename)
+    ins_meta = {rename[k]: [m, k in grads] for k, m in metas.items() if k in rename}
+    outs = sorted([rename[v], v in grads] for v in node.outputs if v in rename)
     return json.dumps([body, ins_meta, outs], sort_keys=True, default=str)
 
 
@@ -482,15 +599,17 @@ def analytic_profile(graph: OpGraph, hardware: HardwareSpec, *, optimizer: str =
     saved_by_consumers: dict[str, bool] = {}
     op_nodes = [n for n in graph.nodes if n.kind == "op"]
     t0 = time.perf_counter()
+    grads = gradient_values(graph)
     for i, node in enumerate(op_nodes):
         ins = _node_inputs(graph, node)
-        sig = _signature(graph, node)
+        sig = _signature(graph, node, grads)
         hit = cache.get(sig)
         if hit is None:
-            inputs = {name: (_make_leaf(m.tensor, "meta", True) if m.tensor is not None
+            inputs = {name: (_make_leaf(m.tensor, "meta", name in grads) if m.tensor is not None
                              else _literal_value(m.literal)) for name, m in ins}
             try:
-                run = _run_node_once(node, inputs, meta_params, "meta", True, torch.ones_like)
+                run = _run_node_once(node, inputs, meta_params, "meta", True, torch.ones_like,
+                                     _as_fused_attention(_as_gpu_kernels(node.instrs)), grads)
             except Exception as exc:  # noqa: BLE001
                 raise ProfileError(f"cannot cost node {node.id} ({node.name}, {node.op}) on meta: "
                                    f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from exc
@@ -644,68 +763,26 @@ def _measured_profile(graph: OpGraph, params: Mapping[str, torch.Tensor], inputs
     costs: dict[int, NodeCost] = {}
     saved_by_consumers: dict[str, bool] = {}
     op_nodes = [n for n in graph.nodes if n.kind == "op"]
+    grads = gradient_values(graph)
     peak_device = 0
     t0 = time.perf_counter()
     for i, node in enumerate(op_nodes):
         names = [name for name, _m in _node_inputs(graph, node)]
-
-        def stage_in():
-            # Swap in: this node's inputs and parameters, fresh leaves each time.
-            ins = {}
-            for n in names:
-                v = host[n]
-                if isinstance(v, torch.Tensor):
-                    v = v.to(device, non_blocking=True).detach()
-                    if v.is_floating_point():
-                        v.requires_grad_(True)
-                ins[n] = v
-            ps = {}
-            for p in node.params:
-                t = hparams[p].to(device, non_blocking=True).detach()
-                if graph.params[p].trainable and t.is_floating_point():
-                    t.requires_grad_(True)
-                ps[p] = t
-            return ins, ps
-
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        ins, ps = stage_in()
-        _sync(device)
-        instrs = _as_gpu_kernels(node.instrs)
-        try:
-            run = _run_node_once(node, ins, ps, device, False, torch.randn_like, instrs)
-        except Exception as exc:  # noqa: BLE001
-            raise ProfileError(f"node {node.id} ({node.name}, {node.op}) failed on {device}: "
-                               f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from exc
-        outputs = run.outputs
-        fwd_times, bwd_times = [], []
-        for r in range(warmup + repeats):
-            env = dict(ins)
-            f_ms = timer(lambda: run_instrs(instrs, env, ps, device))
-            outs = [env[v] for v in node.outputs if isinstance(env.get(v), torch.Tensor) and env[v].requires_grad]
-            wrt = [t for t in list(ins.values()) + list(ps.values())
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
-            b_ms = 0.0
-            if outs and wrt:
-                seeds = [torch.randn_like(t) for t in outs]
-                b_ms = timer(lambda: torch.autograd.grad(outs, wrt, seeds, allow_unused=True))
-            if r >= warmup:
-                fwd_times.append(f_ms)
-                bwd_times.append(b_ms)
+        cost, saved_pos, outputs = _measure_node(node, names, host, hparams, graph, grads, device, timer,
+                                                 warmup, repeats)
+        costs[node.id] = cost
+        for pos in saved_pos:
+            saved_by_consumers[names[pos]] = True
         if device.type == "cuda":
             peak_device = max(peak_device, torch.cuda.max_memory_allocated(device))
-        f = statistics.median(fwd_times)
-        costs[node.id] = NodeCost(forward_ms=f, recompute_ms=f, backward_ms=statistics.median(bwd_times),
-                                  activation_bytes=run.saved_internal_bytes)
-        for pos in run.saved_inputs:
-            saved_by_consumers[names[pos]] = True
-        # Swap out: outputs back to host; free what no later node reads.
-        for v, t in outputs.items():
-            host[v] = t.detach().to("cpu") if isinstance(t, torch.Tensor) else t
+        # Swap out: outputs back to host (they are host tensors already); free what no later node reads.
+        host.update(outputs)
+        del outputs
         for n in names:
             if last_use.get(n, -1) <= node.id:
                 host.pop(n, None)
-        del ins, ps, run, outputs
         if progress:
             progress(i + 1, len(op_nodes))
     pcosts = _fill_memory(graph, costs, saved_by_consumers, optimizer)
@@ -716,6 +793,87 @@ def _measured_profile(graph: OpGraph, params: Mapping[str, torch.Tensor], inputs
                    nodes=costs, params=pcosts,
                    info={"seconds": round(time.perf_counter() - t0, 3), "warmup": warmup, "repeats": repeats,
                          "peak_device_bytes": peak_device, "torch": torch.__version__})
+
+
+def _measure_node(node: Node, names: list[str], host: dict, hparams: Mapping[str, torch.Tensor], graph: OpGraph,
+                  grads: set[str], device: torch.device, timer: "_Timer", warmup: int, repeats: int
+                  ) -> tuple[NodeCost, frozenset, dict[str, Any]]:
+    """Time one node on ``device`` (host swapping) and return its cost and its outputs, in host memory.
+
+    Everything the node put on the device (inputs, parameters, intermediate values,
+    autograd's saved tensors, gradients) is released before this returns, and each
+    timed repeat starts after the previous one's tensors are gone, so that only one
+    node's tensors, from one run, are on the device at a time.
+    """
+
+    def stage_in():
+        # Swap in: this node's inputs and parameters, fresh leaves each time; an input
+        # requires grad when training sends a gradient back through it.
+        ins = {}
+        for n in names:
+            v = host[n]
+            if isinstance(v, torch.Tensor):
+                v = v.to(device, non_blocking=True).detach()
+                if n in grads and v.is_floating_point():
+                    v.requires_grad_(True)
+            ins[n] = v
+        ps = {}
+        for p in node.params:
+            t = hparams[p].to(device, non_blocking=True).detach()
+            if graph.params[p].trainable and t.is_floating_point():
+                t.requires_grad_(True)
+            ps[p] = t
+        return ins, ps
+
+    ins, ps = stage_in()
+    _sync(device)
+    instrs = _as_gpu_kernels(node.instrs)
+    try:
+        run = _run_node_once(node, ins, ps, device, False, torch.randn_like, instrs, grads)
+    except Exception as exc:  # noqa: BLE001
+        raise ProfileError(f"node {node.id} ({node.name}, {node.op}) failed on {device}: "
+                           f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from exc
+    outputs = {v: (t.detach().to("cpu") if isinstance(t, torch.Tensor) else t) for v, t in run.outputs.items()}
+    saved_internal, saved_pos = run.saved_internal_bytes, run.saved_inputs
+    del run             # its outputs hold the autograd graph and every tensor it saved
+    if any(ins.target == _SDPA_TARGET for ins in node.instrs):
+        # Plans are for GPUs running the fused attention kernel; a CPU (or a GPU's math
+        # fallback, as for dropout in float32 attention on some) keeps the s x s matrix.
+        # What the node keeps is counted as the analytic profile counts it, on meta.
+        saved_internal, saved_pos = _saved_as_fused(node, names, graph, grads)
+    fwd_times, bwd_times = [], []
+    for r in range(warmup + repeats):
+        env = dict(ins)
+        f_ms = timer(lambda: run_instrs(instrs, env, ps, device))
+        outs = [env[v] for v in node.outputs if v in grads and isinstance(env.get(v), torch.Tensor)
+                and env[v].requires_grad]
+        wrt = [t for t in list(ins.values()) + list(ps.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+        b_ms = 0.0
+        if outs and wrt:
+            seeds = [torch.randn_like(t) for t in outs]
+            b_ms = timer(lambda: torch.autograd.grad(outs, wrt, seeds, allow_unused=True))
+            del seeds
+        # this run's values, saved tensors and gradients go before the next run allocates
+        del env, outs, wrt
+        if r >= warmup:
+            fwd_times.append(f_ms)
+            bwd_times.append(b_ms)
+    del ins, ps
+    f = statistics.median(fwd_times)
+    cost = NodeCost(forward_ms=f, recompute_ms=f, backward_ms=statistics.median(bwd_times),
+                    activation_bytes=saved_internal)
+    return cost, saved_pos, outputs
+
+
+def _saved_as_fused(node: Node, names: list[str], graph: OpGraph, grads: set[str]) -> tuple[int, frozenset]:
+    """Activation memory of ``node`` with its attention as the fused kernel (a run on ``meta``)."""
+    metas = dict(_node_inputs(graph, node))
+    inputs = {n: (_make_leaf(metas[n].tensor, "meta", n in grads) if metas[n].tensor is not None
+                  else _literal_value(metas[n].literal)) for n in names}
+    params = {p: _make_leaf(graph.params[p].meta, "meta", graph.params[p].trainable) for p in node.params}
+    run = _run_node_once(node, inputs, params, "meta", False, torch.ones_like,
+                         _as_fused_attention(_as_gpu_kernels(node.instrs)), grads)
+    return run.saved_internal_bytes, run.saved_inputs
 
 
 def measured_hardware_name(device: str | torch.device) -> str:

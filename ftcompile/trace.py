@@ -27,14 +27,22 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx
 
+from .functionalize import (
+    NeedsFullFunctionalization, Refused, functionalize_locally, needs_functionalization,
+)
 from .ir import (
     Edge, GraphError, Instr, Node, OpGraph, ParamInfo, TensorMeta, ValueMeta,
     encode_literal, iter_params, iter_refs,
 )
+from .regions import RegionError, has_regions, inline_regions
 
 
 class TraceError(RuntimeError):
     """The model could not be traced; the message names where and suggests a remedy."""
+
+
+class DataDependentError(TraceError):
+    """Shapes or control flow depend on tensor values: no tracer can make a static pipeline of it."""
 
 
 # Operators that only check metadata at trace time; they carry no data and would
@@ -126,7 +134,11 @@ def target_name(target: Any) -> str:
 
 
 def value_meta(val: Any) -> ValueMeta:
-    """Metadata for the ``meta['val']`` of an fx node (a FakeTensor, a number, None...)."""
+    """Metadata for the ``meta['val']`` of an fx node (a FakeTensor, a number, None...).
+
+    Sizes must be static: :func:`refuse_data_dependent` turns unbacked ones into a
+    :class:`DataDependentError` naming the operator before this is reached.
+    """
     if isinstance(val, torch.Tensor):
         return ValueMeta(tensor=TensorMeta(tuple(int(s) for s in val.shape), str(val.dtype).removeprefix("torch.")))
     if isinstance(val, torch.SymInt):
@@ -187,6 +199,14 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, quiet: bool = Fal
         partial = getattr(exc, "partial_fx_graph", None)
         where = active[-1] if active else "the model's forward"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if _is_data_dependent(exc):
+            code = _user_code_line(str(exc))
+            raise DataDependentError(
+                f"module {where} branches on the value of a tensor ({code or first[:200]}): Python control flow "
+                "that depends on data (if tensor ..., tensor.item(), int(tensor)) takes one path at trace time, so "
+                "a static pipeline cannot hold it. Compute both branches and select with torch.where, make the "
+                "condition a Python constant (a config flag), or move it out of forward (e.g. set layerdrop=0)"
+            ) from exc
         raise TraceError(f"torch.export could not trace the model in module {where}: "
                          f"{type(exc).__name__}: {first[:400]}. " + REMEDIES) from exc
     finally:
@@ -197,6 +217,82 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, quiet: bool = Fal
             text = text.replace(f"{partial}\n", "")
         if text:
             sys.stderr.write(text)
+
+
+def _is_data_dependent(exc: BaseException) -> bool:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    seen = 0
+    while exc is not None and seen < 5:
+        if isinstance(exc, GuardOnDataDependentSymNode):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def _user_code_line(text: str) -> str | None:
+    """The model's line in torch's "The following call raised this error" trailer, as ``file:line: code``."""
+    import re
+
+    m = re.search(r'File "([^"]+)", line (\d+), in (\w+)\n\s+(.+)', text.split("The following call raised")[-1])
+    if not m:
+        return None
+    return f"{m.group(1).rsplit('/', 1)[-1]}:{m.group(2)} in {m.group(3)}: {m.group(4).strip()}"
+
+
+def _node_where(n: torch.fx.Node) -> str:
+    """Where an fx node comes from: its module (path and class) and the model's source line."""
+    stack = n.meta.get("nn_module_stack") or {}
+    parts = []
+    if stack:
+        path, cls = list(stack.values())[-1]
+        cls_name = cls if isinstance(cls, str) else cls.__qualname__
+        parts.append(f"module {path or '<root>'} ({cls_name.rsplit('.', 1)[-1]})")
+    trace_text = n.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace_text.strip().splitlines() if ln.strip()]
+    if len(lines) >= 2 and lines[-2].startswith("File "):
+        loc = lines[-2].replace("File ", "").split(",")
+        parts.append(f"{loc[0].strip().strip(chr(34)).rsplit('/', 1)[-1]}:{loc[1].strip().removeprefix('line ')}: "
+                     f"{lines[-1]}")
+    return ", ".join(parts) or "the model's forward"
+
+
+def refuse_data_dependent(gm: torch.fx.GraphModule) -> None:
+    """Raise :class:`DataDependentError` at the first operator whose output size depends on data.
+
+    ``x[mask]``, ``nonzero``, ``unique``, ``masked_select``, ``.item()`` used as a size:
+    export represents their sizes by unbacked symbols, and a pipeline stage, whose
+    receive buffers are shaped before the data arrives, cannot hold them.
+    """
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for mod in gm.modules():
+        if not isinstance(mod, torch.fx.GraphModule):
+            continue
+        for n in mod.graph.nodes:
+            if n.op not in ("call_function", "call_method"):
+                continue
+            val = n.meta.get("val")
+            if val is None:
+                continue
+            try:
+                unbacked = free_unbacked_symbols(val)
+            except Exception:  # noqa: BLE001 - a value it cannot walk has no symbols we know of
+                continue
+            if unbacked:
+                what = "a number read from a tensor" if not isinstance(val, torch.Tensor) else \
+                    "a tensor whose shape depends on the values of its inputs"
+                raise DataDependentError(
+                    f"{target_label(n)} in {_node_where(n)} makes {what} (as x[mask], nonzero, unique, "
+                    "masked_select or .item() do); a pipeline stage needs static shapes. Keep the shape fixed "
+                    "(torch.where(mask, x, 0), masked_fill, multiply by the mask) or move this out of the model")
+
+
+def target_label(n: torch.fx.Node) -> str:
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        return f"{t.namespace}.{t._schema.name.split('::')[1]}"
+    return str(getattr(t, "__name__", t))
 
 
 def _param_table(model: torch.nn.Module, ep: torch.export.ExportedProgram):
@@ -258,161 +354,37 @@ def _input_paths(args: tuple, kwargs: dict) -> list[str]:
     return [path for path, _leaf in call_leaves(args, kwargs)]
 
 
-# --------------------------------------------------------------------------- functionalization
-
-class _NeedsFullFunctionalization(Exception):
-    """The local pass meets a mutation it cannot rewrite; torch's own pass must run."""
-
-
-# View operators whose in-place update has an out-of-place inverse: writing ``src`` into
-# ``slice(base, ...)`` is ``slice_scatter(base, src, ...)``. Same trailing arguments.
-_SCATTER_OF_VIEW = {
-    "aten.slice.Tensor": torch.ops.aten.slice_scatter.default,
-    "aten.select.int": torch.ops.aten.select_scatter.default,
-}
-# Operators whose schema says "may alias" but which copy when they must (x.to(dtype),
-# x.reshape(...)): whether a later mutation of the input shows through is unknown here.
-_MAYBE_ALIAS = {"to", "reshape", "reshape_as", "contiguous", "flatten", "type_as", "_autocast_to_reduced_precision",
-                "_autocast_to_full_precision"}
-
-
-def _returns_alias(target: Any) -> bool:
-    return (isinstance(target, torch._ops.OpOverload) and bool(target._schema.returns)
-            and target._schema.returns[0].alias_info is not None and not _is_mutating_target(target))
-
-
-def _is_mutating_target(target: Any) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
-
-
-def _out_of_place(target: torch._ops.OpOverload) -> torch._ops.OpOverload:
-    """``aten.add_.Tensor`` -> ``aten.add.Tensor``, when only ``self`` is written and the twin exists."""
-    schema = target._schema
-    args = schema.arguments
-    writes = [a for a in args if a.alias_info is not None and a.alias_info.is_write]
-    if (not args or len(writes) != 1 or writes[0] is not args[0] or len(schema.returns) != 1
-            or target.namespace != "aten"):
-        raise _NeedsFullFunctionalization(str(target))
-    packet = schema.name.split("::")[1]
-    if not packet.endswith("_"):
-        raise _NeedsFullFunctionalization(str(target))
-    twin = getattr(getattr(torch.ops.aten, packet[:-1], None), target._overloadname, None)
-    if twin is None or [a.name for a in twin._schema.arguments] != [a.name for a in args]:
-        raise _NeedsFullFunctionalization(str(target))
-    return twin
-
-
-def functionalize_locally(graph: torch.fx.Graph) -> torch.fx.Graph:
-    """A copy of ``graph`` with its in-place operations rewritten out of place.
-
-    ``ExportedProgram.run_decompositions`` does this for any program but re-traces
-    all of it (on T5-3B, 3,600 nodes for 4 in-place ops: more time than the export
-    itself). Models only mutate tensors they create (HF's ``_shift_right``, relative
-    position buckets, attention masks), so this pass rewrites those where they are:
-    ``x.add_(y)`` becomes ``x' = add(x, y)``, a write through a slice or select view
-    becomes ``slice_scatter`` / ``select_scatter`` of the base, and every later read
-    of the base or of a view of it reads the new value (views are re-taken from it).
-    Anything else (mutated inputs, parameters or buffers, writes through other views,
-    reads through views that may or may not alias) raises
-    :class:`_NeedsFullFunctionalization`, and the caller uses torch's pass.
-    """
-    new = torch.fx.Graph()
-    taken = {n.name for n in graph.nodes}
-    env: dict[torch.fx.Node, Any] = {}                      # old node -> new node, as first made
-    base: dict[torch.fx.Node, torch.fx.Node] = {}           # old node -> old node owning its storage
-    chain: dict[torch.fx.Node, list | None] = {}            # views from base to node; None: not replayable
-    born: dict[torch.fx.Node, int] = {}                     # version of the base when node was made
-    version: dict[torch.fx.Node, int] = defaultdict(int)    # mutations of each base so far
-    current: dict[torch.fx.Node, torch.fx.Node] = {}        # mutated base -> new node with its value
-    refreshed: dict[tuple[torch.fx.Node, int], torch.fx.Node] = {}
-    made: list[torch.fx.Node] = []
-
-    def fresh_name(stem: str) -> str:
-        i, name = 0, f"{stem}_functional"
-        while name in taken:
-            i += 1
-            name = f"{stem}_functional_{i}"
-        taken.add(name)
-        return name
-
-    def emit(target, args, kwargs, like: torch.fx.Node, val: Any) -> torch.fx.Node:
-        n = new.create_node("call_function", target, tuple(args), dict(kwargs), name=fresh_name(like.name))
-        n.meta = {k: v for k, v in like.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")}
-        n.meta["val"] = val
-        made.append(n)
-        return n
-
-    def value_of(a: torch.fx.Node) -> torch.fx.Node:
-        b = base.get(a, a)
-        if version[b] == born.get(a, 0):
-            return env[a]
-        if a is b or chain.get(a) == []:
-            return current[b]
-        views = chain.get(a)
-        if views is None:
-            raise _NeedsFullFunctionalization(f"{a.name} reads a mutated tensor through a view")
-        key = (a, version[b])
-        if key not in refreshed:
-            x = current[b]
-            for v in views:
-                x = emit(v.target, (x, *mapped(v.args[1:])), mapped(v.kwargs), v, v.meta.get("val"))
-            refreshed[key] = x
-        return refreshed[key]
-
-    def mapped(tree: Any) -> Any:
-        return torch.fx.node.map_arg(tree, value_of)
-
-    for n in graph.nodes:
-        if n.op == "output":
-            new.output(mapped(n.args[0]))
-            continue
-        if n.op == "call_function" and _is_mutating_target(n.target):
-            oop = _out_of_place(n.target)
-            target = n.args[0]
-            if not isinstance(target, torch.fx.Node):
-                raise _NeedsFullFunctionalization(n.name)
-            b = base.get(target, target)
-            views = chain.get(target, [])
-            if b.op != "call_function" or views is None or any(str(v.target) not in _SCATTER_OF_VIEW
-                                                                 for v in views):
-                raise _NeedsFullFunctionalization(f"{n.name} mutates {b.name}")
-            # the values of the base and each view on the way down, as they are now
-            levels = [current.get(b, env[b])]
-            for v in views:
-                levels.append(emit(v.target, (levels[-1], *mapped(v.args[1:])), mapped(v.kwargs), v,
-                                   v.meta.get("val")))
-            val = emit(oop, (levels[-1], *mapped(n.args[1:])), mapped(n.kwargs), n, n.meta.get("val"))
-            for i in reversed(range(len(views))):
-                v = views[i]
-                parent_val = (views[i - 1] if i else b).meta.get("val")
-                val = emit(_SCATTER_OF_VIEW[str(v.target)], (levels[i], val, *mapped(v.args[1:])),
-                           mapped(v.kwargs), n, parent_val)
-            current[b] = val
-            version[b] += 1
-            # the in-place op's own result is the mutated tensor: later reads are refreshed
-            base[n], chain[n], born[n] = b, views, version[b] - 1
-            continue
-        env[n] = new.node_copy(n, value_of)
-        src = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
-        if src is not None and n.op == "call_function" and _returns_alias(n.target):
-            b = base.get(src, src)
-            base[n], born[n] = b, version[b]
-            packet = n.target._schema.name.split("::")[1]
-            single = len(n.target._schema.returns) == 1 and str(n.target._schema.returns[0].type) == "Tensor"
-            up = chain.get(src, [])
-            chain[n] = up + [n] if (up is not None and single and packet not in _MAYBE_ALIAS) else None
-        elif src is not None and n.target is operator.getitem and src in base and chain.get(src) is None:
-            b = base[src]
-            base[n], chain[n], born[n] = b, None, version[b]
-
-    # views taken on the way down to a write but never read again
-    for n in reversed(made):
-        if not n.users:
-            new.erase_node(n)
-    return new
-
-
 # --------------------------------------------------------------------------- conversion
+
+def _placeholder_kinds(ep: torch.export.ExportedProgram) -> dict[str, str]:
+    """Placeholder name -> ``parameter``, ``buffer``, ``constant`` or ``input``."""
+    from torch.export.graph_signature import InputKind
+
+    kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant",
+             InputKind.USER_INPUT: "input"}
+    return {spec.arg.name: kinds.get(spec.kind, "other") for spec in ep.graph_signature.input_specs
+            if hasattr(spec.arg, "name")}
+
+
+def _signature_writes(ep: torch.export.ExportedProgram, graph: torch.fx.Graph) -> None:
+    """Mark the buffer mutations a program states in its signature (after ``run_decompositions``).
+
+    The value written into a buffer gets ``meta["ftc_writes"]`` as the local pass
+    marks it; a parameter written in forward is refused.
+    """
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    buffer_ph = {spec.target: spec.arg.name for spec in ep.graph_signature.input_specs
+                 if spec.kind == InputKind.BUFFER}
+    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    flat = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else (out_node.args[0],)
+    for a, spec in zip(flat, ep.graph_signature.output_specs):
+        if spec.kind == OutputKind.PARAMETER_MUTATION:
+            raise TraceError(f"forward writes parameter {spec.target} in place; a pipeline changes parameters "
+                             "only through the optimizer: compute the new value out of place, or make it a buffer")
+        if spec.kind == OutputKind.BUFFER_MUTATION and isinstance(a, torch.fx.Node):
+            a.meta.setdefault("ftc_writes", []).append(buffer_ph[spec.target])
+
 
 def _convert(ep: torch.export.ExportedProgram, model: torch.nn.Module, args: tuple, kwargs: dict,
              basic_blocks: Sequence[str], graph: torch.fx.Graph | None = None) -> OpGraph:
@@ -502,6 +474,8 @@ def build_opgraph(fx_nodes: Sequence[torch.fx.Node], placeholder_to_param: dict[
             ins.out = None
         else:
             ins.out = value_meta(val)
+        for ph in n.meta.get("ftc_writes", ()):
+            ins.writes[n.name] = placeholder_to_param[ph]
         sc = _module_scopes(n)
         ins.scope = sc[-1][0] if sc else ""
         scopes[n.name] = sc
@@ -520,6 +494,8 @@ def build_opgraph(fx_nodes: Sequence[torch.fx.Node], placeholder_to_param: dict[
         if src in instrs:
             instrs[src].unpack[idx] = name
             instrs[src].unpack_meta[idx] = value_meta(by_name[name].meta.get("val"))
+            for ph in by_name[name].meta.get("ftc_writes", ()):
+                instrs[src].writes[name] = placeholder_to_param[ph]
 
     # One list of block classes serves several models (T5Block,GPT2Block): classes this
     # model never calls are skipped and reported; only a list that matches nothing is an error.
@@ -611,7 +587,8 @@ def build_opgraph(fx_nodes: Sequence[torch.fx.Node], placeholder_to_param: dict[
             for v, meta in ins.produced().items():
                 if (reads_outside.get(v, set()) - {key}) or v in consumed_by_outputs:
                     outputs[v] = meta if meta is not None else ValueMeta(literal=None)
-        used = sorted({p for ins in node_instrs for p in iter_params(ins.args, ins.kwargs)})
+        # a node holds what it reads and the buffers it writes (the stage that runs it updates them)
+        used = sorted({p for ins in node_instrs for p in [*iter_params(ins.args, ins.kwargs), *ins.writes.values()]})
         node = Node(id=nid, name=name, kind="op", instrs=node_instrs, scope=scope,
                     scope_class=scope_class, scopes=node_scopes, params=used, outputs=outputs)
         nodes.append(node)
@@ -690,17 +667,64 @@ def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, 
         prints when it fails. By default they are silenced for the duration of the call.
     """
     with quiet_tracing(not verbose):
-        return _trace(model, args, dict(kwargs or {}), basic_blocks, source, progress or (lambda _s: None),
-                      quiet=not verbose)
+        args, kwargs, aliased = separate_aliased_inputs(tuple(args), dict(kwargs or {}))
+        graph = _trace(model, args, kwargs, basic_blocks, source, progress or (lambda _s: None),
+                       quiet=not verbose, aliased=aliased)
+    if aliased:
+        graph.source["aliased_inputs"] = aliased
+        graph.source.setdefault("notes", []).append(
+            "inputs " + "; ".join(" and ".join(group) for group in aliased) + " were one tensor in the example "
+            "call; they were traced as separate inputs, so the package reads each from its own path")
+    return graph
+
+
+def separate_aliased_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[list[str]]]:
+    """The call with every input that shares memory with an earlier one replaced by a copy.
+
+    ``model(input_ids=ids, labels=ids)`` hands one tensor to two inputs; traced as it
+    is, the graph reads one placeholder for both (the embedding would read
+    ``labels``), and a package fed different tensors per input computes something
+    else than the model. Separate copies trace each input where the model reads it.
+    Returns the new call and the groups of aliased input paths.
+    """
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    from .runtime.manifest import call_leaves
+
+    leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+    paths = [p for p, _ in call_leaves(args, kwargs)]
+    first: dict[Any, int] = {}
+    groups: dict[int, list[str]] = {}
+    out = list(leaves)
+    for i, t in enumerate(leaves):
+        if not isinstance(t, torch.Tensor):
+            continue
+        try:
+            key = t.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError):
+            continue
+        if key in first:
+            j = first[key]
+            groups.setdefault(j, [paths[j]]).append(paths[i])
+            out[i] = t.clone()
+        else:
+            first[key] = i
+    if not groups:
+        return args, kwargs, []
+    new_args, new_kwargs = tree_unflatten(out, spec)
+    return tuple(new_args), dict(new_kwargs), [g for _, g in sorted(groups.items())]
 
 
 def _trace(model: torch.nn.Module, args: tuple, kwargs: dict, basic_blocks: Sequence[str],
-           source: dict | None, note: Callable[[str], None], quiet: bool) -> OpGraph:
+           source: dict | None, note: Callable[[str], None], quiet: bool,
+           aliased: list[list[str]] | None = None) -> OpGraph:
     t0 = time.perf_counter()
     tracer = "torch.export"
     note("export")
     try:
         ep = _export(model, args, kwargs, quiet=quiet)
+    except DataDependentError:
+        raise
     except TraceError as export_error:
         note("symbolic_trace")
         from .trace_fx import trace_fx
@@ -714,19 +738,46 @@ def _trace(model: torch.nn.Module, args: tuple, kwargs: dict, basic_blocks: Sequ
         graph.validate()
         return graph
     t1 = time.perf_counter()
+    refuse_data_dependent(ep.graph_module)
     fx_graph = ep.graph
+    notes: list[str] = []
+    regions = has_regions(fx_graph)
+    if regions:
+        # no_grad / autocast regions (rotary and sinusoidal position code, mixed precision)
+        note("regions")
+        try:
+            fx_graph, notes = inline_regions(ep.graph_module, _trace_device(model, args, kwargs))
+        except RegionError as exc:
+            raise TraceError(str(exc)) from None
     functionalized = None
-    if any(_is_mutating_target(n.target) for n in ep.graph.nodes if n.op == "call_function"):
+    if needs_functionalization(fx_graph):
         # In-place ops would hide dependencies (a later reader of x depends on x.add_());
         # functionalization rewrites them into pure ops. The local pass handles what models
         # do and costs nothing; torch's pass re-traces the whole program.
         note("functionalize")
+        kinds = _placeholder_kinds(ep)
+        placeholder_to_param, _params, _inputs = _param_table(model, ep)
+        aliased_paths = {p for group in (aliased or []) for p in group}
+        paths = _input_paths(args, kwargs)
+        for i, (ph, _const) in enumerate(_inputs):
+            if i < len(paths) and paths[i] in aliased_paths:
+                kinds[ph] = "aliased input"
         try:
-            fx_graph = functionalize_locally(ep.graph)
+            fx_graph = functionalize_locally(fx_graph, kinds, {**placeholder_to_param,
+                                                               **{ph: paths[i] for i, (ph, _c) in enumerate(_inputs)
+                                                                  if i < len(paths)}})
             functionalized = "local"
-        except _NeedsFullFunctionalization:
+        except Refused as exc:
+            raise TraceError(str(exc)) from None
+        except NeedsFullFunctionalization as exc:
+            if regions:
+                # torch's pass would re-trace the program and lose the no-grad regions' meaning
+                raise TraceError(f"the model mutates a tensor in a way ftcompile cannot rewrite ({exc}) and has "
+                                 "no_grad/autocast regions, which torch's own functionalization would drop; "
+                                 "write that operation out of place. " + REMEDIES) from None
             ep = ep.run_decompositions({})
             fx_graph = ep.graph
+            _signature_writes(ep, fx_graph)
             functionalized = "run_decompositions"
     t2 = time.perf_counter()
     note("convert")
@@ -737,5 +788,17 @@ def _trace(model: torch.nn.Module, args: tuple, kwargs: dict, basic_blocks: Sequ
                                   "convert": round(t3 - t2, 3)}}
     if functionalized:
         graph.source["functionalized"] = functionalized
+    if notes:
+        graph.source.setdefault("notes", []).extend(notes)
     graph.validate()
     return graph
+
+
+def _trace_device(model: torch.nn.Module, args: tuple, kwargs: dict) -> str:
+    """The device type the model was traced on (its first tensor's)."""
+    from torch.utils._pytree import tree_leaves
+
+    for t in [*model.parameters(), *model.buffers(), *tree_leaves((args, kwargs))]:
+        if isinstance(t, torch.Tensor):
+            return t.device.type
+    return "cpu"

@@ -7,9 +7,13 @@ model, rebuilt by name with the same weights, runs the same inputs. Both draw
 the same dropout masks: generated code keys each mask by (micro-batch seed,
 operator), and the eager model runs under
 :func:`~ftcompile.runtime.ops.keyed_random_mode`, which gives its n-th dropout
-call the n-th key. Compared: every model output, the loss, every parameter's
-gradient (a tied tensor's copies summed), and every stage's recomputed forward
-against its first forward (what recomputation relies on).
+call the n-th key (other random draws, ``torch.rand`` in forward, are keyed in
+their own sequence). Compared: every model output, the loss, every parameter's
+gradient (a tied tensor's copies summed), every buffer after the forward
+(BatchNorm's running statistics), and every stage's recomputed forward against its
+first forward, run as the runtime recomputes (autograd on, buffers not updated).
+Inputs that were one tensor in the example call are given distinct values first,
+so that a package reading one for the other cannot pass.
 
 The error of a tensor is ``max |package - model| / max |model|``; for a gradient the
 denominator is at least a thousandth of the model's largest gradient, so a gradient
@@ -35,7 +39,7 @@ class VerifyError(ValueError):
 
 @dataclass
 class Difference:
-    kind: str           # output | loss | gradient | recompute
+    kind: str           # output | loss | gradient | buffer | recompute
     name: str
     error: float        # max |a - b| / max |b|
     max_abs: float
@@ -88,6 +92,39 @@ def _error(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> tuple[float,
     return (diff / scale if scale > 0 else diff), diff
 
 
+def distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[str]]:
+    """The call with every input that shares memory with an earlier one given other values.
+
+    An example call such as ``model(input_ids=ids, labels=ids)`` cannot tell a package
+    that reads ``labels`` where the model reads ``input_ids`` from a correct one. Each
+    later input of such a group becomes a copy with its elements rotated by one: the
+    same values (valid token ids stay valid), in other places. Returns the new call
+    and the paths changed.
+    """
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    from .runtime.manifest import call_leaves
+
+    leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+    paths = [p for p, _ in call_leaves(args, kwargs)]
+    seen: set = set()
+    changed: list[str] = []
+    out = list(leaves)
+    for i, t in enumerate(leaves):
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        key = t.untyped_storage()._cdata
+        if key in seen:
+            out[i] = t.flatten().roll(1).reshape(t.shape).clone() if t.numel() else t.clone()
+            changed.append(paths[i])
+        else:
+            seen.add(key)
+    if not changed:
+        return args, kwargs, []
+    new_args, new_kwargs = tree_unflatten(out, spec)
+    return tuple(new_args), dict(new_kwargs), changed
+
+
 def verify_package(path: str, *, device: str = "cpu", tolerance: float | None = None, dropout: bool = True,
                    recompute: bool = True, checksums: bool = True, seed: int = 0,
                    progress: Callable[[str], None] | None = None, top: int = 8) -> VerifyReport:
@@ -97,7 +134,7 @@ def verify_package(path: str, *, device: str = "cpu", tolerance: float | None = 
     the SHA256SUMS check, so that a deliberately edited package can be compared
     numerically.
     """
-    from torch.utils._pytree import tree_flatten
+    from torch.utils._pytree import tree_flatten, tree_map
 
     from .codegen import rebuild_model
     from .runtime.local import LocalPipeline
@@ -125,21 +162,31 @@ def verify_package(path: str, *, device: str = "cpu", tolerance: float | None = 
     model = built.model.to(device)
     model.train()
     args, kwargs = built.make_inputs(str(device))
+    args, kwargs, changed = distinct_inputs(args, kwargs)
+    if changed:
+        report.notes.append(f"inputs {', '.join(changed)} were the same tensor as another input in the example "
+                            "call; they were given other values here, so that reading one input for another "
+                            "shows")
     inputs = pkg.inputs_from_call(args, kwargs)
+    # the model gets its own copies: a model that writes an input in place must not change the package's
+    model_args, model_kwargs = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
 
     note("run the model")
     model.zero_grad(set_to_none=True)
     with keyed_random_mode(seed, enabled=dropout) as mode:
-        out = model(*args, **kwargs)
+        out = model(*model_args, **model_kwargs)
     leaves = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-    report.random_calls = {"model": mode.calls, "package": m.dropout_ops}
+    other_ops = m.random_ops - m.dropout_ops
+    report.random_calls = {"model": mode.calls, "package": m.dropout_ops,
+                           "model_other": mode.other_calls, "package_other": other_ops}
     if dropout and mode.calls != m.dropout_ops:
         report.notes.append(f"the model made {mode.calls} dropout calls but the package has {m.dropout_ops} "
                             "dropout operators, so masks cannot match; compare with --no-dropout")
-    if m.random_ops != m.dropout_ops:
-        report.notes.append(f"{m.random_ops - m.dropout_ops} random operator(s) besides dropout (torch.rand...) "
-                            "draw values the eager model cannot reproduce; compare with --no-dropout if they "
-                            "differ")
+    if mode.other_calls != other_ops:
+        report.notes.append(f"the model drew random numbers {mode.other_calls} time(s) besides dropout "
+                            f"(torch.rand, uniform_...) but the package has {other_ops} such operator(s), so "
+                            "their values cannot match: draw that noise outside the model and pass it as an input "
+                            "(ViTMAE: forward(pixel_values, noise=...))")
     if len(leaves) != len(m.outputs):
         raise VerifyError(f"the model returns {len(leaves)} tensors but the package {len(m.outputs)}; the model "
                           "changed since it was compiled: re-run `ftcompile compile`")
@@ -183,17 +230,34 @@ def verify_package(path: str, *, device: str = "cpu", tolerance: float | None = 
         ref = next((ref_grads[n] for n in (name, *spec.aliases) if ref_grads.get(n) is not None), None)
         compare("gradient", name, grads.get(name), ref)
 
+    # Buffers after one forward: running statistics the model updated must be updated alike.
+    model_buffers = dict(model.named_buffers(remove_duplicate=False))
+    held = pipe.buffers()
+    for name, spec in m.params.items():
+        if spec.kind != "buffer":
+            continue
+        ref = next((model_buffers[n] for n in (name, *spec.aliases) if n in model_buffers), None)
+        for h in spec.holders:
+            label = name if len(spec.holders) == 1 else f"{name} (stage {h})"
+            compare("buffer", label, held.get(h, {}).get(name), ref)
+
     if recompute:
         note("recompute every stage")
-        with torch.no_grad():
-            for run in runs:
-                args_again = [x.detach() if isinstance(x, torch.Tensor) else x for x in run.inputs]
-                again = pipe.modules[run.spec.id](*args_again, seed=seed)
-                for v, first, second in zip(run.spec.outputs, run.outputs, again):
-                    if isinstance(first, torch.Tensor):
-                        err, mx = _error(second, first)
-                        diffs.append(Difference("recompute", f"stage {run.spec.id}: {m.values[v].name}", err, mx,
-                                                list(first.shape), mx == 0.0 or err <= tol * 1e-3))
+        # as the runtime recomputes in backward: with autograd on, without updating buffers
+        before = {sid: {n: b.clone() for n, b in bufs.items()} for sid, bufs in held.items()}
+        for run in runs:
+            again = pipe.recompute(run, seed=seed)
+            for v, first, second in zip(run.spec.outputs, run.outputs, again):
+                if isinstance(first, torch.Tensor):
+                    err, mx = _error(second, first)
+                    diffs.append(Difference("recompute", f"stage {run.spec.id}: {m.values[v].name}", err, mx,
+                                            list(first.shape), mx == 0.0 or err <= tol * 1e-3))
+        for sid, bufs in pipe.buffers().items():
+            for n, b in bufs.items():
+                err, mx = _error(b, before[sid][n])
+                if mx != 0.0:
+                    diffs.append(Difference("recompute", f"stage {sid}: buffer {n} changed by recomputation",
+                                            err, mx, list(b.shape), False))
 
     for d in diffs:
         report.compared[d.kind] = report.compared.get(d.kind, 0) + 1

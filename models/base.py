@@ -40,6 +40,11 @@ class ModelOptions:
         pretrained: a local HuggingFace checkpoint directory (``config.json`` plus
             ``*.safetensors``); its config replaces the entry's size.
         seed: seeds the random weights and the example inputs.
+        attention: HuggingFace models only: ``"sdpa"`` (torch's fused
+            ``scaled_dot_product_attention``, what transformers runs by default) or
+            ``"eager"`` (the explicit ``softmax(q k^T) v`` that materialises the
+            ``s x s`` attention matrix); ``None`` is SDPA where the architecture
+            supports it, eager otherwise.
     """
 
     batch_size: int | None = None
@@ -50,6 +55,7 @@ class ModelOptions:
     dtype: str = "float32"
     pretrained: str | None = None
     seed: int = 0
+    attention: str | None = None
 
 
 @dataclass(frozen=True)

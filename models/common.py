@@ -24,6 +24,15 @@ META_THRESHOLD = 500_000_000
 
 LENGTH_FIELDS = ("seq_len", "encoder_len", "decoder_len")
 
+# attention implementations a HuggingFace model can be built with (None: the zoo's choice)
+ATTENTIONS = (None, "sdpa", "eager")
+
+
+def refuse_attention(name: str, options: ModelOptions, why: str) -> None:
+    """A model that has no choice of attention refuses the option instead of ignoring it."""
+    if options.attention is not None:
+        raise ZooError(f"{name} does not take an attention implementation ({why}); leave --attention out")
+
 # Produces example inputs on the CPU in float32; device and dtype are applied afterwards
 # so that every device sees the same values.
 InputFactory = Callable[[], tuple[tuple, dict]]
@@ -42,6 +51,8 @@ def check_options(options: ModelOptions) -> None:
             raise ZooError(f"{field} must be a positive integer; got {value!r}")
     if not isinstance(options.seed, int):
         raise ZooError(f"seed must be an integer; got {options.seed!r}")
+    if options.attention not in ATTENTIONS:
+        raise ZooError(f"attention must be one of {', '.join(a for a in ATTENTIONS if a)}; got {options.attention!r}")
     _check_device(options.device)
 
 

@@ -1,11 +1,14 @@
-"""HuggingFace transformer families of the zoo: GPT-2, BERT, T5 and ViT.
+"""HuggingFace transformer families of the zoo: GPT-2, BERT, T5, ViT, Llama, Mistral, Qwen2 and Qwen3.
 
 Configs are written here in code (no hub access). ``transformers`` is imported only
 inside the builders because importing it costs about a second.
 
-Every model is built with eager attention (the tracer needs plain ops, not fused
-SDPA), without a KV cache, with ``return_dict=True`` and with labels among its inputs,
-so that its first output is the scalar training loss.
+Every model is built without a KV cache, with ``return_dict=True`` and with labels
+among its inputs, so that its first output is the scalar training loss. Attention is
+torch's fused ``scaled_dot_product_attention`` (``sdpa``, what transformers runs by
+default and what users train with) wherever the architecture supports it;
+``ModelOptions.attention="eager"`` (``--attention eager``) builds the explicit
+``softmax(q k^T) v`` instead, which materialises the ``s x s`` attention matrix.
 """
 
 from __future__ import annotations
@@ -110,6 +113,13 @@ def _t5_inputs(config, opts: ModelOptions) -> tuple[tuple, dict]:
         "labels": labels,
         "use_cache": False,
     }
+
+
+def _causal_lm_inputs(config, opts: ModelOptions) -> tuple[tuple, dict]:
+    gen = input_generator(opts.seed)
+    ids = _random_ids(gen, config.vocab_size, opts.batch_size, opts.seq_len)
+    # labels equal the ids (the model shifts them), as a separate tensor
+    return (ids,), {"labels": ids.clone(), "use_cache": False}
 
 
 def _vit_inputs(config, opts: ModelOptions) -> tuple[tuple, dict]:
@@ -292,7 +302,109 @@ VIT = HFFamily(
     ),
 )
 
-FAMILIES: tuple[HFFamily, ...] = (GPT2, BERT, T5, VIT)
+# ---- decoder-only LLMs with rotary positions, RMSNorm, gated MLPs (and grouped-query attention)
+
+_TINY_DECODER = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256, bos_token_id=1,
+                     eos_token_id=2, pad_token_id=0)
+
+
+def _llm_size(name: str, config: dict, params: int, description: str) -> HFSize:
+    return HFSize(name=name, config=config, defaults=_opts(1, seq_len=1024), approx_parameters=params,
+                  description=description)
+
+
+def _tiny(name: str, params: int, description: str, **extra) -> HFSize:
+    return HFSize(name=name, config={**_TINY_DECODER, **extra}, defaults=_opts(2, seq_len=32),
+                  approx_parameters=params, description=description)
+
+
+def _decoder_family(family: str, prefix: str, sizes: tuple[HFSize, ...], base: dict | None = None) -> HFFamily:
+    return HFFamily(
+        family=family,
+        config_class=f"{prefix}Config",
+        model_class=f"{prefix}ForCausalLM",
+        base_config=dict(base or {}),
+        config_defaults={},
+        loss_type=None,
+        basic_blocks=(f"{prefix}DecoderLayer",),
+        lengths=("seq_len",),
+        length_note=f"{prefix} is decoder-only",
+        length_limits=lambda c: {"seq_len": c.max_position_embeddings},
+        make_inputs=_causal_lm_inputs,
+        sizes=sizes,
+    )
+
+
+LLAMA = _decoder_family("llama", "Llama", (
+    _tiny("llama-tiny", 220_480, "Llama tiny (test size): 2 layers, d=64, 4 heads (2 key/value), "
+          "ff 176, vocab 1000"),
+    _llm_size("llama-1b", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                               max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
+                               bos_token_id=128000, eos_token_id=128001),
+              1_235_814_400, "Llama 3.2 1B: 16 layers, d=2048, 32 heads (8 key/value), ff 8192, "
+              "vocab 128256, tied embeddings"),
+    _llm_size("llama-7b", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                               max_position_embeddings=4096),
+              6_738_415_616, "Llama 2 7B: 32 layers, d=4096, 32 heads, ff 11008, vocab 32000"),
+    _llm_size("llama-8b", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                               max_position_embeddings=8192, rope_theta=500000.0,
+                               bos_token_id=128000, eos_token_id=128001),
+              8_030_261_248, "Llama 3 8B: 32 layers, d=4096, 32 heads (8 key/value), ff 14336, vocab 128256"),
+    _llm_size("llama-13b", dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                                num_attention_heads=40, num_key_value_heads=40, vocab_size=32000,
+                                max_position_embeddings=4096),
+              13_015_864_320, "Llama 2 13B: 40 layers, d=5120, 40 heads, ff 13824, vocab 32000"),
+))
+
+MISTRAL = _decoder_family("mistral", "Mistral", (
+    _tiny("mistral-tiny", 220_480, "Mistral tiny (test size): 2 layers, d=64, 4 heads (2 key/value), "
+          "ff 176, vocab 1000, sliding window 16", sliding_window=16),
+    _llm_size("mistral-7b", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                 max_position_embeddings=32768, sliding_window=4096),
+              7_241_732_096, "Mistral 7B v0.1: 32 layers, d=4096, 32 heads (8 key/value), ff 14336, "
+              "vocab 32000, sliding window 4096"),
+))
+
+QWEN2 = _decoder_family("qwen2", "Qwen2", (
+    _tiny("qwen2-tiny", 220_736, "Qwen2 tiny (test size): 2 layers, d=64, 4 heads (2 key/value), ff 176, "
+          "vocab 1000, biased q/k/v"),
+    _llm_size("qwen2-0.5b", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                 max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True),
+              494_032_768, "Qwen2 0.5B: 24 layers, d=896, 14 heads (2 key/value), ff 4864, vocab 151936, "
+              "tied embeddings"),
+    _llm_size("qwen2-1.5b", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                 num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                                 max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True),
+              1_543_714_304, "Qwen2 1.5B: 28 layers, d=1536, 12 heads (2 key/value), ff 8960, vocab 151936, "
+              "tied embeddings"),
+    _llm_size("qwen2-7b", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                               max_position_embeddings=32768, rope_theta=1000000.0),
+              7_615_616_512, "Qwen2 7B: 28 layers, d=3584, 28 heads (4 key/value), ff 18944, vocab 152064"),
+))
+
+QWEN3 = _decoder_family("qwen3", "Qwen3", (
+    _tiny("qwen3-tiny", 220_544, "Qwen3 tiny (test size): 2 layers, d=64, 4 heads (2 key/value) of 16, "
+          "ff 176, vocab 1000, q/k norms", head_dim=16),
+    _llm_size("qwen3-0.6b", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                 max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=True),
+              596_049_920, "Qwen3 0.6B: 28 layers, d=1024, 16 heads (8 key/value) of 128, ff 3072, "
+              "vocab 151936, tied embeddings"),
+    _llm_size("qwen3-8b", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                               max_position_embeddings=40960, rope_theta=1000000.0),
+              8_190_735_360, "Qwen3 8B: 36 layers, d=4096, 32 heads (8 key/value) of 128, ff 12288, "
+              "vocab 151936"),
+))
+
+FAMILIES: tuple[HFFamily, ...] = (GPT2, BERT, T5, VIT, LLAMA, MISTRAL, QWEN2, QWEN3)
 
 
 # --------------------------------------------------------------------------- building
@@ -309,11 +421,20 @@ def _new_config(family: HFFamily, size: HFSize):
     return config_cls(**{**family.base_config, **size.config})
 
 
-def _prepare_config(family: HFFamily, config) -> None:
+def resolve_attention(name: str, family: HFFamily, requested: str | None) -> str:
+    """``sdpa`` where the architecture supports it (or was asked for), else ``eager``."""
+    supports = bool(getattr(_transformers_class(family.model_class), "_supports_sdpa", False))
+    if requested == "sdpa" and not supports:
+        raise ZooError(f"{name}: {family.model_class} has no SDPA attention in this transformers version; "
+                       "use --attention eager")
+    return requested or ("sdpa" if supports else "eager")
+
+
+def _prepare_config(family: HFFamily, config, attention: str = "eager") -> None:
     """Make any config (ours or a checkpoint's) traceable and loss-producing."""
     # The private attribute is transformers' own switch (what attn_implementation= sets);
     # a checkpoint's config cannot take the constructor argument after loading.
-    config._attn_implementation = "eager"
+    config._attn_implementation = attention
     config.return_dict = True
     if hasattr(config, "use_cache"):
         config.use_cache = False
@@ -349,7 +470,9 @@ def build_hf(family: HFFamily, entry: ZooEntry, options: ModelOptions) -> BuiltM
         config = load_config(resolved.pretrained, family.family)
     else:
         config = _new_config(family, size)
-    _prepare_config(family, config)
+    attention = resolve_attention(entry.name, family, resolved.attention)
+    resolved = dataclasses.replace(resolved, attention=attention)
+    _prepare_config(family, config, attention)
     resolved = _fit_lengths(entry.name, family, config, options, resolved)
 
     model_cls = _transformers_class(family.model_class)

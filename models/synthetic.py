@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import BuiltModel, ModelOptions, ZooEntry, ZooError
-from .common import assemble, input_generator, resolve_options, seeded
+from .common import assemble, input_generator, refuse_attention, resolve_options, seeded
 
 
 # --------------------------------------------------------------------------- mlp
@@ -216,6 +216,7 @@ def build_synthetic(spec: SyntheticSpec, options: ModelOptions) -> BuiltModel:
     entry = spec.entry
     if options.pretrained is not None:
         raise ZooError(f"{entry.name} is synthetic: pretrained checkpoints apply to HuggingFace models only")
+    refuse_attention(entry.name, options, "it is a synthetic net without attention layers")
     resolved = resolve_options(entry.name, options, entry.default_options, spec.lengths,
                                entry.approx_parameters, _LENGTH_NOTES.get(entry.name, ""))
     for field in ("encoder_len", "decoder_len"):

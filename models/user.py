@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from ..runtime.userfile import UserFileError, import_user_file
 from .base import BuiltModel, ModelOptions, ZooError
-from .common import LENGTH_FIELDS, assemble, check_options, seeded
+from .common import LENGTH_FIELDS, assemble, check_options, refuse_attention, seeded
 
 _CONTRACT = (
     "it must return (model, args) or (model, args, kwargs) with model a torch.nn.Module, "
@@ -92,6 +92,8 @@ def build_user_model(spec: str, options: ModelOptions) -> BuiltModel:
                        "its function returns the example inputs, so size them there")
     if options.pretrained is not None:
         raise ZooError("pretrained checkpoints apply to HuggingFace zoo models only, not user models")
+    refuse_attention(spec, options, "a user model's attention is what its code builds; for a transformers "
+                     "model set config._attn_implementation = 'sdpa' or 'eager' in the function")
 
     # Construct on the CPU (or where the user chooses); an explicit device moves it after.
     seed_device = options.device if options.device.startswith("cuda") else "cpu"

@@ -15,6 +15,7 @@ from typing import Mapping
 import torch
 
 from .manifest import Manifest, StageSpec
+from .engine import accepts_update_buffers
 from .package import Package
 
 
@@ -60,9 +61,12 @@ class LocalPipeline:
         for m in self.modules.values():
             m.zero_grad(set_to_none=True)
 
-    def forward(self, inputs: Mapping[str, torch.Tensor], *, seed: int = 0, grad: bool = True
-                ) -> tuple[dict[str, object], list[StageRun]]:
-        """Run every stage once; returns every value made (by name) and the runs for :meth:`backward`."""
+    def forward(self, inputs: Mapping[str, torch.Tensor], *, seed: int = 0, grad: bool = True,
+                update_buffers: bool = True) -> tuple[dict[str, object], list[StageRun]]:
+        """Run every stage once; returns every value made (by name) and the runs for :meth:`backward`.
+
+        ``update_buffers=False`` leaves every buffer (BatchNorm running statistics) as it is.
+        """
         m = self.manifest
         values: dict[str, object] = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v)
                                      for k, v in inputs.items()}
@@ -78,11 +82,34 @@ class LocalPipeline:
                         x.requires_grad_(True)
                 args.append(x)
             with torch.set_grad_enabled(grad):
-                outs = self.modules[sid](*args, seed=seed)
+                outs = self.call(sid, args, seed=seed, update_buffers=update_buffers)
             for v, out in zip(spec.outputs, outs):
                 values[v] = out
             runs.append(StageRun(spec, args, tuple(outs)))
         return values, runs
+
+    def call(self, stage_id: int, args: list, *, seed: int, update_buffers: bool = True) -> tuple:
+        """One stage's forward on ``args``; ``update_buffers=False`` as a recomputation calls it."""
+        module = self.modules[stage_id]
+        if not update_buffers and accepts_update_buffers(module):
+            return module(*args, seed=seed, update_buffers=False)
+        return module(*args, seed=seed)
+
+    def recompute(self, run: StageRun, *, seed: int) -> tuple:
+        """Run a stage's forward again on the inputs of ``run``, as the runtime does in backward.
+
+        With autograd on (the runtime recomputes to differentiate, and some kernels, such
+        as the CPU LSTM, differ in the last bits under ``no_grad``) and without updating
+        buffers (the forward already did).
+        """
+        args = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+                for x in run.inputs]
+        with torch.enable_grad():
+            return self.call(run.spec.id, args, seed=seed, update_buffers=False)
+
+    def buffers(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Each stage's buffers (running statistics...) by canonical name."""
+        return {sid: {n: b for n, b in m.named_buffers() if n != "_anchor"} for sid, m in self.modules.items()}
 
     def backward(self, runs: list[StageRun], loss: str | None = None, scale: float = 1.0) -> dict[str, torch.Tensor]:
         """Back-propagate from ``loss`` (default: the model's) stage by stage; returns input-value gradients."""

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PACKAGE_FORMAT = "ftcompile.package"
-PACKAGE_VERSION = 1
+# 2: stage forwards take update_buffers= and write buffers (StageSpec.mutates_buffers);
+#    packages of version 1 silently dropped buffer updates and read aliased inputs wrongly.
+PACKAGE_VERSION = 2
 
 FLOATING = ("float64", "float32", "float16", "bfloat16")
 
@@ -169,6 +171,9 @@ class StageSpec:
     nodes: tuple[int, ...] = ()     # graph node ids it computes
     computes_loss: bool = False
     random_ops: int = 0
+    # forward updates buffers (BatchNorm running statistics); a recomputation must call it
+    # with update_buffers=False so that each micro-batch updates them once
+    mutates_buffers: bool = False
     forward_ms: float | None = None # the profile's estimate, for comparing with measured times
     backward_ms: float | None = None
 
@@ -176,7 +181,8 @@ class StageSpec:
         return {"id": self.id, "gpu": self.gpu, "depth": self.depth, "module": self.module, "class": self.cls,
                 "weights": self.weights, "inputs": list(self.inputs), "outputs": list(self.outputs),
                 "params": list(self.params), "nodes": list(self.nodes), "computes_loss": self.computes_loss,
-                "random_ops": self.random_ops, "forward_ms": self.forward_ms, "backward_ms": self.backward_ms}
+                "random_ops": self.random_ops, "mutates_buffers": self.mutates_buffers,
+                "forward_ms": self.forward_ms, "backward_ms": self.backward_ms}
 
     @staticmethod
     def from_json(d: dict) -> "StageSpec":
@@ -185,6 +191,7 @@ class StageSpec:
                          outputs=tuple(d["outputs"]), params=tuple(d["params"]),
                          nodes=tuple(int(n) for n in d.get("nodes", ())),
                          computes_loss=bool(d.get("computes_loss", False)), random_ops=int(d.get("random_ops", 0)),
+                         mutates_buffers=bool(d.get("mutates_buffers", False)),
                          forward_ms=d.get("forward_ms"), backward_ms=d.get("backward_ms"))
 
 

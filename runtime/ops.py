@@ -111,6 +111,34 @@ def index(x: Any, *idx: Any) -> Any:
 _DROPOUTS = {F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d, F.dropout2d, F.dropout3d}
 _SDPA = F.scaled_dot_product_attention
 
+#: Keys of random operators other than dropout (``torch.rand`` in forward, ViT-MAE's masking
+#: noise, LSTM dropout between layers) start here, apart from the dropout sequence 0, 1, ...
+OTHER_RANDOM_KEYS = 1 << 20
+
+# What an eager model calls to draw random numbers besides dropout; each call gets the
+# next "other" key, as the traced graph's random operators do in call order.
+_OTHER_RANDOM = {
+    torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
+    torch.bernoulli, torch.normal, torch.multinomial, torch.randperm, torch.poisson,
+    torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.bernoulli_, torch.Tensor.bernoulli,
+    torch.Tensor.exponential_, torch.Tensor.random_, torch.Tensor.geometric_, torch.Tensor.cauchy_,
+    torch.Tensor.log_normal_, torch.Tensor.multinomial,
+}
+_RNNS = {getattr(torch._VF, n) for n in ("lstm", "gru", "rnn_tanh", "rnn_relu") if hasattr(torch._VF, n)}
+
+
+def _rnn_draws(args: tuple) -> bool:
+    """Whether a ``_VF.lstm/gru/rnn_*`` call draws dropout masks (training, dropout > 0, several layers)."""
+    # (input, hx, params, has_biases, num_layers, dropout, train, ...) or, for packed
+    # sequences, (data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, ...)
+    packed = len(args) > 3 and isinstance(args[3], (list, tuple)) and not isinstance(args[2], (list, tuple))
+    off = 5 if packed else 4
+    try:
+        layers, p, train = args[off], args[off + 1], args[off + 2]
+    except IndexError:
+        return False
+    return bool(train) and float(p) > 0 and int(layers) > 1
+
 
 class _KeyedRandomMode(torch.overrides.TorchFunctionMode):
     """Gives the n-th random call of an eager model key n, as generated code does."""
@@ -118,6 +146,7 @@ class _KeyedRandomMode(torch.overrides.TorchFunctionMode):
     def __init__(self, seed: int, enabled: bool):
         super().__init__()
         self.seed, self.enabled, self.calls = seed, enabled, 0
+        self.other_calls = 0
         self.depth = 0
         self.lock = threading.Lock()
 
@@ -148,6 +177,12 @@ class _KeyedRandomMode(torch.overrides.TorchFunctionMode):
                 else:
                     kwargs = {**kwargs, "dropout_p": 0.0}
                 return self._call(func, *args, **kwargs)
+            return self._call(seeded_call, func, self.seed, key, *args, **kwargs)
+        if self.depth == 0 and (func in _OTHER_RANDOM or (func in _RNNS and _rnn_draws(args))):
+            # Not dropout: drawn whatever ``enabled`` says (it is part of what the model computes).
+            with self.lock:
+                key = OTHER_RANDOM_KEYS + self.other_calls
+                self.other_calls += 1
             return self._call(seeded_call, func, self.seed, key, *args, **kwargs)
         if inspect.isfunction(func) and getattr(func, "__module__", "") == "torch.nn.functional":
             # A composite (F.multi_head_attention_forward) calls dropout and attention
@@ -201,6 +236,10 @@ def keyed_random_mode(seed: int, *, enabled: bool = True) -> Iterator[_KeyedRand
     generation gives the n-th random operator of the traced graph. ``enabled=False``
     turns every such call into the identity (no dropout). The mode's ``calls``
     counts the random calls seen, to check against the graph's count.
+
+    Other random draws (``torch.rand`` & co., in-place ``uniform_`` & co., LSTM/GRU
+    dropout between layers) get keys ``OTHER_RANDOM_KEYS + n`` in call order, as their
+    operators in the graph do, whatever ``enabled`` says; ``other_calls`` counts them.
     """
     mode = _KeyedRandomMode(seed, enabled)
     with mode:
@@ -239,6 +278,20 @@ def declare(module: torch.nn.Module, name: str, shape: tuple[int, ...], dtype: t
         owner.register_buffer(leaf, empty, persistent=True)
 
 
+def update_buffer(owner: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    """Make ``value`` the new content of buffer ``name`` of ``owner`` (BatchNorm running statistics).
+
+    The buffer is rebound to the new tensor, not overwritten: the operator that
+    computed the new statistics may have saved the old ones for its backward, and
+    autograd refuses tensors changed in place since. Detached, and in the buffer's
+    dtype: a buffer's history is not trained. Generated code calls this only when
+    ``forward(..., update_buffers=True)``, the default; the runtime passes False when
+    it recomputes a forward, so each micro-batch updates a buffer once.
+    """
+    old = owner._buffers[name]
+    owner._buffers[name] = value.detach().to(dtype=old.dtype)
+
+
 class StageModule(torch.nn.Module):
     """Base class of generated stages: a straight-line ``forward`` over named stage inputs.
 
@@ -248,13 +301,19 @@ class StageModule(torch.nn.Module):
     ``INPUTS``  names of ``forward``'s tensor arguments, in order (values from other stages
                 or graph inputs);
     ``OUTPUTS`` names of the returned values, in order;
-    ``RANDOM``  how many random operators the stage runs (0: the ``seed`` argument is unused).
+    ``RANDOM``  how many random operators the stage runs (0: the ``seed`` argument is unused);
+    ``BUFFER_UPDATES`` the buffers ``forward`` updates (empty: ``update_buffers`` is unused).
+
+    ``forward(*inputs, seed=0, update_buffers=True)``: ``seed`` names the micro-batch
+    (dropout masks are drawn from it), ``update_buffers=False`` computes the same
+    outputs without writing any buffer (a recomputation in backward).
     """
 
     STAGE: int = -1
     INPUTS: tuple[str, ...] = ()
     OUTPUTS: tuple[str, ...] = ()
     RANDOM: int = 0
+    BUFFER_UPDATES: tuple[str, ...] = ()
 
     def __init__(self):
         super().__init__()

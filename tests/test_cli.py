@@ -180,7 +180,9 @@ def test_error_corrupt_graph_file(capsys, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "ftcompile.opgraph", "nodes": [')
     assert_clean_error(*run(capsys, "profile", bad, "--no-cache"), "bad.json")
-    bad.write_text('{"format": "ftcompile.opgraph", "version": 1, "nodes": [{"id": 0}]}')
+    from ftcompile.ir import OPGRAPH_VERSION
+
+    bad.write_text('{"format": "ftcompile.opgraph", "version": %d, "nodes": [{"id": 0}]}' % OPGRAPH_VERSION)
     assert_clean_error(*run(capsys, "profile", bad, "--no-cache"), "corrupt")
 
 

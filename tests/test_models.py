@@ -47,6 +47,11 @@ def test_zoo_lists_every_family():
         entry = get_entry(name)
         assert isinstance(entry, ZooEntry) and entry.name == name
         assert entry.family in {"gpt2", "bert", "t5", "vit", "synthetic"}
+    for family, sizes in {"llama": ["llama-tiny", "llama-1b", "llama-7b", "llama-8b", "llama-13b"],
+                          "mistral": ["mistral-tiny", "mistral-7b"],
+                          "qwen2": ["qwen2-tiny", "qwen2-0.5b", "qwen2-1.5b", "qwen2-7b"],
+                          "qwen3": ["qwen3-tiny", "qwen3-0.6b", "qwen3-8b"]}.items():
+        assert [get_entry(n).family for n in sizes] == [family] * len(sizes)
         assert entry.description and entry.default_options.batch_size
 
 
@@ -411,3 +416,46 @@ def test_user_model_import_error(tmp_path):
     path.write_text("def build(:\n")
     with pytest.raises(ZooError, match="importing .*bad.py.* failed: SyntaxError"):
         build_model(f"{path}:build")
+
+
+# --------------------------------------------------------------------------- LLM families, attention
+
+LLMS = ["llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny"]
+
+
+@pytest.mark.parametrize("name", LLMS)
+def test_llm_families_build_train_and_use_sdpa(name):
+    built = build_model(name)
+    assert type(built.model).__name__.endswith("ForCausalLM") and built.options.attention == "sdpa"
+    assert built.model.config._attn_implementation == "sdpa"
+    loss = _loss(built)
+    loss.backward()
+    assert torch.isfinite(loss) and built.num_parameters == get_entry(name).approx_parameters
+    assert built.kwargs["labels"].data_ptr() != built.args[0].data_ptr()     # separate tensors
+
+
+@pytest.mark.parametrize("name, layers, width, kv", [
+    ("llama-7b", 32, 4096, 32), ("llama-8b", 32, 4096, 8), ("mistral-7b", 32, 4096, 8),
+    ("qwen2-7b", 28, 3584, 4), ("qwen3-8b", 36, 4096, 8),
+])
+def test_giant_llms_are_the_real_configurations_on_meta(name, layers, width, kv):
+    built = build_model(name)
+    c = built.model.config
+    assert built.options.device == "meta" and built.num_parameters > 6.5e9
+    assert (c.num_hidden_layers, c.hidden_size, c.num_key_value_heads) == (layers, width, kv)
+    assert built.args[0].shape == (1, 1024)
+
+
+def test_attention_option():
+    assert build_model("gpt2-tiny").model.config._attn_implementation == "sdpa"
+    eager = build_model("gpt2-tiny", ModelOptions(attention="eager"))
+    assert eager.model.config._attn_implementation == "eager" and eager.options.attention == "eager"
+    with pytest.raises(ZooError, match="attention must be one of sdpa, eager"):
+        build_model("gpt2-tiny", ModelOptions(attention="flash"))
+    with pytest.raises(ZooError, match="mlp does not take an attention implementation"):
+        build_model("mlp", ModelOptions(attention="sdpa"))
+
+
+def test_attention_option_is_refused_for_user_models(user_file):
+    with pytest.raises(ZooError, match="does not take an attention implementation.*_attn_implementation"):
+        build_model(f"{user_file}:build", ModelOptions(attention="eager"))
