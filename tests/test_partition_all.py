@@ -54,9 +54,14 @@ def assert_valid(pb: Problem, plan: Plan, strategy: str) -> None:
     assert cost.objective_ms >= lower_bound(pb) * (1 - 1e-9), "no plan beats the lower bound"
     if strategy in SEQ_PIPES:
         pos = {n: i for i, n in enumerate(ops)}
-        for s in plan.stages:
-            p = sorted(pos[n] for n in s.nodes)
-            assert p == list(range(p[0], p[-1] + 1)), f"{strategy}: stage {s.id} is not contiguous"
+        if strategy == "seq":       # convex stages: every edge goes forward
+            where = {n: s.id for s in plan.stages for n in s.nodes}
+            assert all(where[e.src] <= where[e.dst] for e in pb.graph.edges
+                       if e.src in where and e.dst in where), "seq: stages are not convex"
+        else:                       # the baselines cut the graph's order into ranges
+            for s in plan.stages:
+                p = sorted(pos[n] for n in s.nodes)
+                assert p == list(range(p[0], p[-1] + 1)), f"{strategy}: stage {s.id} is not contiguous"
         assert len({s.gpu for s in plan.stages}) == len(plan.stages), "a Seq-pipe has one stage per GPU"
 
 
