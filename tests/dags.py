@@ -25,11 +25,13 @@ from ftcompile.profile import NodeCost, ParamCost, Profile
 
 def branchy_problem(seed: int = 0, *, blocks: int = 2, heads: bool = True, mask: bool = True, gpus: int = 3,
                     schedule: str = "async", bandwidth: float = 1e30, value_bytes: int = 1_000_000,
-                    micro_batches: int = 4, tied: bool = False) -> Problem:
+                    micro_batches: int = 4, tied: bool = False, side: bool = False) -> Problem:
     """A branchy DAG (see the module docstring) on ``gpus`` GPUs with unlimited memory.
 
     ``bandwidth=1e30`` makes communication free (balance and memory decide); a finite
-    one prices every value's transfer.
+    one prices every value's transfer. ``side`` adds what traced graphs are full of: a
+    label clamp made from the input and read by the loss only, a counter nobody reads,
+    and a view (no compute) after every Q.
     """
     rng = random.Random(seed)
     nodes: list[Node] = []
@@ -48,7 +50,7 @@ def branchy_problem(seed: int = 0, *, blocks: int = 2, heads: bool = True, mask:
         return name
 
     def op(name: str, reads: list[str], *, weight: str | None = None, work: float | None = None,
-           loss: bool = False, size: int | None = None, floating: bool = True) -> str:
+           loss: bool = False, size: int | None = None, floating: bool = True, act: int | None = None) -> str:
         nid = len(nodes)
         out = f"v{nid}"
         meta = f32(size if size is not None else rng.choice([1, 2, 3]) * value_bytes) if floating else \
@@ -62,7 +64,7 @@ def branchy_problem(seed: int = 0, *, blocks: int = 2, heads: bool = True, mask:
             edges.append(Edge(src, nid, r, nodes[src].outputs[r]))
         fwd = work if work is not None else rng.uniform(0.5, 6.0)
         costs[nid] = NodeCost(forward_ms=fwd, backward_ms=2 * fwd, recompute_ms=fwd,
-                              activation_bytes=rng.choice([1, 2, 4]) * 1_000_000)
+                              activation_bytes=rng.choice([1, 2, 4]) * 1_000_000 if act is None else act)
         return out
 
     x = "v0"
@@ -72,6 +74,8 @@ def branchy_problem(seed: int = 0, *, blocks: int = 2, heads: bool = True, mask:
     cls_from = None
     for b in range(blocks):
         q = op(f"b{b}/q", [h], weight=param(f"b{b}.q", 1_000_000))
+        if side:
+            q = op(f"b{b}/view", [q], work=0.0, act=0)
         k = op(f"b{b}/k", [h], weight=param(f"b{b}.k", 1_000_000))
         v = op(f"b{b}/v", [h], weight=param(f"b{b}.v", 1_000_000))
         s = op(f"b{b}/scores", [q, k] + ([m] if m else []))
@@ -80,6 +84,9 @@ def branchy_problem(seed: int = 0, *, blocks: int = 2, heads: bool = True, mask:
         if b == (blocks - 1) // 2:
             cls_from = h
     terms = []
+    if side:
+        op("counter", [], work=0.01, act=0, floating=False, size=8)
+        terms.append(op("clamp", [x], work=0.02, act=0, floating=False, size=value_bytes // 8))
     if heads:
         p = op("cls/pool", [cls_from], work=0.3)
         terms.append(op("cls/out", [p], weight=param("cls.weight", 500_000)))
