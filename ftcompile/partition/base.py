@@ -160,3 +160,22 @@ class MemoryModel:
         if recomputes:
             return params_total + (act_full if recompute_ms > 0 else 0)
         return params_total + min(self.in_flight(0, g) for g in (False, True)) * act_full
+
+
+# --------------------------------------------------------------------------- staleness
+
+def staleness_updates(schedule: str, depth: int, micro_batches: int) -> float:
+    """How many optimizer updates old the weights are that a stage of ``depth`` computes with.
+
+    A stage of depth ``d`` runs its forward ``d`` micro-batches ahead of its backward.
+    Under ``async`` (FTPipe) and ``pipedream`` no flush holds the others back, so by
+    the time its gradient is applied, ``d / M`` updates (``M`` micro-batches each)
+    have happened since the weights its micro-batch saw: 29 stages deep at ``M = 4``
+    is about 7 updates. ``gpipe`` and ``1f1b`` flush every update (0); ``2bw`` uses
+    the previous version (1); ``2gw`` one version behind for its group G0 (1).
+    """
+    if schedule in ("async", "pipedream"):
+        return depth / max(1, micro_batches)
+    if schedule in ("2bw", "2gw"):
+        return 1.0
+    return 0.0
