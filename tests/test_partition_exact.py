@@ -171,7 +171,7 @@ def test_memory_limits_are_respected(schedule):
 def test_no_heuristic_beats_the_proven_bound(seed, gpus):
     problem = synthetic_problem(12, gpus, seed=seed)
     bounds = {space: partition_exact(problem, space=space).info["mip_bound_ms"] for space in ("seq", "mixed")}
-    assert bounds["mixed"] <= bounds["seq"] + 1e-9
+    assert bounds["mixed"] <= bounds["seq"] * (1 + 2e-6)          # both to HiGHS's relative gap of 1e-6
     for strategy in ("seq", "uniform", "params"):
         try:
             plan = run_strategy(strategy, problem)

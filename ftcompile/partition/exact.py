@@ -210,7 +210,7 @@ def plan_from_assignment(problem: Problem, members: list[list[int]], gpu_of_bloc
     return Plan(strategy, problem.num_gpus, stages, dict(info or {}))
 
 
-def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: float = 60.0, space: str = "mixed",
+def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: float = 20.0, space: str = "mixed",
                     comm: bool = True, mip_rel_gap: float = 1e-6, max_rounds: int = 20,
                     warm_start: bool = True, max_candidates: int = 20, max_stages: int | None = None,
                     simulate_top: int = 4, max_variables: int = 300_000, warm_plan: Plan | None = None) -> Plan:
