@@ -17,11 +17,25 @@ not fit the paper's server).
     python benchmarks/partition.py --case t5-3b --json out.json
     python benchmarks/partition.py --case gpt2-5k --case t5-5k
     python benchmarks/partition.py --all                # paper cases and the 5k graphs
+    python benchmarks/partition.py --suite              # the balance-under-memory suite (below)
+
+Per case, one table: objective (largest GPU load per micro-batch, FTPipe Eq. 1),
+simulated period, the best bound proven for the plan's space and the gap to it,
+both speed-ups (over one device without recomputation; FTPipe's, counting
+recomputation), stages and staleness, memory, run time, and what each strategy
+proved (seq: optimal over convex splits; exact: its MIP bound and what it covers).
 
 Targets (printed PASS/FAIL, exit status 1 if any fails): T5-3B Mixed-pipe at least
 94% of the lower bound (7.5 of 8); the whole t5-3b compile (build, trace, profile,
 every strategy and its simulation) under 90 s; each heuristic partitioner under
 20 s on a graph of 5,000 op nodes or more.
+
+``--suite``: zoo models with parallel branches at layer and operator granularity
+(BERT, GPT-2, T5, ViT, SkipNet, EncDec) on 3 and 6 GPUs with free links (balance and
+memory only), with unlimited memory and with 1.2 x and 1.1 x (weights, gradients,
+optimizer state and one micro-batch of activations) / P. It reports, per case,
+whether seq proved its plan optimal among convex splits, Mixed-pipe against the
+bound, and the chosen plan's simulated period against its objective.
 """
 
 from __future__ import annotations
@@ -82,7 +96,7 @@ def build(case: dict):
     return build_hf(dataclasses.replace(family, sizes=(size,)), entry, options)
 
 
-def run_case(name: str, schedule: str, micro_batches: int, jobs: int) -> dict:
+def run_case(name: str, schedule: str, micro_batches: int, jobs: int, time_limit: float | None = None) -> dict:
     case = CASES[name]
     t0 = time.perf_counter()
     built = build(case)
@@ -93,7 +107,7 @@ def run_case(name: str, schedule: str, micro_batches: int, jobs: int) -> dict:
     prof = analytic_profile(graph, load_hardware(case["hardware"]), optimizer=case.get("optimizer", "adam"))
     t_prof = time.perf_counter() - t0 - t_build - t_trace
     problem = Problem(graph, prof, PRESETS[case["cluster"]], schedule=schedule, micro_batches=micro_batches)
-    result = compile_plan(problem, "auto", jobs=jobs)
+    result = compile_plan(problem, "auto", jobs=jobs, time_limit=time_limit)
     total = time.perf_counter() - t0
     rows = [r.row() for r in result.results]
     return {"case": name, "nodes": len(graph.nodes), "op_nodes": sum(1 for _ in graph.op_nodes()),
@@ -104,27 +118,25 @@ def run_case(name: str, schedule: str, micro_batches: int, jobs: int) -> dict:
 
 
 def note(s: dict) -> str:
-    """Why a strategy failed, or what the exact MIP proved."""
-    info = s.get("info") or {}
-    if s["name"] == "exact" and "mip_bound_ms" in info:
-        whole = f" keeping {info.get('blocks')} blocks whole" if info.get("coarsened") else ""
-        return (f"{info.get('space')} plans{whole}: {'optimum' if info.get('optimal') else 'bound'} "
-                f"{info['mip_bound_ms']:.2f} ms" + ("" if info.get("optimal") else f", gap {info.get('gap', 0):.1%}"))
-    return s["reason"] or ""
+    """Why a strategy failed, or what seq and exact proved."""
+    from ftcompile.compile import _row_note
+
+    return s["reason"] or _row_note(s)
 
 
 def print_case(r: dict) -> list[tuple[str, bool]]:
     print(f"\n== {r['case']}: {r['op_nodes']} op nodes, {r['cluster']}, {r['schedule']}, {r['optimizer']}; lower bound "
-          f"{r['lower_bound_ms']:.2f} ms; chosen {r['chosen']}; times {r['seconds']}")
-    print(f"{'strategy':10}{'feasible':>9}{'obj ms':>10}{'eff':>8}{'speedup':>9}{'thr/s':>9}{'bubble':>8}"
-          f"{'mem GB':>8}{'time s':>8}  note")
+          f"{r['lower_bound_ms']:.3f} ms; chosen {r['chosen']}; times {r['seconds']}")
+    print(f"{'strategy':10}{'obj ms':>10}{'sim ms':>10}{'bound ms':>10}{'gap':>7}{'speedup':>8}{'FTPipe':>7}"
+          f"{'stages':>7}{'stale':>6}{'mem GB':>8}{'time s':>8}  note")
     checks = []
     for s in r["strategies"]:
         f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         mem = None if s["max_gpu_memory_bytes"] is None else s["max_gpu_memory_bytes"] / 1e9
-        print(f"{s['name']:10}{str(s['feasible']):>9}{f(s['objective_ms'], '.2f'):>10}{f(s['efficiency'], '.1%'):>8}"
-              f"{f(s['speedup'], '.2f'):>9}{f(s['throughput'], '.2f'):>9}{f(s['bubble_fraction'], '.1%'):>8}"
-              f"{f(mem, '.2f'):>8}{s['seconds']:>8.1f}  {note(s)[:70]}")
+        print(f"{s['name']:10}{f(s['objective_ms'], '.3f'):>10}{f(s.get('simulated_period_ms'), '.3f'):>10}"
+              f"{f(s.get('bound_ms'), '.3f'):>10}{f(s.get('gap'), '.1%'):>7}{f(s.get('speedup_no_recompute'), '.2f'):>8}"
+              f"{f(s['speedup'], '.2f'):>7}{f(s['stages'], 'd'):>7}{f(s.get('staleness_updates'), '.2g'):>6}"
+              f"{f(mem, '.2f'):>8}{s['seconds']:>8.1f}  {note(s)[:90]}")
         if s["name"] in HEURISTICS and r["op_nodes"] >= LARGE_GRAPH:
             checks.append((f"{r['case']} ({r['op_nodes']} op nodes) {s['name']} under 20 s: {s['seconds']:.1f} s",
                            s["seconds"] < 20))
@@ -137,6 +149,66 @@ def print_case(r: dict) -> list[tuple[str, bool]]:
     return checks
 
 
+# --------------------------------------------------------------------------- the suite
+
+#: (model, basic blocks or None for operator granularity, options)
+SUITE_GRAPHS = [
+    ("bert-large", "auto", {}), ("gpt2-small", "auto", {}), ("t5-small", "auto", {}), ("vit-base", "auto", {}),
+    ("bert-tiny", None, {}), ("gpt2-tiny", None, {}), ("skipnet", None, {}), ("encdec", None, {}),
+]
+
+
+def suite_problems(gpus=(3, 6), memory=(None, 1.2, 1.1)):
+    """(label, Problem) for every suite graph, GPU count and memory share; free links."""
+    from dataclasses import replace
+
+    for model, blocks, opts in SUITE_GRAPHS:
+        built = build_model(model, ModelOptions(device="meta" if blocks else "cpu", **opts))
+        graph = trace(built.model, built.args, built.kwargs, source={"model": model},
+                      basic_blocks=built.basic_blocks if blocks == "auto" else ())
+        prof = analytic_profile(graph, load_hardware("rtx2080ti"), optimizer="adam")
+        total = sum(c.total for c in prof.params.values()) + sum(c.activation_bytes for c in prof.nodes.values())
+        for P in gpus:
+            for share in memory:
+                cluster = PRESETS["paper-8x2080ti"].with_overrides(gpus=P, bandwidth="1000000GB/s")
+                if share is not None:
+                    cluster = replace(cluster, gpu_memory=int(share * total / P))
+                label = f"{model}{'-layer' if blocks else '-op'} P={P} mem={share or 'unlimited'}"
+                yield label, Problem(graph, prof, cluster, schedule="async", micro_batches=4)
+
+
+def run_suite(time_limit: float, jobs: int) -> list[dict]:
+    rows = []
+    print(f"{'case':36}{'ops':>5}{'seq':>9}{'proof':>8}{'mixed/lb':>10}{'best/lb':>9}{'chosen':>9}{'sim/obj':>9}"
+          f"{'time s':>8}")
+    for label, problem in suite_problems():
+        t0 = time.perf_counter()
+        result = compile_plan(problem, "auto", jobs=jobs, time_limit=time_limit)
+        secs = time.perf_counter() - t0
+        by = {r.name: r for r in result.results}
+        seq = by.get("seq")
+        mixed = by.get("mixed")
+        lb = result.lower_bound_ms
+        feas = [r for r in result.results if r.feasible]
+        best = min((r.cost.objective_ms for r in feas), default=None)
+        row = {"case": label, "op_nodes": sum(1 for _ in problem.graph.op_nodes()),
+               "seq_ms": seq.cost.objective_ms if seq and seq.feasible else None,
+               "seq_optimal": bool(seq and seq.feasible and seq.plan.info.get("optimal")),
+               "seq_gap": seq.plan.info.get("gap") if seq and seq.feasible else None,
+               "mixed_over_bound": mixed.cost.objective_ms / lb if mixed and mixed.feasible else None,
+               "best_over_bound": best / lb if best else None, "chosen": result.chosen,
+               "chosen_sim_over_objective": (result.best().sim["period_ms"] / result.best().cost.objective_ms
+                                             if result.chosen else None),
+               "rows": [r.row() for r in result.results], "seconds": round(secs, 1)}
+        rows.append(row)
+        f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        proof = "opt" if row["seq_optimal"] else (f"{row['seq_gap']:.1%}" if row["seq_gap"] is not None else "-")
+        print(f"{label:36}{row['op_nodes']:>5}{f(row['seq_ms'], '.3f'):>9}{proof:>8}"
+              f"{f(row['mixed_over_bound'], '.4f'):>10}{f(row['best_over_bound'], '.4f'):>9}{str(row['chosen']):>9}"
+              f"{f(row['chosen_sim_over_objective'], '.4f'):>9}{secs:>8.1f}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", action="append", choices=sorted(CASES), help="run only these cases (repeatable)")
@@ -145,11 +217,18 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=1, help="strategies run in parallel (default 1: each timed alone)")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--suite", action="store_true", help="the balance-under-memory suite instead of the paper cases")
+    ap.add_argument("--time-limit", type=float, default=20.0, help="seconds per searching strategy (default 20)")
     args = ap.parse_args(argv)
+    if args.suite:
+        rows = run_suite(args.time_limit, max(args.jobs, 1))
+        if args.json:
+            atomic_write_text(args.json, json.dumps(rows, indent=1, default=str))
+        return 0
     names = args.case or (list(CASES) if args.all else list(PAPER_CASES))
     results, checks = [], []
     for name in names:
-        r = run_case(name, args.schedule, args.micro_batches, args.jobs)
+        r = run_case(name, args.schedule, args.micro_batches, args.jobs, args.time_limit)
         results.append(r)
         checks += print_case(r)
         sys.stdout.flush()

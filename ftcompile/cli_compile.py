@@ -9,6 +9,7 @@ OUT/gpus.png and OUT/timeline.png, plus OUT/graph.json and OUT/profile.json so t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -65,6 +66,13 @@ def add_parsers(sub) -> None:
                    help="auto (all that apply) or a comma-separated list of: mixed, seq, acyclic, metis, "
                         "uniform, params, exact (default: auto)")
     g.add_argument("--jobs", type=base._positive_int, metavar="N", help="strategies run in parallel (default: cores)")
+    g.add_argument("--max-stages", type=base._positive_int, metavar="N",
+                   help="at most N pipeline stages in all: fewer stages, less staleness under async "
+                        "(FTPipe found 16 best for T5-3B on 8 GPUs); default: no limit")
+    g.add_argument("--time-limit", type=_seconds, metavar="SECONDS",
+                   help="seconds each searching strategy may spend (seq's search over convex splits, "
+                        "exact's MIP) before it returns its best plan and the bound proven so far "
+                        "(default: 20)")
     g.add_argument("--profile", dest="profile_file", metavar="FILE",
                    help="use this profile (from `ftcompile profile -o`) instead of an analytic one")
     g.add_argument("--cache-dir", metavar="DIR", default=base.DEFAULT_CACHE_DIR,
@@ -109,6 +117,29 @@ def add_parsers(sub) -> None:
 
 
 # --------------------------------------------------------------------------- compile
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return v
+
+
+@contextlib.contextmanager
+def _native_stdout_to_stderr(active: bool):
+    """With --json, what native libraries print on descriptor 1 goes to stderr (see
+    :func:`ftcompile.compile.quiet_native_stdout`), so stdout holds the JSON alone."""
+    if not active:
+        yield
+        return
+    from .compile import quiet_native_stdout
+
+    with quiet_native_stdout():
+        yield
+
 
 def _cluster(args: argparse.Namespace):
     from .cluster import PRESETS, default_cluster_for, load_cluster
@@ -172,8 +203,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         phases[name] = round(now - since, 3)
         return now
 
-    with base._stdout_for(args):
+    with base._stdout_for(args), _native_stdout_to_stderr(args.json):
         graph, built = _graph_and_built(args, ui)
+        _check_loss(graph, args.model)
         t = lap("trace", t0)
         if args.profile_file:
             prof = Profile.load(args.profile_file)
@@ -187,6 +219,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         from .compile import resolve_strategies
 
         total = len(resolve_strategies(args.strategy, problem))
+        warnings = _size_warnings(graph, cluster.num_gpus, args.max_stages)
+        for w in warnings:
+            ui.note(f"warning: {w}")
         done = []
         with ui.steps("partition", "strategy") as bar:
             def progress(r):
@@ -195,7 +230,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
                 ui.note(f"{r.name}: " + (f"{r.cost.objective_ms:.3f} ms, {r.cost.efficiency:.1%} of the lower "
                                          f"bound" if r.feasible else f"no plan ({r.reason})") + f" [{r.seconds:.1f} s]")
 
-            result = compile_plan(problem, args.strategy, jobs=args.jobs, progress=progress)
+            result = compile_plan(problem, args.strategy, jobs=args.jobs, progress=progress,
+                                  max_stages=args.max_stages, time_limit=args.time_limit)
         t = lap("partition_and_simulate", t)
         doc = plan_document(result, model=graph.source)
         if result.chosen is None:
@@ -216,8 +252,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
         reasons = "; ".join(f"{r.name}: {r.reason}" for r in result.results)
         raise CompileError(f"no strategy found a plan that fits ({reasons}). To fit: {doc['requirements']}. "
                            f"The table is in {paths['report']}")
+    if result.chosen is not None:
+        used = len(result.best().plan.gpus())
+        if used < cluster.num_gpus:
+            warnings.append(f"the chosen plan uses {used} of the {cluster.num_gpus} GPUs")
     summary = {"output": args.output, "chosen": result.chosen, "lower_bound_ms": result.lower_bound_ms,
-               "strategies": doc["strategies"], "files": paths, "package": package,
+               "strategies": doc["strategies"], "files": paths, "package": package, "warnings": warnings,
                "seconds": {**phases, "trace_and_profile": round(phases["trace"] + phases["profile"], 3),
                            "partition": round(result.seconds, 3),
                            "strategies": {r.name: round(r.seconds, 3) for r in result.results},
@@ -232,6 +272,39 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if package:
         print(f"package: {args.output} (verify with `ftcompile verify {args.output}`)")
     return 0
+
+
+def _check_loss(graph, model: str) -> None:
+    """A pipeline trains on the loss: refuse a model whose first output is not a scalar loss."""
+    from .compile import CompileError
+
+    if graph.loss is None:
+        outs = []
+        for v in graph.outputs[:3]:
+            meta = graph.node(graph.producer(v)).outputs[v] if graph.producer(v) is not None else None
+            t = meta.tensor if meta is not None else None
+            outs.append(f"{v} {t.dtype}{list(t.shape)}" if t is not None else v)
+        outs_text = ", ".join(outs) or "nothing"
+        raise CompileError(
+            f"{model} returns no scalar training loss (its first outputs: {outs_text}); ftcompile compiles training "
+            "pipelines, and the model's first output must be the loss as a 0-dimensional floating tensor, "
+            "e.g. return `loss` or `(loss, logits)` from forward, or pass labels to a HuggingFace model")
+
+
+def _size_warnings(graph, gpus: int, max_stages: int | None) -> list[str]:
+    """Warnings for a cluster far larger than the graph can use."""
+    ops = sum(1 for _ in graph.op_nodes())
+    out = []
+    if gpus > ops:
+        from .compile import DEGENERATE_SEARCH_GPUS
+
+        searched = min(ops, max(max_stages or 0, DEGENERATE_SEARCH_GPUS))
+        out.append(f"{gpus} GPUs but only {ops} op nodes: at most {ops} GPUs can hold a stage; the strategies "
+                   f"search plans on {searched} of them (trace at operator granularity, or use fewer GPUs)")
+    elif max_stages is not None and gpus > max_stages:
+        out.append(f"{gpus} GPUs but at most {max_stages} stages (--max-stages): a Seq-pipe uses at most "
+                   f"{max_stages} of them")
+    return out
 
 
 def _generate_package(args, graph, doc, built, ui):

@@ -11,8 +11,10 @@ pictures beside it.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import multiprocessing
 import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -23,10 +25,28 @@ from .plan import PLAN_FORMAT, PLAN_VERSION, Plan, PlanCost, PlanError, Problem,
 
 #: Strategies ``auto`` runs. ``exact`` joins when the graph is small enough to solve.
 AUTO_STRATEGIES = ("mixed", "seq", "acyclic", "metis", "uniform", "params")
-#: Up to this many op nodes ``auto`` runs ``exact`` too (the tiny zoo models have 100 to 400; it
-#: solves them in well under a second). Larger graphs would be coarsened into 60 blocks, whose
-#: optimum is far from the heuristics' plans and whose bound holds only for whole blocks.
+#: Up to this many op nodes ``auto`` runs ``exact`` too, in its strong form: every op node may go
+#: to any GPU (no coarsening), so its bound holds for every plan. Larger graphs would have to be
+#: coarsened into blocks, whose bound holds only for plans that keep the blocks whole.
 EXACT_AUTO_MAX_NODES = 1000
+#: Seconds a searching strategy (seq's convex search, exact's MIP) may spend by default
+#: (``--time-limit``). They stop with the best plan found and the bound proven so far.
+DEFAULT_TIME_LIMIT = 20.0
+#: A cluster with more GPUs than the graph has op nodes is searched on at most this many GPUs.
+DEGENERATE_SEARCH_GPUS = 32
+
+
+def strategy_options(name: str, *, max_stages: int | None = None, time_limit: float | None = None) -> dict:
+    """The keyword options compile passes to strategy ``name``."""
+    opts: dict = {}
+    if max_stages is not None:
+        opts["max_stages"] = int(max_stages)
+    t = DEFAULT_TIME_LIMIT if time_limit is None else float(time_limit)
+    if name in ("seq", "exact"):
+        opts["time_limit"] = t
+    elif name == "mixed":
+        opts["time_budget_s"] = t / 2        # refinement budget; the whole run stays near it
+    return opts
 
 
 class CompileError(ValueError):
@@ -42,18 +62,30 @@ class StrategyResult:
     cost: PlanCost | None = None
     sim: dict | None = None          # SimResult.to_json()
     seconds: float = 0.0
+    figures: dict = field(default_factory=dict)     # plan_figures(): speed-ups, staleness
+    bound: dict | None = None        # the best proven bound covering this plan: {"ms", "covers"}
 
     def row(self) -> dict:
         """The strategy's line in plan.json and the report."""
         c = self.cost
+        period = self.sim["period_ms"] if self.sim else None
+        b = self.bound
         return {
             "name": self.name, "feasible": self.feasible, "reason": self.reason,
             "objective_ms": round(c.objective_ms, 6) if c else None,
+            "simulated_period_ms": round(period, 6) if period is not None else None,
             "throughput": round(self.sim["throughput_samples_per_s"], 6) if self.sim else None,
             "bubble_fraction": round(self.sim["bubble_fraction"], 6) if self.sim else None,
             "efficiency": round(c.efficiency, 6) if c else None,
+            "bound_ms": round(b["ms"], 6) if c and b else None,
+            "bound_covers": b["covers"] if c and b else None,
+            # how far the plan's objective is from the best bound proven for its space
+            "gap": round((c.objective_ms - b["ms"]) / c.objective_ms, 6) if c and b and c.objective_ms > 0 else None,
             "speedup": round(c.speedup, 4) if c else None,
+            "speedup_no_recompute": self.figures.get("speedup_no_recompute"),
             "stages": len(self.plan.stages) if self.plan else None,
+            "max_depth": self.figures.get("max_depth"),
+            "staleness_updates": self.figures.get("staleness_updates"),
             "max_gpu_memory_bytes": c.max_memory_bytes if c else None,
             "seconds": round(self.seconds, 3),
             **({"info": self.plan.info} if self.plan and self.plan.info else {}),
@@ -73,6 +105,33 @@ class CompileResult:
         return next(r for r in self.results if r.name == self.chosen)
 
 
+def plan_figures(problem: Problem, plan: Plan, cost: PlanCost) -> dict:
+    """What a user compares a plan with, beside its objective (issue 11, item 4).
+
+    * ``speedup_no_recompute``: one device running the model without recomputation
+      takes the forward + backward of every node per micro-batch; the pipeline takes
+      its objective (the period per micro-batch). Their ratio is the speed-up a user
+      would measure against plain single-device training.
+    * ``speedup`` (in :class:`~ftcompile.plan.PlanCost`): FTPipe's expected speed-up,
+      the plan's own work (recomputation included) over its period; it counts
+      recomputation as useful work, so it is the higher of the two.
+    * ``max_depth`` and ``staleness_updates``: how many optimizer updates old the
+      weights are that the deepest stage's gradients meet (:func:`staleness_updates`).
+    """
+    from .partition.base import staleness_updates
+    from .plan import stage_depths, stage_graph
+
+    prof = problem.profile
+    plain = sum(prof.nodes[n.id].forward_ms + prof.nodes[n.id].backward_ms for n in problem.graph.op_nodes())
+    depth = stage_depths(stage_graph(problem.graph, plan))
+    d = max(depth.values(), default=0)
+    return {
+        "speedup_no_recompute": round(plain / cost.objective_ms, 4) if cost.objective_ms > 0 else None,
+        "max_depth": d,
+        "staleness_updates": round(staleness_updates(problem.schedule, d, problem.micro_batches), 3),
+    }
+
+
 def resolve_strategies(names: list[str] | tuple[str, ...] | str, problem: Problem) -> list[str]:
     """Expand ``auto`` and check names."""
     if isinstance(names, str):
@@ -90,10 +149,16 @@ def resolve_strategies(names: list[str] | tuple[str, ...] | str, problem: Proble
     return list(dict.fromkeys(out))
 
 
-def _run_one(name: str, problem: Problem, simulate_plan: bool) -> StrategyResult:
+def _run_one(name: str, problem: Problem, simulate_plan: bool, options: dict | None = None,
+             search: Problem | None = None) -> StrategyResult:
+    """Run strategy ``name`` on ``search`` (default: ``problem``; a smaller cluster when the
+    real one has more GPUs than the graph has op nodes), then price and simulate its plan on
+    ``problem``."""
     t0 = time.perf_counter()
     try:
-        plan = run_strategy(name, problem)
+        with quiet_native_stdout():
+            plan = run_strategy(name, search or problem, **(options or {}))
+        plan = Plan(plan.strategy, problem.num_gpus, plan.stages, plan.info)
         cost = evaluate(problem, plan)
         if not cost.feasible:
             return StrategyResult(name, False, f"plan does not fit: {cost.reason}", plan, cost,
@@ -110,7 +175,8 @@ def _run_one(name: str, problem: Problem, simulate_plan: bool) -> StrategyResult
                                       f"{sim['gpu_peak_memory'][worst] / 1e9:.2f} GB of "
                                       f"{sim['gpu_memory_limit'] / 1e9:.2f} GB", plan, cost, sim,
                                       time.perf_counter() - t0)
-        return StrategyResult(name, True, None, plan, cost, sim, time.perf_counter() - t0)
+        return StrategyResult(name, True, None, plan, cost, sim, time.perf_counter() - t0,
+                              figures=plan_figures(problem, plan, cost))
     except Infeasible as exc:
         return StrategyResult(name, False, exc.reason, seconds=time.perf_counter() - t0)
     except (PlanError, ValueError) as exc:
@@ -122,21 +188,42 @@ def _run_one(name: str, problem: Problem, simulate_plan: bool) -> StrategyResult
 
 
 def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs: int | None = None,
-                 simulate_plans: bool = True, progress=None) -> CompileResult:
+                 simulate_plans: bool = True, progress=None, max_stages: int | None = None,
+                 time_limit: float | None = None) -> CompileResult:
     """Run the strategies, price and simulate each plan, and choose the best feasible one.
 
     The best is the feasible plan with the highest simulated throughput (or the
     lowest objective when ``simulate_plans`` is off); ties go to the lower objective.
+    ``max_stages``: every strategy makes at most that many stages. ``time_limit``:
+    seconds each searching strategy may spend (default :data:`DEFAULT_TIME_LIMIT`).
+    Every result carries the best bound proven for its space (:func:`attach_bounds`).
     """
     names = resolve_strategies(strategies, problem)
+    if max_stages is not None and int(max_stages) < 1:
+        raise CompileError(f"--max-stages must be at least 1, got {max_stages}")
+    if time_limit is not None and not time_limit >= 0:
+        raise CompileError(f"--time-limit must be a number of seconds >= 0, got {time_limit}")
     t0 = time.perf_counter()
     bound = lower_bound(problem)     # before the workers start: the problem carries it to them
     jobs = jobs if jobs is not None else min(len(names), os.cpu_count() or 1)
+    options = {n: strategy_options(n, max_stages=max_stages, time_limit=time_limit) for n in names}
+    # More GPUs than op nodes never help (every stage holds a node). Such a cluster is searched
+    # on at most min(op nodes, DEGENERATE_SEARCH_GPUS) of its GPUs (hundreds of stages would
+    # take the search and the simulation hours, and pile up staleness); plans are priced and
+    # simulated on the whole cluster.
+    ops = sum(1 for _ in problem.graph.op_nodes())
+    search = problem
+    searched = problem.num_gpus
+    if problem.num_gpus > ops > 0:
+        from dataclasses import replace
+
+        searched = min(ops, max(max_stages or 0, DEGENERATE_SEARCH_GPUS))
+        search = replace(problem, cluster=problem.cluster.with_overrides(gpus=searched))
     results: dict[str, StrategyResult] = {}
     if jobs > 1 and len(names) > 1:
         ctx = multiprocessing.get_context("fork")
         with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futs = {pool.submit(_run_one, n, problem, simulate_plans): n for n in names}
+            futs = {pool.submit(_run_one, n, problem, simulate_plans, options[n], search): n for n in names}
             for fut in cf.as_completed(futs):
                 r = fut.result()
                 results[r.name] = r
@@ -144,11 +231,12 @@ def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs
                     progress(r)
     else:
         for n in names:
-            r = _run_one(n, problem, simulate_plans)
+            r = _run_one(n, problem, simulate_plans, options[n], search)
             results[n] = r
             if progress:
                 progress(r)
     ordered_results = [results[n] for n in names]
+    attach_bounds(problem, ordered_results, bound)
     feasible = [r for r in ordered_results if r.feasible]
     chosen = None
     if feasible:
@@ -156,7 +244,68 @@ def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs
             thr = r.sim["throughput_samples_per_s"] if r.sim else 0.0
             return (-thr, r.cost.objective_ms) if simulate_plans else (r.cost.objective_ms,)
         chosen = min(feasible, key=score).name
-    return CompileResult(problem, ordered_results, chosen, bound, time.perf_counter() - t0)
+    info = {"max_stages": max_stages, "searched_gpus": searched, "time_limit_s": options[names[0]].get("time_limit", DEFAULT_TIME_LIMIT)
+            if names else None}
+    return CompileResult(problem, ordered_results, chosen, bound, time.perf_counter() - t0, info=info)
+
+
+#: Strategies whose plans are convex splits with one stage per GPU (Seq-pipes): a bound proven
+#: over convex splits covers them.
+CONVEX_STRATEGIES = ("seq", "uniform", "params", "acyclic")
+
+
+def attach_bounds(problem: Problem, results: list[StrategyResult], lower: float) -> None:
+    """Give every result the best proven lower bound that covers its plan.
+
+    Every plan: :func:`~ftcompile.plan.lower_bound`, and ``exact``'s MIP bound when
+    its space covers every plan (no coarsening). Seq-pipe plans (convex splits):
+    also ``seq``'s bound over convex splits, when its search finished. A bound
+    proven only for part of a space (a coarsened MIP, side nodes kept attached)
+    is not used for the others.
+    """
+    every = {"ms": lower, "covers": "every plan (total work / GPUs, last-stage knapsack)"}
+    for r in results:
+        info = (r.plan.info if r.plan else None) or {}
+        if r.name == "exact" and info.get("bound_space") == "every plan" and info.get("mip_bound_ms", 0) > every["ms"]:
+            every = {"ms": float(info["mip_bound_ms"]), "covers": "every plan (exact's MIP)"}
+    convex = every
+    for r in results:
+        info = (r.plan.info if r.plan else None) or {}
+        if r.name == "seq" and info.get("bound_ms") is not None and \
+                info.get("bound_covers") == "every convex split" and info["bound_ms"] > convex["ms"]:
+            convex = {"ms": float(info["bound_ms"]), "covers": "convex splits (seq's search)"}
+        if r.name == "exact" and info.get("bound_space") == "every convex split with one stage per GPU" and \
+                info.get("mip_bound_ms", 0) > convex["ms"]:
+            convex = {"ms": float(info["mip_bound_ms"]), "covers": "convex splits (exact's MIP)"}
+    for r in results:
+        if r.cost is not None:
+            r.bound = dict(convex if r.name in CONVEX_STRATEGIES else every)
+
+
+@contextlib.contextmanager
+def quiet_native_stdout():
+    """Send what native libraries write to file descriptor 1 (HiGHS's banner, METIS's notes)
+    to file descriptor 2, for the duration; Python's own stdout is untouched.
+
+    ``compile --json`` must print one JSON document and nothing else on stdout, and these
+    libraries write to the descriptor directly, below any Python-level redirection.
+    """
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):          # no real descriptor 1 (embedded, captured)
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        try:
+            sys.stdout.flush()
+        except ValueError:
+            pass
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: float = 0.02) -> str:
@@ -285,6 +434,7 @@ def plan_document(result: CompileResult, *, model: dict | None = None) -> dict:
                                 "within its period and one GPU's memory; no plan that fits can beat it"},
         "strategies": [r.row() for r in result.results],
         "chosen": result.chosen,
+        "limits": {"max_stages": result.info.get("max_stages"), "time_limit_s": result.info.get("time_limit_s")},
         "compile_seconds": round(result.seconds, 3),
     }
     if result.chosen is not None:
@@ -317,26 +467,51 @@ def report_text(doc: dict) -> str:
     c = doc["cluster"]
     lines.append(f"# ftcompile plan: {m.get('model', '?')}")
     lines.append("")
+    limits = doc.get("limits") or {}
     lines.append(f"cluster {c['name']}: {c['nodes']} x {c['gpus_per_node']} GPUs, "
                  f"{c['gpu_memory'] / 1e9:.1f} GB each, {c['intra_node_bandwidth'] / 1e9:.1f} GB/s; "
                  f"schedule {doc['schedule']}, {doc['micro_batches']} micro-batches; "
-                 f"costs {doc['profile']['method']} on {doc['profile']['hardware']}")
-    lines.append(f"lower bound: {doc['lower_bound']['objective_ms']:.3f} ms per micro-batch")
+                 f"costs {doc['profile']['method']} on {doc['profile']['hardware']}"
+                 + (f"; at most {limits['max_stages']} stages" if limits.get("max_stages") else ""))
+    lines.append(f"lower bound: {doc['lower_bound']['objective_ms']:.3f} ms per micro-batch (every plan)")
     lines.append("")
-    lines.append("| strategy | feasible | objective ms | efficiency | speed-up | throughput /s | bubble | stages | max GPU mem | time s | note |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("| strategy | feasible | objective ms | simulated ms | bound ms | gap | speed-up | "
+                 "speed-up (FTPipe) | stages | staleness | max GPU mem | time s | note |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def fmt(v, f):
+        return f.format(v) if v is not None else "-"
+
+    P = c["nodes"] * c["gpus_per_node"]
     for r in doc["strategies"]:
         mark = " (chosen)" if r["name"] == doc.get("chosen") else ""
-        fmt = lambda v, f: (f.format(v) if v is not None else "-")  # noqa: E731
+        stale = (f"{r['staleness_updates']:.2g} upd. (depth {r['max_depth']})"
+                 if r.get("staleness_updates") is not None else "-")
+        note = r["reason"] or _row_note(r)
         lines.append(
             f"| {r['name']}{mark} | {'yes' if r['feasible'] else 'no'} | {fmt(r['objective_ms'], '{:.3f}')} | "
-            f"{fmt(r['efficiency'], '{:.1%}')} | {fmt(r['speedup'], '{:.2f}')} | {fmt(r['throughput'], '{:.2f}')} | "
-            f"{fmt(r['bubble_fraction'], '{:.1%}')} | {fmt(r['stages'], '{}')} | "
-            f"{_fmt_bytes(r['max_gpu_memory_bytes'])} | {r['seconds']:.1f} | {r['reason'] or ''} |")
+            f"{fmt(r.get('simulated_period_ms'), '{:.3f}')} | {fmt(r.get('bound_ms'), '{:.3f}')} | "
+            f"{fmt(r.get('gap'), '{:.1%}')} | {fmt(r.get('speedup_no_recompute'), '{:.2f}')} | "
+            f"{fmt(r['speedup'], '{:.2f}')} | {fmt(r['stages'], '{}')} | {stale} | "
+            f"{_fmt_bytes(r['max_gpu_memory_bytes'])} | {r['seconds']:.1f} | {note} |")
+    lines.append("")
+    lines.append(f"*objective*: the largest GPU load per micro-batch (FTPipe Eq. 1); *simulated*: the period "
+                 f"per micro-batch the discrete-event simulation measures under {doc['schedule']}; *bound*: the "
+                 f"best lower bound proven for the plan's space (see `bound_covers` in plan.json) and *gap* the "
+                 f"objective's distance from it; *speed-up*: one device running the model without recomputation "
+                 f"(forward + backward of every node) over the objective, of {P}; *speed-up (FTPipe)*: the plan's "
+                 f"own work, recomputation included, over the objective; *staleness*: how many optimizer updates "
+                 f"old the weights are that the deepest stage's gradients meet.")
     if doc.get("gpus"):
+        best = next((r for r in doc["strategies"] if r["name"] == doc.get("chosen")), None)
         lines.append("")
         lines.append(f"## chosen: {doc['chosen']}")
         lines.append("")
+        if best and best.get("staleness_updates"):
+            lines.append(f"Under {doc['schedule']}, the first stage's gradients are about "
+                         f"{best['staleness_updates']:.1f} updates old ({best['max_depth']} stages deep, "
+                         f"{doc['micro_batches']} micro-batches per update); `--max-stages` bounds that.")
+            lines.append("")
         lines.append("| GPU | stages | load ms | compute ms | comm ms | utilisation | memory | of limit |")
         lines.append("|---|---|---|---|---|---|---|---|")
         for g in doc["gpus"]:
@@ -357,8 +532,54 @@ def report_text(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _row_note(r: dict) -> str:
+    """What a strategy proved about its own space (seq, exact), in a few words."""
+    info = r.get("info") or {}
+    if r["name"] == "exact" and "mip_bound_ms" in info:
+        state = "proven optimal" if info.get("optimal") else f"MIP bound {info['mip_bound_ms']:.3f} ms"
+        return f"{state} over {info.get('bound_space', 'its space')}"
+    if r["name"] == "seq" and "search" in info:
+        if info.get("optimal"):
+            return "proven optimal over convex splits"
+        if info.get("bound_ms") is not None:
+            return f"within {info.get('gap', 0):.1%} of the best convex split (search {info['search']})"
+        return f"convex search {info['search']}"
+    return ""
+
+
+#: Pictures draw at most this many GPU boxes (or timeline rows); larger clusters are grouped.
+MAX_PICTURE_GPUS = 64
+
+
+def gpu_boxes(gpus: list[dict], most: int = MAX_PICTURE_GPUS) -> list[dict]:
+    """The boxes to draw for a plan's ``gpus`` rows: one per GPU, or, for more than ``most``
+    GPUs, the idle ones as one box and the others in consecutive groups (memory: the most of
+    the group; utilisation: the mean), so a picture of 10,000 GPUs stays ``most`` boxes."""
+    busy = [g for g in gpus if g["stages"]]
+    idle = [g for g in gpus if not g["stages"]]
+    boxes = [{"label": f"GPU {g['gpu']}", **g} for g in gpus]
+    if len(gpus) <= most:
+        return boxes
+    slots = most - (1 if idle else 0)
+    per = -(-len(busy) // max(1, slots))
+    boxes = []
+    for i in range(0, len(busy), per):
+        grp = busy[i:i + per]
+        label = f"GPU {grp[0]['gpu']}" if len(grp) == 1 else f"GPUs {grp[0]['gpu']}-{grp[-1]['gpu']}"
+        boxes.append({"label": label, "memory_bytes": max(g["memory_bytes"] for g in grp),
+                      "memory_limit": grp[0]["memory_limit"],
+                      "utilisation": sum(g["utilisation"] for g in grp) / len(grp), "stages": True})
+    if idle:
+        boxes.append({"label": f"{len(idle)} idle GPUs", "memory_bytes": max(g["memory_bytes"] for g in idle),
+                      "memory_limit": idle[0]["memory_limit"], "utilisation": 0.0, "stages": []})
+    return boxes
+
+
 def draw_gpu_boxes(docs: list[tuple[str, dict]], path: str) -> None:
-    """FTPipe Fig. 8: one box per GPU, width = memory used, fill = utilisation; one row per plan."""
+    """FTPipe Fig. 8: one box per GPU, width = memory used, fill = utilisation; one row per plan.
+
+    More than :data:`MAX_PICTURE_GPUS` GPUs are grouped (:func:`gpu_boxes`).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -368,25 +589,29 @@ def draw_gpu_boxes(docs: list[tuple[str, dict]], path: str) -> None:
     rows = [(label, d) for label, d in docs if d.get("gpus")]
     fig, axes = plt.subplots(len(rows) or 1, 1, figsize=(12, 1.6 * max(len(rows), 1) + 0.6), squeeze=False)
     for ax, (label, d) in zip(axes[:, 0], rows):
+        boxes = gpu_boxes(d["gpus"])
         # Widths are relative to the fullest GPU so that small models stay visible; labels give
         # the absolute figures and the share of the GPU's memory.
-        widest = max(max(g["memory_bytes"] for g in d["gpus"]), 1)
+        widest = max(max(g["memory_bytes"] for g in boxes), 1)
+        small = len(boxes) > 16
         x = 0.0
-        for g in d["gpus"]:
+        for g in boxes:
             w = max(g["memory_bytes"] / widest, 0.03)
             ax.add_patch(Rectangle((x, 0), w, 1, fill=False, lw=1.2, ec="black"))
             ax.add_patch(Rectangle((x, 0), w, min(g["utilisation"], 1.0), color="tab:blue", alpha=0.6))
-            ax.text(x + w / 2, 1.05, f"GPU {g['gpu']}\n{_fmt_bytes(g['memory_bytes'])} "
-                    f"({g['memory_bytes'] / g['memory_limit']:.0%})\n{g['utilisation']:.0%} busy",
-                    ha="center", va="bottom", fontsize=7)
+            text = (f"{g['label']}\n{_fmt_bytes(g['memory_bytes'])} "
+                    f"({g['memory_bytes'] / g['memory_limit']:.0%})\n{g['utilisation']:.0%} busy")
+            ax.text(x + w / 2, 1.05, text, ha="center", va="bottom", fontsize=4 if small else 7,
+                    rotation=90 if small else 0)
             x += w + 0.15
         ax.set_xlim(0, max(x, 1))
-        ax.set_ylim(0, 1.9)
+        ax.set_ylim(0, 1.9 if not small else 3.2)
         ax.set_yticks([])
         ax.set_xticks([])
         eff = d.get("cost", {}).get("efficiency")
+        grouped = f"; {len(d['gpus'])} GPUs in {len(boxes)} boxes" if len(boxes) < len(d["gpus"]) else ""
         ax.set_title(f"{label}: {d.get('chosen')} ({'' if eff is None else f'{eff:.1%} of lower bound'}); "
-                     "width = memory used, fill = utilisation", fontsize=9, loc="left")
+                     f"width = memory used, fill = utilisation{grouped}", fontsize=9, loc="left")
         for s in ax.spines.values():
             s.set_visible(False)
     fig.tight_layout()

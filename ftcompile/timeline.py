@@ -23,6 +23,8 @@ from .simulate import SimResult  # noqa: E402
 
 COLORS = {"F": "#4c72b0", "R": "#dd8452", "B": "#55a868", "U": "#c44e52", "send": "#8c8c8c",
           "allreduce": "#8172b3"}
+#: At most this many GPU rows are drawn; with more GPUs, the busiest are shown and the title says so.
+MAX_ROWS = 48
 NAMES = {"F": "forward", "R": "recompute", "B": "backward", "U": "update", "send": "send",
          "allreduce": "all-reduce across replicas"}
 
@@ -38,12 +40,22 @@ def draw_timeline(result: SimResult, path: str | os.PathLike, *, max_time_ms: fl
         base = base.with_suffix("")
     base.parent.mkdir(parents=True, exist_ok=True)
     end = max_time_ms or result.makespan_ms or 1.0
-    gpus = sorted({e.gpu for e in result.events}) or list(range(result.num_gpus))
+    gpus = sorted({e.gpu for e in result.events}) or list(range(min(result.num_gpus, MAX_ROWS)))
+    shown_note = ""
+    if len(gpus) > MAX_ROWS:
+        # Too many rows to read (and matplotlib slows to a crawl): the busiest GPUs, in order.
+        busy: dict[int, float] = {}
+        for e in result.events:
+            if e.kind != "send":
+                busy[e.gpu] = busy.get(e.gpu, 0.0) + (e.end - e.start)
+        keep = set(sorted(gpus, key=lambda g: -busy.get(g, 0.0))[:MAX_ROWS])
+        shown_note = f"; the {MAX_ROWS} busiest of {len(gpus)} GPUs"
+        gpus = sorted(keep)
     row = {g: i for i, g in enumerate(gpus)}
     fig, ax = plt.subplots(figsize=(min(40.0, 8.0 + 0.04 * len(result.events) ** 0.5 * 12), 0.9 + 0.7 * len(gpus)))
     compute: dict[str, list] = {k: [] for k in COLORS}
     for e in result.events:
-        if e.start >= end:
+        if e.start >= end or e.gpu not in row:
             continue
         compute[e.kind].append(e)
     for kind, evs in compute.items():
@@ -69,7 +81,7 @@ def draw_timeline(result: SimResult, path: str | os.PathLike, *, max_time_ms: fl
     ax.set_xlabel("time (ms)")
     ax.set_title(f"{result.schedule} ({result.strategy}), M={result.micro_batches}: "
                  f"{result.throughput_samples_per_s:.1f} samples/s, {result.period_ms:.3f} ms/micro-batch, "
-                 f"bubble {100 * result.bubble_fraction:.1f}%  (dashed: measured window)", fontsize=9)
+                 f"bubble {100 * result.bubble_fraction:.1f}%  (dashed: measured window){shown_note}", fontsize=9)
     handles = [Patch(color=c, label=NAMES[k]) for k, c in COLORS.items()]
     handles.append(Patch(facecolor="white", edgecolor="black", label="idle"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.25 / len(gpus)),

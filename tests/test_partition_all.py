@@ -19,6 +19,8 @@ from ftcompile.plan import Plan, Problem, Stage, evaluate, lower_bound, stage_gr
 from ftcompile.profile import analytic_profile
 
 SEQ_PIPES = {"seq", "uniform", "params"}
+#: Short searches: the contract holds whatever the time limit (a search stops with a valid plan).
+QUICK = {"seq": {"time_limit": 3}, "exact": {"time_limit": 3}, "mixed": {"time_budget_s": 3}}
 MODELS = ("t5-tiny", "gpt2-tiny")
 _CACHE: dict = {}
 
@@ -54,9 +56,14 @@ def assert_valid(pb: Problem, plan: Plan, strategy: str) -> None:
     assert cost.objective_ms >= lower_bound(pb) * (1 - 1e-9), "no plan beats the lower bound"
     if strategy in SEQ_PIPES:
         pos = {n: i for i, n in enumerate(ops)}
-        for s in plan.stages:
-            p = sorted(pos[n] for n in s.nodes)
-            assert p == list(range(p[0], p[-1] + 1)), f"{strategy}: stage {s.id} is not contiguous"
+        if strategy == "seq":       # convex stages: every edge goes forward
+            where = {n: s.id for s in plan.stages for n in s.nodes}
+            assert all(where[e.src] <= where[e.dst] for e in pb.graph.edges
+                       if e.src in where and e.dst in where), "seq: stages are not convex"
+        else:                       # the baselines cut the graph's order into ranges
+            for s in plan.stages:
+                p = sorted(pos[n] for n in s.nodes)
+                assert p == list(range(p[0], p[-1] + 1)), f"{strategy}: stage {s.id} is not contiguous"
         assert len({s.gpu for s in plan.stages}) == len(plan.stages), "a Seq-pipe has one stage per GPU"
 
 
@@ -66,7 +73,7 @@ def assert_valid(pb: Problem, plan: Plan, strategy: str) -> None:
 def test_every_strategy_keeps_the_plan_contract(strategy, model, gpus, memory_share):
     pb = problem(model, gpus, memory_share)
     try:
-        plan = run_strategy(strategy, pb)
+        plan = run_strategy(strategy, pb, **QUICK.get(strategy, {}))
     except Infeasible as exc:
         # Only the baselines, which ignore memory when they split, may give up on a plan that fits.
         assert memory_share is not None and strategy in {"uniform", "params", "metis"}, exc.reason
@@ -83,7 +90,7 @@ def test_every_strategy_under_other_schedules(schedule):
     found = 0
     for strategy in sorted(STRATEGIES):
         try:
-            plan = run_strategy(strategy, pb)
+            plan = run_strategy(strategy, pb, **QUICK.get(strategy, {}))
         except Infeasible as exc:
             assert exc.reason and ("B " in exc.reason or "B)" in exc.reason or "fit" in exc.reason), exc.reason
             continue
@@ -94,7 +101,7 @@ def test_every_strategy_under_other_schedules(schedule):
 
 def test_auto_picks_a_feasible_plan_under_tight_memory():
     pb = problem("t5-tiny", 3, 0.5)
-    result = compile_plan(pb, "auto", jobs=1)
+    result = compile_plan(pb, "auto", jobs=1, time_limit=3)
     assert result.chosen is not None
     best = result.best()
     assert best.feasible and best.cost.max_memory_bytes <= pb.cluster.gpu_memory

@@ -110,7 +110,7 @@ def test_seq_space_equals_brute_force(seed, n, gpus):
     plan = partition_exact(problem, space="seq")
     assert_valid(problem, plan, "seq")
     bf = brute_force(problem, "seq")
-    assert plan.info["optimal"]
+    assert plan.info["mip_solved"]
     assert evaluate(problem, plan).objective_ms == pytest.approx(bf, rel=1e-6)
     assert plan.info["mip_bound_ms"] <= bf * (1 + 1e-6)
 
@@ -124,7 +124,7 @@ def test_mixed_space_equals_brute_force(seed, n, gpus):
     plan = partition_exact(problem, space="mixed")
     assert_valid(problem, plan, "mixed")
     bf = brute_force(problem, "mixed")
-    assert plan.info["optimal"]
+    assert plan.info["mip_solved"]
     assert evaluate(problem, plan).objective_ms == pytest.approx(bf, rel=1e-6)
     assert plan.info["mip_objective_ms"] == pytest.approx(bf, rel=1e-6)
 
@@ -171,7 +171,7 @@ def test_memory_limits_are_respected(schedule):
 def test_no_heuristic_beats_the_proven_bound(seed, gpus):
     problem = synthetic_problem(12, gpus, seed=seed)
     bounds = {space: partition_exact(problem, space=space).info["mip_bound_ms"] for space in ("seq", "mixed")}
-    assert bounds["mixed"] <= bounds["seq"] + 1e-9
+    assert bounds["mixed"] <= bounds["seq"] * (1 + 2e-6)          # both to HiGHS's relative gap of 1e-6
     for strategy in ("seq", "uniform", "params"):
         try:
             plan = run_strategy(strategy, problem)
@@ -221,10 +221,12 @@ def test_coarsening_keeps_blocks_contiguous_and_says_so():
 def test_info_reports_the_solver_figures():
     problem = synthetic_problem(8, 2, seed=0)
     info = partition_exact(problem, space="mixed").info
-    for key in ("mip_objective_ms", "mip_bound_ms", "optimal", "gap", "objective_ms"):
+    for key in ("mip_objective_ms", "mip_bound_ms", "mip_solved", "optimal", "gap", "mip_gap", "objective_ms",
+                "bound_space"):
         assert key in info
     assert info["mip_bound_ms"] <= info["mip_objective_ms"] + 1e-9
-    assert 0.0 <= info["gap"] <= 1e-5
+    assert 0.0 <= info["mip_gap"] <= 1e-5
+    assert info["bound_space"] == "every plan"
 
 
 @pytest.mark.parametrize("space", ["seq", "mixed"])

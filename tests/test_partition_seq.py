@@ -128,8 +128,9 @@ def brute_force_seq(problem: Problem) -> float:
 
 # --------------------------------------------------------------------------- checks
 
-def assert_valid_seq_plan(problem: Problem, plan: Plan) -> None:
-    """Every op node once, acyclic stage graph, memory within limits, one contiguous stage per GPU."""
+def assert_valid_seq_plan(problem: Problem, plan: Plan, contiguous: bool | None = None) -> None:
+    """Every op node once, acyclic stage graph, memory within limits, one stage per GPU; stages
+    contiguous in the graph's order (the baselines) or convex (``seq``: every edge goes forward)."""
     check_plan(problem.graph, plan)
     op_ids = [n.id for n in problem.graph.op_nodes()]
     assert sorted(n for s in plan.stages for n in s.nodes) == sorted(op_ids)
@@ -138,9 +139,17 @@ def assert_valid_seq_plan(problem: Problem, plan: Plan) -> None:
     assert cost.feasible, cost.reason
     assert all(g.memory_bytes <= problem.cluster.gpu_memory for g in cost.gpus)
     pos = {n: i for i, n in enumerate(op_ids)}
-    for s in plan.stages:
-        p = sorted(pos[n] for n in s.nodes)
-        assert p == list(range(p[0], p[-1] + 1)), f"stage {s.id} is not contiguous"
+    if contiguous is None:
+        contiguous = plan.strategy != "seq"
+    if contiguous:
+        for s in plan.stages:
+            p = sorted(pos[n] for n in s.nodes)
+            assert p == list(range(p[0], p[-1] + 1)), f"stage {s.id} is not contiguous"
+    else:
+        where = {n: s.id for s in plan.stages for n in s.nodes}
+        for e in problem.graph.edges:
+            if e.src in where and e.dst in where:
+                assert where[e.src] <= where[e.dst], f"edge {e.src}->{e.dst} goes backwards: not convex"
     gpus = [s.gpu for s in plan.stages]
     assert len(set(gpus)) == len(gpus), "a Seq-pipe has one stage per GPU"
 

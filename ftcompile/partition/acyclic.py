@@ -543,14 +543,40 @@ def _refine(level: _Level, state: _State, max_passes: int = 30) -> int:
     return moves
 
 
+def refine_convex(problem: Problem, stages: list[list[int]]) -> list[list[int]]:
+    """Single-node moves between neighbouring stages of a convex split (stage k on GPU k).
+
+    The refinement of :func:`partition_acyclic` at operator level, started from
+    ``stages``: a node moves to the previous or next stage when every edge still goes
+    forward and (memory overflow, largest period, sum of squared periods) drops.
+    Returns the stages in the same order (none emptied).
+    """
+    data = _build_data(problem)
+    P = len(stages)
+    idx = {nid: i for i, nid in enumerate(data.ids)}
+    block = [0] * len(data.ids)
+    for b, nodes in enumerate(stages):
+        for nid in nodes:
+            block[idx[nid]] = b
+    n = len(data.ids)
+    level = _Level([[i] for i in range(n)], [set(p) for p in data.pred], [set(q) for q in data.succ],
+                   [data.work[i] + data.rec[i] for i in range(n)], [0.0] * n, dict(data.edge_bytes))
+    state = _State(problem, data, block, P)
+    _refine(level, state)
+    out: list[list[int]] = [[] for _ in range(P)]
+    for i, b in enumerate(state.block):
+        out[b].append(data.ids[i])
+    return [sorted(s) for s in out]
+
+
 # --------------------------------------------------------------------------- driver
 
-def _plan(data: _Data, block: list[int], P: int, info: dict) -> Plan:
+def _plan(data: _Data, block: list[int], P: int, info: dict, num_gpus: int | None = None) -> Plan:
     nodes: dict[int, list[int]] = {}
     for i, b in enumerate(block):
         nodes.setdefault(b, []).append(data.ids[i])
     stages = [Stage(b, b, nodes[b]) for b in sorted(nodes)]
-    return Plan("acyclic", P, stages, info)
+    return Plan("acyclic", num_gpus or P, stages, info)
 
 
 def _run_seed(problem: Problem, data: _Data, P: int, seed: int, rebalance: int = 3) -> tuple[Plan, list[Plan]]:
@@ -570,10 +596,10 @@ def _run_seed(problem: Problem, data: _Data, P: int, seed: int, rebalance: int =
         for i in ms:
             block[i] = coarse_block[x]
     info = {"seed": seed, "levels": len(levels), "coarsest_nodes": len(top.members)}
-    initial = _plan(data, block, P, dict(info))
+    initial = _plan(data, block, P, dict(info), problem.num_gpus)
     state = _State(problem, data, block, P)
     moves = sum(_refine(level, state) for level in reversed(levels))
-    candidates = [_plan(data, state.block, P, dict(info, moves=moves, rebalanced=0))]
+    candidates = [_plan(data, state.block, P, dict(info, moves=moves, rebalanced=0), problem.num_gpus)]
     score = state.score()
     filler = _Filler(problem, data, P)
     for r in range(rebalance):
@@ -587,11 +613,11 @@ def _run_seed(problem: Problem, data: _Data, P: int, seed: int, rebalance: int =
         if not _better(trial.score(), score):
             break
         state, score = trial, trial.score()
-        candidates.append(_plan(data, state.block, P, dict(info, moves=moves, rebalanced=r + 1)))
+        candidates.append(_plan(data, state.block, P, dict(info, moves=moves, rebalanced=r + 1), problem.num_gpus))
     return initial, candidates
 
 
-def partition_acyclic(problem: Problem, *, seeds: int = 3) -> Plan:
+def partition_acyclic(problem: Problem, *, seeds: int = 3, max_stages: int | None = None) -> Plan:
     """Partition the op nodes into at most one stage per GPU with a multilevel acyclic partitioner.
 
     Parameters
@@ -601,6 +627,8 @@ def partition_acyclic(problem: Problem, *, seeds: int = 3) -> Plan:
     seeds : int
         Number of runs; run 0 matches heavy edges deterministically, the others
         perturb edge weights with a seeded random factor. The best plan wins.
+    max_stages : int, optional
+        Use at most this many GPUs (one stage each).
 
     Returns
     -------
@@ -615,10 +643,11 @@ def partition_acyclic(problem: Problem, *, seeds: int = 3) -> Plan:
     Infeasible
         When no run yields a plan whose every GPU fits its memory.
     """
-    P = problem.num_gpus
+    P = min(problem.num_gpus, max_stages or problem.num_gpus)
     data = _build_data(problem)
     if not data.ids:
         raise Infeasible("the graph has no op nodes")
+    P = min(P, len(data.ids))
     need = sum(data.ptotal)
     if need > P * problem.cluster.gpu_memory:
         raise Infeasible(f"parameters, gradients and optimizer state need {format_bytes(need)}, more than "

@@ -198,21 +198,38 @@ class Quotient:
 
 # --------------------------------------------------------------------------- steps
 
-def merge_zero_weight(q: Quotient, eps_ms: float = 1e-6) -> int:
-    """Merge every block of (near-)zero compute into its lightest mergeable neighbour; returns merges done."""
+def fits_merged(q: Quotient, group, memory_limit: int | None) -> bool:
+    """Whether the block made of ``group`` could still run on one GPU: its weights, gradients and
+    optimizer state plus one micro-batch of its activations (:meth:`Quotient.memory`) within
+    ``memory_limit`` (None: no limit). Every coarsening step checks this, so no block is ever
+    too big for every GPU (a view of 0 ms but 0.25 GB merged into a 0.51 GB neighbour on
+    0.73 GB GPUs would be)."""
+    if memory_limit is None:
+        return True
+    group = list(group)
+    params = set().union(*(q.params[b] for b in group))
+    return q.param_memory(params) + sum(q.act[b] for b in group) <= memory_limit
+
+
+def merge_zero_weight(q: Quotient, eps_ms: float = 1e-6, memory_limit: int | None = None) -> int:
+    """Merge every block of (near-)zero compute into its lightest mergeable neighbour that it
+    fits with (:func:`fits_merged`); returns merges done."""
     done = 0
     for b in q.blocks():
         if b not in q.members or q.work[b] > eps_ms:
             continue
         for n in sorted(q.neighbours(b), key=lambda x: (q.work[x], q.pos[x])):
+            if not fits_merged(q, (b, n), memory_limit):
+                continue
             if q.merge((b, n)) is not None:
                 done += 1
                 break
     return done
 
 
-def merge_heavy_edges(q: Quotient, percentile: float = 99.0) -> int:
-    """Merge the endpoints of edges whose bytes lie above ``percentile`` of all edge sizes."""
+def merge_heavy_edges(q: Quotient, percentile: float = 99.0, memory_limit: int | None = None) -> int:
+    """Merge the endpoints of edges whose bytes lie above ``percentile`` of all edge sizes (when
+    the result fits one GPU, :func:`fits_merged`)."""
     sizes = sorted(w for ss in q.succ.values() for w in ss.values())
     if len(sizes) < 2:
         return 0
@@ -228,7 +245,7 @@ def merge_heavy_edges(q: Quotient, percentile: float = 99.0) -> int:
 
     for _, a, b in heavy:
         a, b = find(a), find(b)
-        if a == b:
+        if a == b or not fits_merged(q, (a, b), memory_limit):
             continue
         keep = q.merge((a, b))
         if keep is not None:
@@ -239,7 +256,7 @@ def merge_heavy_edges(q: Quotient, percentile: float = 99.0) -> int:
     return done
 
 
-def merge_by_scope(q: Quotient, cap_ms: float, min_repeats: int = 2) -> int:
+def merge_by_scope(q: Quotient, cap_ms: float, min_repeats: int = 2, memory_limit: int | None = None) -> int:
     """Coarsening by type: contract module instances whose compute is at most ``cap_ms``.
 
     For each op node, the outermost scope in its module stack whose class occurs
@@ -280,7 +297,7 @@ def merge_by_scope(q: Quotient, cap_ms: float, min_repeats: int = 2) -> int:
         retry = False
         for path in sorted(groups, key=lambda p: min(q.pos[owner[n]] for n in groups[p] if owner[n] in q.pos)):
             blocks = {owner[n] for n in groups[path]}
-            keep = q.merge(blocks)
+            keep = q.merge(blocks) if fits_merged(q, blocks, memory_limit) else None
             if keep is None:
                 for n in groups[path]:
                     level[n] += 1
@@ -296,20 +313,21 @@ def merge_by_scope(q: Quotient, cap_ms: float, min_repeats: int = 2) -> int:
 
 
 def coarsen(graph: OpGraph, profile: Profile, *, cap_ms: float | None = None, percentile: float = 99.0,
-            by_scope: bool = True) -> Quotient:
+            by_scope: bool = True, memory_limit: int | None = None) -> Quotient:
     """Steps 1–4 of FTPipe's coarsening; returns the quotient (call :meth:`Quotient.groups` for blocks).
 
     ``cap_ms`` bounds the compute of a module instance merged by type (default:
     1/32 of the total work, fine enough for load balancing on 8 GPUs).
+    ``memory_limit``: no step makes a block that would not fit one GPU alone.
     """
     q = Quotient(graph, profile)
     total = sum(q.work.values())
     if cap_ms is None:
         cap_ms = total / 32.0
     if by_scope:
-        merge_by_scope(q, cap_ms)
-    merge_zero_weight(q)
-    merge_heavy_edges(q, percentile)
+        merge_by_scope(q, cap_ms, memory_limit=memory_limit)
+    merge_zero_weight(q, memory_limit=memory_limit)
+    merge_heavy_edges(q, percentile, memory_limit=memory_limit)
     return q
 
 
@@ -414,11 +432,15 @@ def grow_around_centers(q: Quotient, num_blocks: int, memory_limit: int | None =
     return q
 
 
-def split_contiguous(q: Quotient, num_blocks: int, shift: float = 1.0) -> Quotient:
-    """Contract ``q`` (a copy) into ``num_blocks`` runs of its topological order of about equal compute.
+def split_contiguous(q: Quotient, num_blocks: int, shift: float = 1.0,
+                     memory_limit: int | None = None) -> Quotient:
+    """Contract ``q`` (a copy) into about ``num_blocks`` runs of its topological order of about
+    equal compute.
 
     A run of consecutive blocks in a topological order is always convex, so every
-    merge succeeds. ``shift`` scales the cut points (1.0: equal compute per run).
+    merge succeeds. ``shift`` scales the cut points (1.0: equal compute per run). A run
+    also ends before a block that would take it past ``memory_limit`` (:func:`fits_merged`),
+    so there may be more runs than ``num_blocks``.
     """
     q = q.copy()
     order = q.blocks()
@@ -426,7 +448,8 @@ def split_contiguous(q: Quotient, num_blocks: int, shift: float = 1.0) -> Quotie
     runs: list[list[int]] = [[]]
     acc = 0.0
     for b in order:
-        if runs[-1] and len(runs) < num_blocks and acc >= total * len(runs) / num_blocks * shift:
+        if runs[-1] and ((len(runs) < num_blocks and acc >= total * len(runs) / num_blocks * shift)
+                         or not fits_merged(q, runs[-1] + [b], memory_limit)):
             runs.append([])
         runs[-1].append(b)
         acc += q.work[b]

@@ -16,10 +16,11 @@ Model (``B`` blocks, ``P`` GPUs)::
     y[q,g] >= x[b,g] (b reads q);  sum_q mem_q y[q,g] + A_g <= memory   parameters once per GPU
     T >= C_g, T >= S_g, T >= R_g;   minimise T
 
-``space="seq"`` adds contiguity: the GPU index is non-decreasing along the
-topological order and grows by at most one per block, so GPU ``g`` holds stage
-``g`` (one stage per GPU, the used GPUs a prefix). ``space="mixed"`` lets each
-GPU take any blocks; its blocks become stages by :func:`plan_from_assignment`.
+``space="seq"`` adds convexity: every value flows to the same GPU or a later one
+(``sum_g g x[p,g] <= sum_g g x[c,g]`` for a value from block ``p`` to block ``c``),
+so GPU ``g`` holds stage ``g`` and the stages form a chain of ideals (a Seq-pipe:
+one convex stage per GPU). ``space="mixed"`` lets each GPU take any blocks; its
+blocks become stages by :func:`plan_from_assignment`.
 
 What the MIP objective means. A stage's Eq. 1 period
 ``C + max(0, S - C) + max(0, R - C)`` is at least ``max(C, S, R)``, and a GPU's
@@ -47,9 +48,9 @@ from dataclasses import dataclass
 import networkx as nx
 import numpy as np
 
-from ..plan import Plan, Problem, Stage, _in_flight, evaluate, stage_graph
+from ..plan import Plan, Problem, Stage, evaluate, stage_graph
 from ..units import format_bytes
-from .base import Infeasible
+from .base import Infeasible, MemoryModel
 from .seq import OpSequence, op_sequence
 
 SPACES = ("seq", "mixed")
@@ -73,13 +74,17 @@ class Blocks:
         return len(self.members)
 
 
-def coarsen(seq: OpSequence, max_blocks: int, recompute: bool) -> Blocks:
-    """Group the op sequence into at most ``max_blocks`` contiguous blocks of near-equal compute.
+def coarsen(seq: OpSequence, max_blocks: int, recompute: bool, memory: MemoryModel | None = None) -> Blocks:
+    """Group the op sequence into contiguous blocks of near-equal compute that fit memory.
 
     Block ``k`` ends at the first position where the running compute (with
     recomputation when ``recompute``) reaches ``(k + 1) / max_blocks`` of the
     total, so no block is empty and every block is contiguous; a graph with at
-    most ``max_blocks`` op nodes keeps one node per block.
+    most ``max_blocks`` op nodes keeps one node per block. With ``memory``, a
+    block also ends before the node that would take it past the least memory any
+    stage holding it needs (:meth:`MemoryModel.lower_bound`: its parameters and one
+    micro-batch of activations), so every block fits a GPU whenever its nodes do;
+    there may then be more than ``max_blocks`` blocks.
     """
     N = seq.n
     if N <= max_blocks:
@@ -95,6 +100,8 @@ def coarsen(seq: OpSequence, max_blocks: int, recompute: bool) -> Blocks:
             if pos >= N - (max_blocks - 1 - k):      # leave one node for each block still to come
                 pos = max(starts[-1] + 1, N - (max_blocks - k))
             starts.append(pos)
+        if memory is not None:
+            starts = _split_for_memory(seq, starts, recompute, memory)
     bounds = starts + [N]
     block_of = np.zeros(N, dtype=np.int64)
     for b in range(len(starts)):
@@ -115,6 +122,52 @@ def coarsen(seq: OpSequence, max_blocks: int, recompute: bool) -> Blocks:
     return Blocks(members, comp, rec, params, seq.param_total, act, values, loss)
 
 
+def _split_for_memory(seq: OpSequence, starts: list[int], recompute: bool, memory: MemoryModel) -> list[int]:
+    """``starts`` with extra block starts wherever a block would outgrow one GPU's memory."""
+    out: list[int] = []
+    bounds = starts + [seq.n]
+    for b in range(len(starts)):
+        out.append(bounds[b])
+        params: set[int] = set()
+        ptot = act = 0
+        rec = 0.0
+        for i in range(bounds[b], bounds[b + 1]):
+            new = [q for q in seq.node_params[i] if q not in params]
+            p2 = ptot + int(sum(seq.param_total[q] for q in new))
+            a2 = act + int(seq.activation_bytes[i])
+            r2 = rec + float(seq.recompute_ms[i])
+            if i > out[-1] and memory.lower_bound(p2, a2, r2, recompute) > memory.limit:
+                out.append(i)                    # start a new block at this node
+                params, ptot, act, rec = set(), 0, 0, 0.0
+                new = list(dict.fromkeys(seq.node_params[i]))
+                p2 = int(sum(seq.param_total[q] for q in new))
+                a2 = int(seq.activation_bytes[i])
+                r2 = float(seq.recompute_ms[i])
+            params.update(new)
+            ptot, act, rec = p2, a2, r2
+    return out
+
+
+def _loss_tail(problem: Problem, members: list[list[int]], gpu_of_block: list[int]) -> set[int]:
+    """Blocks on the GPU of the loss whose every descendant is on that GPU too (an upset)."""
+    graph = problem.graph
+    block_of = {n: b for b, nodes in enumerate(members) for n in nodes}
+    loss = next((block_of[n.id] for n in graph.nodes if n.is_loss and n.id in block_of), None)
+    if loss is None:
+        return set()
+    g = gpu_of_block[loss]
+    succ: dict[int, set[int]] = {b: set() for b in range(len(members))}
+    for e in graph.edges:
+        a, c = block_of.get(e.src), block_of.get(e.dst)
+        if a is not None and c is not None and a != c:
+            succ[a].add(c)
+    ok: set[int] = set()
+    for b in reversed(range(len(members))):       # blocks are in topological order
+        if gpu_of_block[b] == g and all(c in ok for c in succ[b]):
+            ok.add(b)
+    return ok
+
+
 def plan_from_assignment(problem: Problem, members: list[list[int]], gpu_of_block: list[int],
                          strategy: str = "exact", info: dict | None = None, merge: bool = True) -> Plan:
     """A plan placing block ``b`` (``members[b]``, blocks in topological order) on ``gpu_of_block[b]``.
@@ -127,12 +180,19 @@ def plan_from_assignment(problem: Problem, members: list[list[int]], gpu_of_bloc
     topological order always give an acyclic stage graph, so the result is a
     valid plan.
     """
+    tail = _loss_tail(problem, members, gpu_of_block)
     runs: list[tuple[int, list[int]]] = []
-    for nodes, g in zip(members, gpu_of_block):
+    for b, (nodes, g) in enumerate(zip(members, gpu_of_block)):
+        if b in tail:
+            continue
         if runs and runs[-1][0] == g:
             runs[-1][1].extend(nodes)
         else:
             runs.append((g, list(nodes)))
+    if tail:
+        # The blocks on the loss's GPU that feed only that GPU's blocks form one sink stage:
+        # the last stage, which skips recomputation (FTPipe §4.3). It goes last.
+        runs.append((gpu_of_block[min(tail)], [n for b in sorted(tail) for n in members[b]]))
     stages: list[Stage] = []
     last_on: dict[int, Stage] = {}
     for g, nodes in runs:
@@ -150,9 +210,10 @@ def plan_from_assignment(problem: Problem, members: list[list[int]], gpu_of_bloc
     return Plan(strategy, problem.num_gpus, stages, dict(info or {}))
 
 
-def partition_exact(problem: Problem, *, max_nodes: int = 60, time_limit: float = 60.0, space: str = "seq",
+def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: float = 20.0, space: str = "mixed",
                     comm: bool = True, mip_rel_gap: float = 1e-6, max_rounds: int = 20,
-                    warm_start: bool = True, max_candidates: int = 20) -> Plan:
+                    warm_start: bool = True, max_candidates: int = 20, max_stages: int | None = None,
+                    simulate_top: int = 4, max_variables: int = 300_000, warm_plan: Plan | None = None) -> Plan:
     """The plan minimising the largest GPU load, by MIP (HiGHS), with the solver's proven bound.
 
     Parameters
@@ -175,8 +236,16 @@ def partition_exact(problem: Problem, *, max_nodes: int = 60, time_limit: float 
         :func:`~ftcompile.plan.evaluate` besides its incumbent (the MIP's objective
         is a relaxation of Eq. 1, so the incumbent need not be the best plan).
     warm_start:
-        In ``mixed`` space, first solve ``seq`` space (a quarter of the time) and
-        start from its plan, which also stands in if no better plan found fits.
+        In ``mixed`` space, start from the best convex split (``warm_plan``, else
+        :func:`~ftcompile.partition.seq.partition_seq` in a quarter of the time), which
+        also stands in if no better plan found fits.
+    max_stages:
+        Only plans with at most this many stages are returned.
+    simulate_top:
+        Among the candidate plans within 0.1% of the best objective, this many are
+        simulated and the fastest wins.
+    max_variables:
+        A model larger than this is refused (:class:`Infeasible`) before it is built.
 
     ``Plan.info`` reports ``mip_objective_ms`` (the MIP value of the plan found),
     ``mip_bound_ms`` (the proven lower bound on the MIP objective, hence on the
@@ -199,13 +268,22 @@ def partition_exact(problem: Problem, *, max_nodes: int = 60, time_limit: float 
     if seq.n == 0:
         raise Infeasible("the graph has no op nodes")
     rec_mid, rec_last = problem.recomputes(False), problem.recomputes(True)
-    blocks = coarsen(seq, max_nodes, rec_mid)
+    blocks = coarsen(seq, max_nodes, rec_mid, MemoryModel.of(problem))
     B = blocks.n
     P = min(problem.num_gpus, B)
     cluster = problem.cluster
     limit = cluster.gpu_memory
 
-    h = highspy.Highs()
+    # A model too large to build in reasonable time (many GPUs: P^2 transfer variables per value)
+    fastest = max((cluster.bandwidth(g, k) for g in range(P) for k in range(P) if g != k), default=1.0)
+    size = B * P + (sum(1 for v in blocks.values if v[2] * 1e3 / fastest >= 1e-7) * P * P
+                    if comm and P > 1 else 0)
+    if size > max_variables:
+        raise Infeasible(f"exact ({space}): the MIP would have about {size:,} variables ({B} blocks on {P} GPUs"
+                         f"{', with transfers' if comm else ''}), more than {max_variables:,}; use fewer GPUs, "
+                         f"fewer nodes (layer granularity) or another strategy")
+    with _quiet_fd1():
+        h = highspy.Highs()                 # prints a banner on descriptor 1 before any option applies
     h.setOptionValue("output_flag", False)
     h.setOptionValue("mip_rel_gap", mip_rel_gap)
     h.setOptionValue("threads", 1)
@@ -218,14 +296,16 @@ def partition_exact(problem: Problem, *, max_nodes: int = 60, time_limit: float 
 
     homogeneous = len({cluster.bandwidth(g, k) for g in range(P) for k in range(P) if g != k}) <= 1
     if space == "seq":
-        # GPU index non-decreasing along the order, by at most one per block: stage g on GPU g.
-        h.addConstr(x[0][0] == 1)
-        for b in range(B - 1):
-            sb = h.qsum([g * x[b][g] for g in range(1, P)]) if P > 1 else None
-            sn = h.qsum([g * x[b + 1][g] for g in range(1, P)]) if P > 1 else None
-            if P > 1:
-                h.addConstr(sn - sb >= 0)
-                h.addConstr(sn - sb <= 1)
+        # Convex stages, stage g on GPU g: every value flows to the same or a later GPU.
+        if P > 1:
+            pos = [h.qsum([g * x[b][g] for g in range(1, P)]) for b in range(B)]
+            pairs = {(p, c) for p, cs, _nbytes, _fl in blocks.values for c in cs}
+            for p, c in sorted(pairs):
+                h.addConstr(pos[c] - pos[p] >= 0)
+            if homogeneous:
+                # interchangeable GPUs: the used ones are a prefix (shifting stages down costs nothing)
+                for g in range(1, P):
+                    h.addConstr(h.qsum([x[b][g] for b in range(B)]) - B * h.qsum([x[b][g - 1] for b in range(B)]) <= 0)
     elif homogeneous:
         # Interchangeable GPUs: GPU g is used only if GPU g-1 holds an earlier block.
         h.addConstr(x[0][0] == 1)
@@ -236,6 +316,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 60, time_limit: float 
                 else:
                     h.addConstr(x[b][g] - h.qsum([x[a][g - 1] for a in range(b)]) <= 0)
 
+    edge_pairs = sorted({(p, c) for p, cs, _nbytes, _fl in blocks.values for c in cs})
     # Compute per GPU; recomputation is skipped by the last stage, which holds the loss.
     rec = blocks.recompute_ms if rec_mid else np.zeros(B)
     last_stage_work = []           # compute of the last stage's share of blocks, over all GPUs
@@ -253,6 +334,9 @@ def partition_exact(problem: Problem, *, max_nodes: int = 60, time_limit: float 
                 for b in range(B):
                     h.addConstr(u[b] - x[b][g] <= 0)
                     h.addConstr(u[b] - x[blocks.loss][g] <= 0)
+                # The last stage is a sink of the stage graph: whatever its blocks feed is in it.
+                for p_, c_ in edge_pairs:
+                    h.addConstr(u[p_] - u[c_] <= 0)
                 last_stage_work += [float(blocks.compute_ms[b]) * u[b] for b in range(B)]
                 h.addConstr(saved - h.qsum([float(rec[b]) * u[b] for b in range(B)]) <= 0)
             load = load - saved
@@ -273,6 +357,8 @@ def partition_exact(problem: Problem, *, max_nodes: int = 60, time_limit: float 
                 for k in range(P):
                     if g == k or (space == "seq" and k < g):
                         continue
+                    if nbytes * 1e3 / cluster.bandwidth(g, k) < 1e-7:
+                        continue      # a transfer of under 0.1 ns: leaving it out only weakens the bound
                     w = h.addVariable(lb=0.0, ub=1.0)
                     for c in cs:
                         h.addConstr(w - x[p][g] - x[c][k] >= -1)
@@ -289,7 +375,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 60, time_limit: float 
     # Weights, gradients and optimizer state, each tensor once per GPU that reads it, plus the
     # activations any plan must hold: a stage that does not recompute keeps at least one
     # micro-batch's full activations, one that does rebuilds them (when it has work to redo).
-    k_min = min(_in_flight(problem.schedule, 0, problem.micro_batches, g0) for g0 in (False, True))
+    k_min = min(MemoryModel.of(problem).in_flight(0, g0) for g0 in (False, True))
     act_coef = 1 if rec_mid else k_min
     act_ok = [not rec_mid or blocks.recompute_ms[b] > 0 for b in range(B)]
     readers: dict[int, list[int]] = {}
@@ -323,18 +409,38 @@ def partition_exact(problem: Problem, *, max_nodes: int = 60, time_limit: float 
     h.setMinimize()
     warm = None
     if space == "mixed" and warm_start and P > 1:
-        # A Seq-pipe is a Mixed-pipe: the seq optimum is a good incumbent that fits memory.
-        try:
-            sp = partition_exact(problem, max_nodes=max_nodes, time_limit=time_limit / 4, space="seq",
-                                 comm=comm, mip_rel_gap=mip_rel_gap, max_rounds=max_rounds, warm_start=False)
-        except Infeasible:
-            sp = None
+        # A Seq-pipe is a Mixed-pipe: the best convex split is a good incumbent that fits memory.
+        sp = warm_plan
+        if sp is None:
+            try:
+                from .seq import partition_seq
+
+                sp = partition_seq(problem, max_stages=max_stages, time_limit=time_limit / 4)
+            except Infeasible:
+                pass
+        gpu_of_node = {n: st.gpu for st in sp.stages for n in st.nodes} if sp is not None else {}
+        if sp is None or any(len({gpu_of_node[n] for n in m}) > 1 for m in blocks.members):
+            try:
+                sp = partition_exact(problem, max_nodes=max_nodes, time_limit=time_limit / 4, space="seq",
+                                     comm=comm, mip_rel_gap=mip_rel_gap, max_rounds=max_rounds, warm_start=False,
+                                     simulate_top=0)
+                gpu_of_node = {n: st.gpu for st in sp.stages for n in st.nodes}
+            except Infeasible:
+                sp = None
         if sp is not None:
-            gpu_of_node = {n: s.gpu for s in sp.stages for n in s.nodes}
             warm_gpu = [gpu_of_node[m[0]] for m in blocks.members]
-            idx = np.array([x[b][warm_gpu[b]].index for b in range(B)], dtype=np.int32)
-            h.setSolution(len(idx), idx, np.ones(len(idx)))
-            warm = (sp, evaluate(problem, sp), sp.info["mip_objective_ms"])
+            if homogeneous:
+                # GPUs numbered by first use along the block order (the symmetry rule above)
+                relabel: dict[int, int] = {}
+                for g in warm_gpu:
+                    relabel.setdefault(g, len(relabel))
+                warm_gpu = [relabel[g] for g in warm_gpu]
+                sp = Plan(sp.strategy, sp.num_gpus, [Stage(st.id, relabel[st.gpu], st.nodes) for st in sp.stages],
+                          sp.info)
+            if max(warm_gpu) < P:
+                idx = np.array([x[b][warm_gpu[b]].index for b in range(B)], dtype=np.int32)
+                h.setSolution(len(idx), idx, np.ones(len(idx)))
+                warm = (sp, evaluate(problem, sp), sp.info.get("mip_objective_ms"))
     rounds, cut_off = 0, 0
     best = None
     while True:
@@ -360,20 +466,25 @@ def partition_exact(problem: Problem, *, max_nodes: int = 60, time_limit: float 
         saved = sorted(h.getSavedMipSolutions(), key=lambda s: s.objective)[:max_candidates]
         candidates += [np.array(s.col_value)[x_index] for s in saved]
         tried = set()
+        found = []
         for mip_value, xv in zip([mip_obj] + [s.objective for s in saved], candidates):
             gpu_of = tuple(int(np.argmax(xv.reshape(B, P)[b])) for b in range(B))
             if gpu_of in tried:
                 continue
             tried.add(gpu_of)
-            for merge in ((True, False) if space == "mixed" else (True,)):
-                plan = plan_from_assignment(problem, blocks.members, list(gpu_of), "exact", merge=merge)
+            for merge in ((True, False, "all") if space == "mixed" else (True,)):
+                if merge == "all":
+                    plan = _fewest_stages(problem, blocks.members, list(gpu_of))
+                else:
+                    plan = plan_from_assignment(problem, blocks.members, list(gpu_of), "exact", merge=merge)
                 cost = evaluate(problem, plan)
-                if cost.feasible and (best is None or cost.objective_ms < best[1].objective_ms):
-                    best = (plan, cost, mip_value, "mip")
-        if warm is not None and (best is None or warm[1].objective_ms < best[1].objective_ms):
+                if cost.feasible and (max_stages is None or len(plan.stages) <= max_stages):
+                    found.append((plan, cost, mip_value, "mip"))
+        if warm is not None:
             plan, cost, mip_value = warm
-            best = (Plan("exact", plan.num_gpus, plan.stages), cost, mip_value, "seq warm start")
-        if best is not None:
+            found.append((Plan("exact", plan.num_gpus, plan.stages), cost, mip_value, "convex warm start"))
+        if found:
+            best = _pick(problem, found, simulate_top)
             break
         # Cut these assignments off: in each, at least one block must move.
         for gpu_of in tried:
@@ -383,13 +494,22 @@ def partition_exact(problem: Problem, *, max_nodes: int = 60, time_limit: float 
             raise Infeasible(f"exact ({space}): the {cut_off} best assignments the solver found do not "
                              f"fit once all activations are counted ({cost.reason})")
     plan, cost, plan_mip, source = best
-    optimal = status == highspy.HighsModelStatus.kOptimal
+    solved = status == highspy.HighsModelStatus.kOptimal
+    what = {"seq": "convex splits with one stage per GPU", "mixed": "plans"}[space]
+    if B < seq.n:
+        covers = f"{what} that keep its {B} blocks (contiguous runs of the graph's order) whole"
+    else:
+        covers = "every plan" if space == "mixed" else f"every {what[:-1]}"
     plan.info = {
         "space": space,
+        "bound_space": covers + ("; assignments cut off for activation memory excluded" if cut_off else ""),
         "mip_objective_ms": mip_obj,
         "mip_bound_ms": bound,
-        "optimal": optimal,
-        "gap": (mip_obj - bound) / mip_obj if mip_obj > 0 else 0.0,
+        "mip_solved": solved,
+        # the plan meets the proven bound: optimal over the space the bound covers
+        "optimal": cost.objective_ms <= bound * (1 + 1e-9) and not cut_off,
+        "mip_gap": (mip_obj - bound) / mip_obj if mip_obj > 0 else 0.0,
+        "gap": (cost.objective_ms - bound) / cost.objective_ms if cost.objective_ms > 0 else 0.0,
         # The MIP ranks plans by a relaxation of Eq. 1, so the plan returned is the best by
         # evaluate() among those it found: its incumbent, improved-on solutions, the warm start.
         "plan_source": source,
@@ -403,9 +523,65 @@ def partition_exact(problem: Problem, *, max_nodes: int = 60, time_limit: float 
         "comm": comm,
         "rounds": rounds,
         "seconds": round(time.perf_counter() - t0, 3),
-        "bound_note": ("lower bound on the Eq. 1 objective of every plan of the space"
-                       + (f" whose {B} contiguous blocks stay whole (graph coarsened from {seq.n} op nodes;"
-                          " optimal for the coarsened graph only)" if B < seq.n else "")
+        "bound_note": ("lower bound on the Eq. 1 objective of " + covers
+                       + (f" (graph coarsened from {seq.n} op nodes: optimal for the coarsened graph only)"
+                          if B < seq.n else "")
                        + ("; assignments cut off for activation memory are excluded" if cut_off else "")),
     }
+    if "simulated_period_ms" in getattr(best[0], "info", {}):
+        plan.info["simulated_period_ms"] = best[0].info["simulated_period_ms"]
     return plan
+
+
+def _fewest_stages(problem: Problem, members: list[list[int]], gpu_of_block: list[int]) -> Plan:
+    """The assignment staged by Mixed-pipe's merging (any two blocks on one GPU merge while the
+    stage graph stays acyclic, neighbours first): fewer stages per GPU than consecutive runs
+    give, so fewer waits between stages sharing a GPU."""
+    from .coarsen import Quotient
+    from .mixed import stages_per_gpu
+
+    q = Quotient(problem.graph, problem.profile)
+    where: dict[int, int] = {}
+    for nodes, g in zip(members, gpu_of_block):
+        keep = q.merge(nodes) if len(nodes) > 1 else nodes[0]
+        if keep is None:                      # not convex on its own: leave the nodes apart
+            for n in nodes:
+                where[n] = g
+        else:
+            where[keep] = g
+    for b in q.members:
+        if b not in where:
+            where[b] = next(g for nodes, g in zip(members, gpu_of_block) if b in nodes)
+    stages = stages_per_gpu(q, where)
+    return Plan("exact", problem.num_gpus, [Stage(i, g, nodes) for i, (g, nodes) in enumerate(stages)])
+
+
+def _quiet_fd1():
+    from ..compile import quiet_native_stdout
+
+    return quiet_native_stdout()
+
+
+def _pick(problem: Problem, found: list[tuple], simulate_top: int, tie: float = 1e-3) -> tuple:
+    """The best of the candidate plans by objective; among those within ``tie`` of it (at most
+    ``simulate_top``), the one with the shortest simulated period: waits between stages sharing
+    a GPU, which Eq. 1 does not see, can make one of two equal plans slower."""
+    found = sorted(found, key=lambda f: (f[1].objective_ms, len(f[0].stages)))
+    found = [f for f in found if f[1].objective_ms <= found[0][1].objective_ms * (1 + tie)]
+    if simulate_top <= 1 or len(found) == 1:
+        return found[0]
+    from ..simulate import simulate
+
+    seen, scored = set(), []
+    for f in found:
+        key = tuple(sorted((st.gpu, tuple(sorted(st.nodes))) for st in f[0].stages))
+        if key in seen:
+            continue
+        seen.add(key)
+        period = simulate(problem, f[0]).period_ms
+        scored.append((period, f[1].objective_ms, f))
+        if len(scored) >= simulate_top:
+            break
+    period, _obj, best = min(scored, key=lambda t: (t[0], t[1]))
+    best[0].info = {**best[0].info, "simulated_period_ms": period}
+    return best

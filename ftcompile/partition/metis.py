@@ -120,7 +120,45 @@ def acyclic_stages(problem: Problem, parts: dict[int, int]) -> list[Stage]:
     return [Stage(i, gpu[i], ns) for i, ns in enumerate(nodes)]
 
 
-def partition_metis(problem: Problem, *, seeds: int = 3) -> Plan:
+def repair_memory(problem: Problem, plan: Plan, max_moves: int = 200) -> tuple[Plan, int]:
+    """Move whole stages off GPUs over their memory limit onto GPUs with room.
+
+    METIS balances the sum of its vertex weights, but a GPU's memory is not such a
+    sum: a parameter read by several nodes counts once, and activations count once
+    per micro-batch in flight, which depends on the stage's depth. So a part that
+    METIS calls balanced may overflow. Moving a whole stage to another GPU keeps
+    the stage graph (and its acyclicity) as it is; each move takes the stage whose
+    departure most reduces the overflow to the GPU where it fits best, and is kept
+    only when the total overflow drops. Returns the plan and the moves made.
+    """
+    cost = evaluate(problem, plan)
+    moves = 0
+
+    def overflow(c) -> int:
+        return sum(max(0, g.memory_bytes - g.memory_limit) for g in c.gpus)
+
+    while not cost.feasible and moves < max_moves:
+        cur = overflow(cost)
+        best = None
+        over = [g.gpu for g in cost.gpus if g.memory_bytes > g.memory_limit]
+        for st in [st for st in plan.stages if st.gpu in over]:
+            for g in range(plan.num_gpus):
+                if g == st.gpu:
+                    continue
+                trial = Plan(plan.strategy, plan.num_gpus,
+                             [Stage(x.id, g if x.id == st.id else x.gpu, x.nodes) for x in plan.stages], plan.info)
+                c = evaluate(problem, trial)
+                key = (overflow(c), c.objective_ms)
+                if key[0] < cur and (best is None or key < best[0]):
+                    best = (key, trial, c)
+        if best is None:
+            break
+        _, plan, cost = best
+        moves += 1
+    return plan, moves
+
+
+def partition_metis(problem: Problem, *, seeds: int = 3, max_stages: int | None = None) -> Plan:
     """Partition with METIS on the undirected op graph, then repair into acyclic stages.
 
     Parameters
@@ -129,8 +167,11 @@ def partition_metis(problem: Problem, *, seeds: int = 3) -> Plan:
         Graph, profile, cluster and schedule.
     seeds : int
         METIS runs with seeds ``0 .. seeds-1``, balancing compute only; if none
-        fits memory, as many runs balancing compute and memory. The best
-        feasible plan wins.
+        fits memory, as many runs balancing compute and memory. A plan that does
+        not fit is repaired by moving whole stages between GPUs
+        (:func:`repair_memory`). The best feasible plan wins.
+    max_stages : int, optional
+        Plans with more stages are dropped.
 
     Returns
     -------
@@ -158,7 +199,14 @@ def partition_metis(problem: Problem, *, seeds: int = 3) -> Plan:
             parts = dict(zip(ids, raw))
             plan = Plan("metis", P, acyclic_stages(problem, parts),
                         {"seed": seed, "memory_constraint": with_memory, "metis_parts": len(set(raw))})
+            if max_stages is not None and len(plan.stages) > max_stages:
+                reason = reason or f"the repaired METIS parts make {len(plan.stages)} stages, more than {max_stages}"
+                continue
             cost = evaluate(problem, plan)
+            if not cost.feasible:
+                plan, moved = repair_memory(problem, plan)
+                cost = evaluate(problem, plan)
+                plan.info["memory_repair_moves"] = moved
             if not cost.feasible:
                 reason = reason or cost.reason
                 continue
@@ -170,5 +218,7 @@ def partition_metis(problem: Problem, *, seeds: int = 3) -> Plan:
         if best is not None:
             break
     if best is None:
-        raise Infeasible(f"the METIS partition does not fit memory: {reason}")
+        raise Infeasible(f"the METIS partition does not fit memory, even after moving whole stages to GPUs "
+                         f"with room (METIS balances sums of node weights; a GPU's memory counts shared "
+                         f"weights once and activations per micro-batch in flight): {reason}")
     return best[1]

@@ -22,9 +22,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..plan import Plan, Problem, Stage, _extra_weight_versions, _in_flight, evaluate
+from ..plan import Plan, Problem, Stage, evaluate
 from ..units import format_bytes
-from .base import Infeasible
+from .base import Infeasible, MemoryModel
 from .coarsen import Quotient, coarsen, grow_around_centers, split_contiguous
 
 EPS_MS = 1e-9
@@ -76,7 +76,8 @@ def assign_lpt(problem: Problem, q: Quotient, *, balance_memory: bool = False) -
     # Micro-batches in flight per block (its depth in the block DAG), each keeping the block's
     # inputs where the schedule recomputes, else its full activations.
     recomputes = problem.recomputes(False)
-    held = {b: _in_flight(problem.schedule, depth[b], problem.micro_batches, True)
+    mm = MemoryModel.of(problem)
+    held = {b: mm.in_flight(depth[b])
             * (_block_inputs(problem, q.members[b]) if recomputes else q.act[b]) for b in blocks}
     load = [0.0] * P
     params: list[set[str]] = [set() for _ in range(P)]
@@ -86,7 +87,7 @@ def assign_lpt(problem: Problem, q: Quotient, *, balance_memory: bool = False) -
     # Extra weight versions the schedule keeps (PipeDream: depth, 2BW: one...), per GPU and
     # parameter the most any of its blocks needs, as evaluate counts them.
     wbytes = {prm: c.bytes for prm, c in problem.profile.params.items()}
-    xv = {b: _extra_weight_versions(problem.schedule, depth[b], True) for b in blocks}
+    xv = {b: mm.extra_versions(depth[b]) for b in blocks}
     versions: list[dict[str, int]] = [{} for _ in range(P)]
     vbytes = [0] * P
 
@@ -262,25 +263,21 @@ class _Refiner:
         """Memory of ``gpu`` as :func:`ftcompile.plan.evaluate` counts it (2GW: every stage as group 0)."""
         p = self.problem
         prof, graph = p.profile, p.graph
+        mm = MemoryModel.of(p)
         stages = [s for s in self.members if self.gpu_of[s] == gpu]
-        total = 0
-        transient = 0
+        held, transients = [], []
         extra: dict[str, int] = {}
         for s in stages:
-            is_last = s == self.last
-            k = _in_flight(p.schedule, self.depth[s], p.micro_batches, True)
-            if p.recomputes(is_last):
-                total += k * self._stage_inputs(s)
-                transient = max(transient, self.sact[s])
-            else:
-                total += k * self.sact[s]
-            xv = _extra_weight_versions(p.schedule, self.depth[s], True)
+            rc = p.recomputes(s == self.last)
+            held.append(mm.held(self.depth[s], rc, self.sact[s], self._stage_inputs(s)))
+            transients.append(mm.transient(rc, self.sact[s], self.srec[s]))
+            xv = mm.extra_versions(self.depth[s])
             if xv:
                 for n in self.members[s]:
                     for prm in graph.node(n).params:
                         extra[prm] = max(extra.get(prm, 0), xv)
-        total += sum(prof.params[prm].bytes * x for prm, x in extra.items())
-        return total + transient + self._param_memory(gpu)
+        versions = sum(prof.params[prm].bytes * x for prm, x in extra.items())
+        return mm.gpu(self._param_memory(gpu), versions, held, transients)
 
     # ------------------------------------------------------------- moves
     def _apply(self, n: int, t: int) -> bool:
@@ -483,7 +480,8 @@ def _plan(problem: Problem, stages: list[tuple[int, list[int]]], info: dict) -> 
 def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None = None, seeds=(0, 1, 2),
                     refine: bool = True, cap_ms: float | None = None, refine_top: int = 2,
                     simulate_top: int = 6,
-                    time_budget_s: float = 10.0) -> Plan:
+                    time_budget_s: float = 10.0, max_stages: int | None = None,
+                    with_convex: bool = True, exact_max_nodes: int = 300) -> Plan:
     """Mixed-pipe partitioning of ``problem`` (FTPipe §4.1); see the module docstring.
 
     ``l_factors`` gives the candidate numbers of coarse blocks ``L = f * P`` (at
@@ -493,18 +491,26 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
     compute and memory shares). The ``refine_top`` best unrefined candidates of
     each ``L`` and its contiguous one are refined, then further candidates, best
     first, while the run is within ``time_budget_s`` (the best one is always
-    refined). The ``simulate_top`` best plans by objective are simulated and the
-    fastest in simulation is returned. Raises :class:`Infeasible`
-    when no candidate fits in GPU memory.
+    refined). Every coarsening step keeps blocks that fit one GPU alone. With
+    ``with_convex`` the best convex split (:func:`~ftcompile.partition.seq.partition_seq`,
+    a Seq-pipe being a Mixed-pipe too) joins the candidates, so a plan is found
+    whenever a Seq-pipe fits; on graphs of at most ``exact_max_nodes`` op nodes, so
+    does the best plan the mixed-space MIP (:func:`~ftcompile.partition.exact.partition_exact`)
+    finds from it in a third of the time budget. The ``simulate_top`` best plans by objective are
+    simulated and the fastest in simulation is returned: stages sharing a GPU wait
+    on one another in ways Eq. 1 does not see. ``max_stages``: no plan with more
+    stages. Raises :class:`Infeasible` when no candidate fits in GPU memory.
     """
     t0 = time.perf_counter()
     P = problem.num_gpus
     limit = problem.cluster.gpu_memory
-    base = coarsen(problem.graph, problem.profile, cap_ms=cap_ms)
+    base = coarsen(problem.graph, problem.profile, cap_ms=cap_ms, memory_limit=limit)
     n_blocks = len(base.members)
     ls = sorted({min(max(1, int(f * P)), n_blocks) for f in l_factors})
     if max_l is not None:
         ls = [l for l in ls if l <= max_l] or [min(max_l, n_blocks)]
+    if max_stages is not None:
+        ls = sorted({min(L, max_stages) for L in ls})
     regions = _regions(problem, base)
     best: tuple[float, Plan] | None = None
     finals: list[tuple[float, Plan]] = []
@@ -523,7 +529,7 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
             if seed == "contiguous":
                 # Equal-compute runs of the topological order: the Seq-pipe-like start, which
                 # suits chain-shaped models (GPT-2, BERT) whose blocks LPT can hardly pack.
-                q = split_contiguous(base, L)
+                q = split_contiguous(base, L, memory_limit=block_limit)
             else:
                 q = grow_around_centers(base, L, block_limit, seed=seed, regions=regions if by_region else None)
             for balance_memory in (False, True):
@@ -568,11 +574,46 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
                 best = (rcost.objective_ms, rplan)
             elif not rcost.feasible:
                 worst_reason = worst_reason or rcost.reason
+    if with_convex:
+        from .seq import partition_seq
+
+        sp = None
+        try:
+            left = max(1.0, time_budget_s - (time.perf_counter() - t0))
+            sp = partition_seq(problem, max_stages=max_stages, time_limit=left)
+            cplan = _plan(problem, [(st.gpu, st.nodes) for st in sp.stages],
+                          {"source": "convex split (seq)", "refined": False})
+            ccost = evaluate(problem, cplan)
+            if ccost.feasible:
+                finals.append((ccost.objective_ms, cplan))
+                if best is None or ccost.objective_ms < best[0]:
+                    best = (ccost.objective_ms, cplan)
+        except Infeasible as exc:
+            worst_reason = worst_reason or exc.reason
+        if sum(1 for _ in problem.graph.op_nodes()) <= exact_max_nodes and P > 1:
+            try:
+                from .exact import partition_exact
+
+                ep = partition_exact(problem, time_limit=max(1.0, time_budget_s / 3), max_stages=max_stages,
+                                     simulate_top=0, warm_plan=sp, max_variables=100_000)
+                eplan = _plan(problem, [(st.gpu, st.nodes) for st in ep.stages],
+                              {"source": "mixed-space MIP", "refined": False})
+                ecost = evaluate(problem, eplan)
+                if ecost.feasible:
+                    finals.append((ecost.objective_ms, eplan))
+                    if best is None or ecost.objective_ms < best[0]:
+                        best = (ecost.objective_ms, eplan)
+            except Infeasible as exc:
+                worst_reason = worst_reason or exc.reason
+    if max_stages is not None:
+        finals = [f for f in finals if len(f[1].stages) <= max_stages]
+        best = min(finals, key=lambda f: f[0]) if finals else None
     if best is None:
         need = sum(c.total for c in problem.profile.params.values())
         raise Infeasible(f"no Mixed-pipe (mixed) plan fits in memory for L in {ls} ({worst_reason}); weights, gradients "
                          f"and optimizer state alone need {format_bytes(need)} against "
-                         f"{P} x {format_bytes(limit)}")
+                         f"{P} x {format_bytes(limit)}"
+                         + (f" (at most {max_stages} stages)" if max_stages is not None else ""))
     plan = _best_simulated(problem, finals, simulate_top) if simulate_top else best[1]
     plan.info["seconds"] = round(time.perf_counter() - t0, 3)
     return plan

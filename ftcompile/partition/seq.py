@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ir import OpGraph
-from ..plan import Plan, Problem, Stage, _extra_weight_versions, _in_flight, evaluate
+from ..plan import Plan, Problem, Stage, evaluate
 from ..units import format_bytes
-from .base import Infeasible
+from .base import Infeasible, MemoryModel
 
 #: Module classes that are one "layer" (basic block) of the usual model families.
 LAYER_CLASSES = frozenset({
@@ -109,53 +109,252 @@ def _plan_from_cuts(strategy: str, problem: Problem, seq: OpSequence, starts: li
 
 # --------------------------------------------------------------------------- optimal (DP)
 
-def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: int | None = None) -> Plan:
-    """The best contiguous split of the op nodes onto distinct GPUs (Seq-pipe), by dynamic programming.
+def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: int | None = None,
+                  time_limit: float = 20.0, max_upsets: int = 200_000, attach_share: float = 0.02) -> Plan:
+    """The best Seq-pipe: convex stages of the DAG, one per GPU (a chain of ideals).
 
-    For every stage count ``S`` in ``1..P`` (or just ``stages``; at most
-    ``max_stages``), a DP over the topological order finds the split into ``S``
-    non-empty contiguous ranges, range ``k`` on GPU ``k``, that minimises the
-    largest stage period of FTPipe Eq. 1 subject to every GPU's memory limit.
-    Each resulting plan is priced with :func:`~ftcompile.plan.evaluate`, and the
-    best feasible one is returned.
+    Two searches, the second started from the first:
 
-    The DP's cost model is :func:`~ftcompile.plan.evaluate`'s, with two
-    approximations:
+    1. :func:`order_split`: the best split of *one* topological order into
+       contiguous ranges (PipeDream's DP), fast on any graph; a good plan, but a
+       fixed order interleaves parallel branches (attention's Q/K/V, heads off the
+       trunk), so it can miss the convex optimum;
+    2. :func:`~ftcompile.partition.convex.convex_split`: a DP over the DAG's
+       upsets, which considers every convex split and proves a lower bound for
+       them. When the DAG has too many upsets (side nodes multiply them), side
+       nodes are attached to their only neighbour and the DP runs on what is left;
+       its result and bound then hold for the splits that keep them attached.
 
-    * evaluate sends a value once per GPU that reads it, which depends on the
-      cuts after the sender. The DP runs with two send models, :data:`SEND_MODELS`:
-      once per value (a lower bound) and once per later stage that may read it
-      (``min(readers after the cut, stages after the sender)``, an upper bound);
-      both are exact for values with one reader. The best of the resulting
-      plans by evaluate is returned, and ``info["send_model"]`` says which;
-    * stage ``k`` of ``S`` is taken to have depth ``S - 1 - k`` (the most it can
-      have), which fixes its in-flight micro-batches; the true depth is smaller
-      only if some stage sends nothing to the next, so the memory test is
-      conservative. Bandwidths are those between GPU ``k`` and ``k + 1``.
+    The plan with the lowest :func:`~ftcompile.plan.evaluate` objective wins.
+    ``info`` says what was proven: ``space`` (the splits the bound covers),
+    ``optimal`` (the plan meets the bound), ``bound_ms`` and ``gap`` (absent when
+    no search finished within ``time_limit`` seconds or ``max_upsets`` upsets).
 
-    Within either model the result is exact. The sweep over range ends keeps the
-    bytes crossing each cut, received by each range and the distinct
-    parameters each range reads as incremental int64 arrays, so all stage
-    counts and both send models together cost ``O(N^2 P^2)`` vectorised work
-    (about 4 s for a 4,900-node graph on 8 GPUs).
+    ``max_stages``: at most that many stages; ``stages``: exactly that many.
 
     Raises
     ------
     Infeasible
-        When no contiguous split into at most ``P`` stages fits in memory.
+        When no convex split into at most ``P`` stages fits in memory.
     """
+    from .convex import all_upsets_of, attach_side_nodes, build_units, plan_from_stages
+
     t0 = time.perf_counter()
     seq = op_sequence(problem)
     N = seq.n
     if N == 0:
         raise Infeasible("the graph has no op nodes to place")
-    P = min(problem.num_gpus, max_stages or problem.num_gpus, N)
-    counts = [stages] if stages else list(range(1, P + 1))
     if stages is not None and not 1 <= stages <= min(problem.num_gpus, N):
         raise Infeasible(f"cannot make {stages} stages from {N} op nodes on {problem.num_gpus} GPUs")
-    best, arg = _seq_dp(problem, seq, counts)
-    dp_seconds = time.perf_counter() - t0
+    found = order_split(problem, seq, max_stages=max_stages, stages=stages)
+    order_seconds = time.perf_counter() - t0
+    feasible = [r for r in found if r[0] < _INF]
+    if stages is None:
+        # The multilevel acyclic partitioner makes convex splits too, and sometimes better ones
+        # than a single order allows: a tighter cap for the search below.
+        from .acyclic import partition_acyclic
 
+        try:
+            ap = partition_acyclic(problem, seeds=3, max_stages=max_stages)
+            ap.strategy = "seq"
+            cost = evaluate(problem, ap)
+            if cost.feasible:
+                feasible.append((cost.objective_ms, len(ap.stages), ap, cost, None, "acyclic"))
+        except Infeasible:
+            pass
+    incumbent = min(feasible, key=lambda r: (r[0], r[1])) if feasible else None
+
+    searches = []
+    convex_plan = None
+    proven: dict | None = None
+    for attach in (False, True):
+        left = time_limit - (time.perf_counter() - t0)
+        if left <= 0:
+            break
+        groups, side = attach_side_nodes(problem, attach_share) if attach else (None, None)
+        if attach and len(groups) == N:
+            break                                  # nothing to attach: the same search again
+        units = build_units(problem, groups, side)
+        if all_upsets_of(units, max_upsets) is None:
+            # Too many upsets to list: growing stages from each of them would not finish either.
+            searches.append({"units": units.n, "attached": units.attached,
+                             "result": f"more than {max_upsets} upsets"})
+            continue
+        r = _probe(problem, units, incumbent[0] if incumbent else None, t0 + time_limit,
+                   max_stages=max_stages, stages=stages, max_upsets=max_upsets)
+        if r is None:
+            searches.append({"units": units.n, "attached": units.attached, "result": "no split fits"})
+            break
+        searches.append({"units": r.units, "attached": r.attached, "method": r.method, "states": r.states,
+                         "candidate_stages": r.transitions, "seconds": round(r.seconds, 3),
+                         "probes": r.info.get("probes"),
+                         **({"stopped": r.info.get("stopped")} if not r.complete else {})})
+        for cand in ([r.stages] if r.stages else []) + r.info.get("alternatives", []):
+            plan = plan_from_stages("seq", problem, cand, {})
+            cost = evaluate(problem, plan)
+            if cost.feasible and (convex_plan is None or cost.objective_ms < convex_plan[0]):
+                convex_plan = (cost.objective_ms, len(plan.stages), plan, cost, r.dp_objective_ms, "convex")
+        if r.complete or r.bound_ms > 0:
+            proven = {"bound_ms": r.bound_ms, "attached": r.attached, "complete": r.complete}
+        if r.complete:
+            break
+    options = feasible + ([convex_plan] if convex_plan else [])
+    if not options:
+        gb = format_bytes(problem.cluster.gpu_memory)
+        S = stages or min(problem.num_gpus, max_stages or problem.num_gpus, N)
+        params = format_bytes(int(seq.param_total.sum()))
+        acts = format_bytes(int(seq.activation_bytes.sum()))
+        k_in = MemoryModel.of(problem).in_flight(S - 1)
+        proven_none = any(x.get("result") == "no split fits" for x in searches)
+        lead = "no" if proven_none else "found no"
+        why = "" if proven_none else (
+            f"; the search over convex splits did not finish in {time_limit:g} s, so one may exist"
+            + (f" (the best contiguous split: {found[0][3].reason})" if found else ""))
+        raise Infeasible(f"{lead} convex split of {N} op nodes into at most {S} stages fits {gb} "
+                         f"per GPU under the {problem.schedule} schedule (weights, gradients and optimizer "
+                         f"state are {params} in all; activations {acts} per micro-batch, "
+                         f"of which the first stage keeps up to {k_in} micro-batches"
+                         f"{' as inputs only (recomputation)' if problem.recomputes(False) else ''}){why}")
+    obj, S, plan, cost, dp_obj, source = min(options, key=lambda r: (r[0], r[1]))
+    # Single-node moves between neighbouring stages: side nodes the search kept attached, and
+    # whatever a fixed order could not reach.
+    from .acyclic import refine_convex
+
+    moved = refine_convex(problem, [st.nodes for st in plan.stages])
+    if all(moved):
+        rplan = plan_from_stages("seq", problem, moved, {})
+        rcost = evaluate(problem, rplan)
+        if rcost.feasible and rcost.objective_ms < obj * (1 - 1e-12):
+            obj, plan, cost, source = rcost.objective_ms, rplan, rcost, source + "+refined"
+    by_stages: dict[str, float | None] = {}
+    for r in found:
+        key, v = str(r[1]), (r[0] if r[0] < _INF else None)
+        if key not in by_stages or (v is not None and (by_stages[key] is None or v < by_stages[key])):
+            by_stages[key] = v
+    info = {
+        "stages": S, "dp_objective_ms": dp_obj, "objective_ms": obj, "source": source,
+        "send_model": "once" if source == "convex" else found_model(found, plan),
+        "objective_by_stages": by_stages, "nodes": N, "searches": searches,
+        "order_dp_seconds": round(order_seconds, 3),
+    }
+    info["space"] = "convex splits (chains of ideals), one stage per GPU"
+    if proven is not None:
+        # The bound deletes the side nodes the search kept attached: it holds for every convex split.
+        bound = min(proven["bound_ms"], obj)
+        info["bound_ms"] = bound
+        info["bound_covers"] = "every convex split"
+        info["gap"] = (obj - bound) / obj if obj > 0 else 0.0
+        info["optimal"] = info["gap"] <= 1e-9
+        info["search"] = ("exhaustive" if proven["complete"] else "stopped at the time limit") + (
+            f", {proven['attached']} side nodes attached" if proven["attached"] else "")
+    else:
+        info["optimal"] = False
+        stopped = any("stopped" in x for x in searches)
+        info["search"] = ("stopped at the time limit" if stopped else f"not run: more than {max_upsets} upsets") + \
+            "; best of one topological order, the acyclic partitioner and single-node moves"
+    info["seconds"] = round(time.perf_counter() - t0, 3)
+    plan.info = info
+    return plan
+
+
+def _probe(problem: Problem, units, upper: float | None, deadline: float, **options):
+    """:func:`~ftcompile.partition.convex.convex_split` under rising caps, up to ``upper``.
+
+    A search under cap ``T`` visits only stages and splits that stay within ``T``, so
+    it is much cheaper below the optimum than at it. Each search that finishes
+    without a split proves the optimum lies above its cap; the first that finds one
+    has found the optimum. So even when the last search runs out of time, the
+    result carries a proven bound (``bound_ms``) and ``complete=False``.
+    """
+    import dataclasses
+
+    from ..plan import lower_bound
+    from .convex import convex_split, plan_from_stages
+
+    if upper is None:
+        return convex_split(problem, units=units, time_limit=max(0.0, deadline - time.perf_counter()), **options)
+    lo = lower_bound(problem)
+    caps = [lo + f * (upper - lo) for f in (0.25, 0.5, 0.75, 0.9, 0.97)] if upper > lo * (1 + 1e-6) else []
+    caps = [c for c in caps if c < upper] + [upper]
+    proven, probes, spent = 0.0, [], {"states": 0, "transitions": 0}
+    r = None
+    found_at = None
+    while caps:
+        cap = caps.pop(0)
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            break
+        r = convex_split(problem, units=units, upper_bound_ms=cap, time_limit=left, **options)
+        if r is None:
+            return None
+        probes.append({"cap_ms": cap, "complete": r.complete, "found": bool(r.stages),
+                       "seconds": round(r.seconds, 3)})
+        spent["states"] += r.states
+        spent["transitions"] += r.transitions
+        if not r.complete:
+            break
+        if not r.stages:
+            proven = max(proven, r.bound_ms)
+            continue
+        if found_at is not None:
+            break
+        # The search prices a value read by several later stages once (its lower bound); the
+        # plan found may cost more once evaluated. One more search, capped at that cost, lets
+        # the pessimistic pricing find the plans within it.
+        best = min(evaluate(problem, plan_from_stages("seq", problem, st, {})).objective_ms
+                   for st in [r.stages] + r.info.get("alternatives", []))
+        found_at = cap
+        if best > cap * (1 + 1e-9):
+            caps = [min(best, upper)]
+        else:
+            break
+    if r is None:
+        return None
+    bound = r.bound_ms if r.complete else proven
+    return dataclasses.replace(r, bound_ms=bound, states=spent["states"], transitions=spent["transitions"],
+                               seconds=sum(p["seconds"] for p in probes), info={**r.info, "probes": probes})
+
+
+def found_model(found: list, plan: Plan) -> str | None:
+    """The send model of the order-DP result that produced ``plan``."""
+    for r in found:
+        if r[2] is plan:
+            return r[5]
+    return None
+
+
+def order_split(problem: Problem, seq: OpSequence, *, max_stages: int | None = None,
+                stages: int | None = None) -> list[tuple]:
+    """The best splits of the graph's topological order into contiguous ranges, range k on GPU k.
+
+    For every stage count ``S`` in ``1..P`` (or just ``stages``; at most
+    ``max_stages``), a DP over the order finds the split into ``S`` non-empty
+    ranges that minimises the largest stage period of FTPipe Eq. 1 subject to
+    every GPU's memory limit, under two send models (:data:`SEND_MODELS`: a value
+    read by several later stages sent once, a lower bound, or once per later stage
+    that may read it, an upper bound; both exact for values with one reader).
+    Stage ``k`` of ``S`` is taken to have depth ``S - 1 - k`` (the most it can
+    have), so the memory test is conservative. The sweep keeps the bytes crossing
+    each cut, received by each range and the distinct parameters each range reads
+    as incremental int64 arrays: ``O(N^2 P^2)`` vectorised work (about 4 s for a
+    4,900-node graph on 8 GPUs).
+
+    Returns ``(objective or inf, S, plan, cost, dp objective, send model)`` per
+    distinct plan, priced by :func:`~ftcompile.plan.evaluate`.
+    """
+    N = seq.n
+    P = min(problem.num_gpus, max_stages or problem.num_gpus, N)
+    counts = [stages] if stages else list(range(1, P + 1))
+    if len(counts) > 16:
+        # Each count costs a DP of its own: past 16 of them, every count up to 8 and then a
+        # geometric ladder up to P (fewer stages only ever win on memory or communication).
+        ladder = set(range(1, 9)) | {P}
+        x = 8.0
+        while x < P:
+            x *= 1.25
+            ladder.add(min(P, int(round(x))))
+        counts = sorted(ladder)
+    best, arg = _seq_dp(problem, seq, counts)
     results, seen = [], set()
     for model, S in best:
         if best[model, S] == _INF:
@@ -172,33 +371,7 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
         plan = _plan_from_cuts("seq", problem, seq, starts, {})
         cost = evaluate(problem, plan)
         results.append((cost.objective_ms if cost.feasible else _INF, S, plan, cost, best[model, S], model))
-    feasible = [r for r in results if r[0] < _INF]
-    if not feasible:
-        gb = format_bytes(problem.cluster.gpu_memory)
-        if results:
-            raise Infeasible(f"the best contiguous splits do not fit {gb} per GPU once every "
-                             f"micro-batch in flight is counted ({results[0][3].reason})")
-        S = max(counts)
-        params = format_bytes(int(seq.param_total.sum()))
-        acts = format_bytes(int(seq.activation_bytes.sum()))
-        k_in = _in_flight(problem.schedule, S - 1, problem.micro_batches, True)
-        raise Infeasible(f"no contiguous split of {N} op nodes into at most {S} stages fits {gb} "
-                         f"per GPU under the {problem.schedule} schedule (weights, gradients and optimizer "
-                         f"state are {params} in all; activations {acts} per micro-batch, "
-                         f"of which the first stage keeps up to {k_in} micro-batches"
-                         f"{' as inputs only (recomputation)' if problem.recomputes(False) else ''})")
-    obj, S, plan, cost, dp_obj, model = min(feasible, key=lambda r: (r[0], r[1]))
-    by_stages: dict[str, float | None] = {}
-    for r in results:
-        key, v = str(r[1]), (r[0] if r[0] < _INF else None)
-        if key not in by_stages or (v is not None and (by_stages[key] is None or v < by_stages[key])):
-            by_stages[key] = v
-    plan.info = {
-        "stages": S, "dp_objective_ms": dp_obj, "send_model": model, "objective_ms": obj,
-        "objective_by_stages": by_stages,
-        "nodes": N, "seconds": round(time.perf_counter() - t0, 3), "dp_seconds": round(dp_seconds, 3),
-    }
-    return plan
+    return results
 
 
 #: How the DP prices a value read by several later stages: sent once (a lower bound on what
@@ -216,7 +389,7 @@ def _seq_dp(problem: Problem, seq: OpSequence, counts: list[int]):
     the cut.
     """
     N = seq.n
-    sched, M = problem.schedule, problem.micro_batches
+    mm = MemoryModel.of(problem)
     cluster = problem.cluster
     cmp = np.concatenate([[0.0], np.cumsum(seq.compute_ms)])
     crc = np.concatenate([[0.0], np.cumsum(seq.recompute_ms)])
@@ -247,7 +420,7 @@ def _seq_dp(problem: Problem, seq: OpSequence, counts: list[int]):
 
     bw_send = [cluster.bandwidth(k, k + 1) if k + 1 < problem.num_gpus else 1.0 for k in range(max(counts))]
     bw_recv = [cluster.bandwidth(k - 1, k) if k > 0 else 1.0 for k in range(max(counts))]
-    limit = cluster.gpu_memory
+    limit = mm.limit
 
     keys = [(m, S) for m in SEND_MODELS for S in counts]
     best_tab = {key: [np.full(N + 1, _INF) for _ in range(key[1])] for key in keys}
@@ -304,21 +477,9 @@ def _seq_dp(problem: Problem, seq: OpSequence, counts: list[int]):
             return c + np.maximum(0.0, s - c) + np.maximum(0.0, r - c)
 
         def fits(rec, depth, group0):
-            k_in = _in_flight(sched, depth, M, group0)
-            extra = _extra_weight_versions(sched, depth, group0)
-            if np.ndim(rec) == 0:
-                base = mem_rec if rec else mem_norec
-                held = act_in if rec else act_full
-            else:
-                base = np.where(rec, mem_rec, mem_norec)
-                held = np.where(rec, act_in, act_full)
-            mem = base + held * k_in
-            if extra:
-                mem = mem + weights * extra
-            return mem <= limit
+            # rec: whether each candidate stage recomputes (a bool, or one per range start)
+            return mm.stage_alone(params, weights, depth, rec, act_full, act_in, rcmp, group0) <= limit
 
-        mem_norec = params
-        mem_rec = params + np.where(rcmp > 0, act_full, 0)   # recomputation rebuilds one micro-batch
         per_cache: dict = {}
         fit_cache: dict = {}
         for model, S in keys:
@@ -337,7 +498,7 @@ def _seq_dp(problem: Problem, seq: OpSequence, counts: list[int]):
                     pkey = (bw_send[k], bw_recv[k], m)
                     if pkey not in per_cache:
                         per_cache[pkey] = period(rec_mid, k, m)
-                    fkey = (_in_flight(sched, depth, M, group0), _extra_weight_versions(sched, depth, group0))
+                    fkey = (mm.in_flight(depth, group0), mm.extra_versions(depth, group0))
                     if fkey not in fit_cache:
                         fit_cache[fkey] = fits(rec_mid, depth, group0)
                     per, ok = per_cache[pkey], fit_cache[fkey]
