@@ -253,6 +253,10 @@ class Manifest:
     weights: str = "stored"         # stored: one safetensors file per stage; init: recipes
     imports: list[str] = field(default_factory=list)   # modules generated code imports besides torch
     generator: dict = field(default_factory=dict)      # ftcompile version, graph hash, strategy
+    #: The planned data x pipeline layout: ``replicas`` copies of the pipeline over ``num_gpus x replicas``
+    #: GPUs, ranks numbered ``pipeline-major`` (replica r holds ranks r*P..r*P+P-1) or ``replica-major``.
+    replicas: int = 1
+    rank_order: str = "pipeline-major"
 
     # ----------------------------------------------------------------- queries
     @functools.cached_property
@@ -296,6 +300,7 @@ class Manifest:
             "values": [v.to_json() for v in self.values.values()],
             "params": [p.to_json() for p in self.params.values()],
             "imports": self.imports, "generator": self.generator,
+            "replicas": self.replicas, "rank_order": self.rank_order,
         }
 
     @staticmethod
@@ -318,7 +323,8 @@ class Manifest:
                 inputs=[GraphInput.from_json(i) for i in d["inputs"]], outputs=list(d["outputs"]),
                 loss=d.get("loss"), loss_stage=d.get("loss_stage"), random_ops=int(d.get("random_ops", 0)),
                 dropout_ops=int(d.get("dropout_ops", 0)), weights=d.get("weights", "stored"), imports=list(d.get("imports", [])),
-                generator=dict(d.get("generator", {})),
+                generator=dict(d.get("generator", {})), replicas=int(d.get("replicas", 1)),
+                rank_order=str(d.get("rank_order", "pipeline-major")),
             )
             m.check(where)
         except ManifestError:
