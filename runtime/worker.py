@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -392,6 +393,10 @@ class RankRun:
     def _on_step(self, rec: dict) -> None:
         rec = {"run": self.run_id, "schedule": self.cfg.schedule, "micro_batches": self.cfg.micro_batches,
                "world_size": self.launch.world_size, "replicas": self.replicas, **rec}
+        loss = rec.get("loss")
+        if loss is not None and not math.isfinite(loss):
+            # train.jsonl stays strict JSON (no NaN / Infinity literals)
+            rec["loss"], rec["loss_not_finite"] = None, repr(float(loss))
         if self.cfg.measure_memory:
             rec["memory_measured"] = "tensors each rank holds (runtime.memory)"
         self.log.write(rec)
@@ -509,8 +514,11 @@ def main(argv: list[str] | None = None) -> int:
         code = exc.code
     except (PipelineError, TransportError, RunLogError, OSError) as exc:
         kind, peer = _kind(exc)
+        # A lost peer is a consequence: under ftcompile run the launcher names the root cause (the
+        # peer's own error, or its signal) and prints this line only when it has nothing better.
         report(str(exc) if not isinstance(exc, OSError) or isinstance(exc, RunLogError) else
-               f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}", kind=kind, code=1, peer=peer)
+               f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}", kind=kind, code=1, peer=peer,
+               show=not (kind == "lost" and launch.launcher == "ftcompile"))
         code = 1
     except REFUSALS as exc:
         alike = report.alike or getattr(exc, "every_rank", False)
