@@ -55,9 +55,12 @@ def add_parsers(sub) -> None:
             "recomputes with the newest weights, the last stage does not recompute), pipedream\n"
             "(weight stashing), 2bw (double-buffered weights, one step of delay) and 2gw (WPipe: the\n"
             "upstream half of the stages, G0, one step delayed and double-buffered, G1 not).\n\n"
-            "--nproc N spawns the ranks on this host. On several hosts start the same command\n"
-            "through torchrun (`torchrun --nproc-per-node N -m ftcompile.runtime PACKAGE ...`) or\n"
-            "mpirun (`mpirun -np N python -m ftcompile.runtime PACKAGE ...`).\n\n"
+            "--nproc N spawns the ranks on this host. N a multiple of the plan's P GPUs trains N/P\n"
+            "replicas of the pipeline (data x pipeline parallelism: each replica takes its share of\n"
+            "every step's batch, gradients averaged per stage; --replicas R, --rank-order). On several\n"
+            "hosts start the ranks through torchrun (`torchrun --nnodes 2 --nproc-per-node N\n"
+            "--rdzv-backend c10d --rdzv-endpoint HOST:PORT -m ftcompile.runtime PACKAGE ...` on each)\n"
+            "or mpirun (`mpirun -np N python -m ftcompile.runtime PACKAGE ...`).\n\n"
             "The rank holding the loss writes LOG_DIR/train.jsonl: per step the loss, samples/s,\n"
             "learning rate, each stage's forward/backward/recompute/update seconds, and each rank's\n"
             "waiting time and peak memory.\n\n"
@@ -69,7 +72,8 @@ def add_parsers(sub) -> None:
             "  ftcompile run out/gpt2 --nproc 2 --schedule 1f1b --steps 20 --data text\n"
             "  ftcompile run out/gpt2 --nproc 2 --schedule async --micro-batches 4 --optimizer momentum\n"
             "  ftcompile run out/gpt2 --nproc 2 --steps 100 --checkpoint-dir ckpt --checkpoint-every 5\n"
-            "  ftcompile run out/gpt2 --nproc 2 --checkpoint-dir ckpt --resume     # after a crash"))
+            "  ftcompile run out/gpt2 --nproc 2 --checkpoint-dir ckpt --resume     # after a crash\n"
+            "  ftcompile run out/gpt2 --nproc 4 --micro-batches 2                  # 2 replicas x 2 GPUs"))
     base._add_common(p, top=False)
     add_train_arguments(p)
     p.add_argument("--nproc", type=int, default=None, metavar="N",

@@ -295,6 +295,12 @@ def resolve(args, manifest, *, restart_run_id: str | None = None, replicas: int 
                 warnings.append(f"the checkpoint's step of {was_r} x {was['micro_batches']} micro-batches does not "
                                 f"split among {replicas} replicas: each takes {was['micro_batches']}, so a step "
                                 "trains on another batch than before")
+        elif was_r != replicas and cli.micro_batches is not None and was.get("micro_batches") and \
+                was_r * int(was["micro_batches"]) != replicas * cli.micro_batches:
+            total = was_r * int(was["micro_batches"])
+            keep = f"; give --micro-batches {total // replicas} to keep it" if total % replicas == 0 else ""
+            warnings.append(f"the checkpoint trained on {was_r} x {was['micro_batches']} micro-batches per step; "
+                            f"{replicas} x {cli.micro_batches} is another batch{keep}")
         if args.steps is None:
             args.steps = int(was.get("steps") or ck.step)
         if args.steps == ck.step:
