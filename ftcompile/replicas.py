@@ -133,6 +133,7 @@ class ReplicaOption:
     pipeline_bytes: int = 0               # activations and gradients crossing GPUs, per replica and step
     allreduce_bytes: int = 0              # gradients averaged, per replica and step
     seconds: float = 0.0
+    problem: object | None = None         # the pipeline's Problem
 
     def row(self) -> dict:
         best = self.result.best() if self.feasible and self.result is not None else None
@@ -156,7 +157,7 @@ def replicated_problem(base, cluster: ClusterSpec, layout: ReplicaLayout):
 
 
 def compile_replicated(base, strategies="auto", *, replicas: int | None = None, jobs: int | None = None,
-                       progress=None) -> tuple[list[ReplicaOption], int | None]:
+                       progress=None, strategy_progress=None, **compile_options) -> tuple[list[ReplicaOption], int | None]:
     """Plan every layout of ``base.cluster`` (every pipeline length dividing its GPU count, or the one
     ``replicas`` forces, in each order that places GPUs differently) and choose the highest
     simulated throughput over all replicas. Returns the options and the index of the chosen one.
@@ -178,13 +179,16 @@ def compile_replicated(base, strategies="auto", *, replicas: int | None = None, 
         if static > room:
             opt = ReplicaOption(lay, False, f"weights, gradients and optimizer state ({static / 1e9:.2f} GB) exceed "
                                 f"{lay.pipeline_gpus} GPU(s) of {cluster.gpu_memory / 1e9:.2f} GB less the reserve",
-                                seconds=time.perf_counter() - t0)
+                                seconds=time.perf_counter() - t0, problem=pb)
             options.append(opt)
             if progress:
                 progress(opt)
             continue
-        result = compile_plan(pb, strategies, jobs=jobs)
-        opt = ReplicaOption(lay, result.chosen is not None, result=result, seconds=time.perf_counter() - t0)
+        # One GPU has one plan (everything on it): no strategy can do better than another.
+        names = "uniform" if lay.pipeline_gpus == 1 else strategies
+        result = compile_plan(pb, names, jobs=jobs, progress=strategy_progress, **compile_options)
+        opt = ReplicaOption(lay, result.chosen is not None, result=result, seconds=time.perf_counter() - t0,
+                            problem=pb)
         if result.chosen is None:
             opt.reason = "no strategy found a pipeline plan that fits: " + "; ".join(
                 f"{r.name}: {r.reason}" for r in result.results[:3])
