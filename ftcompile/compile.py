@@ -488,7 +488,7 @@ def problem_from_doc(doc: dict, graph, prof, *, schedule: str | None = None,
 def _replicas_lines(rep: dict) -> list[str]:
     lines = ["", f"## replicas: pipeline length x replicas on {rep['gpus']} GPUs", "",
              "| pipeline GPUs | replicas | rank order | fits | strategy | samples/s (all replicas) | step ms | "
-             "all-reduce ms | moved per step: pipeline / all-reduce | max GPU mem | time s | note |",
+             "all-reduce ms | moved per step: pipeline / all-reduce (across hosts) | max GPU mem | time s | note |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, o in enumerate(rep["options"]):
         mark = " (chosen)" if i == rep.get("chosen") else ""
@@ -496,7 +496,8 @@ def _replicas_lines(rep: dict) -> list[str]:
         lines.append(
             f"| {o['pipeline_gpus']}{mark} | {o['replicas']} | {o['order']} | {'yes' if f else 'no'} | "
             f"{o['strategy'] or '-'} | {o['throughput']:.3f} | {o['step_ms']:.3f} | {o['allreduce_ms']:.3f} | "
-            f"{_fmt_bytes(o['pipeline_bytes_per_step'])} / {_fmt_bytes(o['allreduce_bytes_per_step'])} | "
+            f"{_fmt_bytes(o['pipeline_bytes_per_step'])} ({_fmt_bytes(o['pipeline_cross_host_bytes_per_step'])}) / "
+            f"{_fmt_bytes(o['allreduce_bytes_per_step'])} ({_fmt_bytes(o['allreduce_cross_host_bytes_per_step'])}) | "
             f"{_fmt_bytes(o['max_gpu_memory_bytes'])} | {o['seconds']:.1f} | |" if f else
             f"| {o['pipeline_gpus']} | {o['replicas']} | {o['order']} | no | - | - | - | - | - | - | "
             f"{o['seconds']:.1f} | {o['reason']} |")

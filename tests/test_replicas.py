@@ -161,6 +161,19 @@ def test_compile_plans_every_pipeline_length_and_keeps_the_fastest(replicated_ou
     assert doc["plan"]["num_gpus"] == chosen["pipeline_gpus"] == doc["package"]["num_gpus"]
     assert doc["package"]["rank_order"] == chosen["order"]
     assert abs(doc["simulation"]["throughput_samples_per_s"] - chosen["throughput"]) < 1e-3
+    # cross-host bytes, counted independently: 2 hosts of 2 GPUs (GPUs 0,1 | 2,3)
+    stages = {s["id"]: s["gpu"] for s in doc["plan"]["stages"]}
+    for o in rows:
+        if o["feasible"] and o["replicas"] == 2 and o["pipeline_gpus"] == 2:
+            # pipeline-major: replica r on GPUs 2r, 2r+1 (one host): no pipeline traffic across hosts,
+            # and each ring (GPU p of both replicas) crosses hosts on both links
+            if o["order"] == "pipeline-major":
+                assert o["pipeline_cross_host_bytes_per_step"] == 0
+                assert o["allreduce_cross_host_bytes_per_step"] == o["allreduce_bytes_per_step"] > 0
+            else:   # replica-major: a pipeline spans both hosts, its ring stays on one
+                assert o["allreduce_cross_host_bytes_per_step"] == 0
+                assert o["pipeline_cross_host_bytes_per_step"] == o["pipeline_bytes_per_step"]
+    assert len(set(stages.values())) == chosen["pipeline_gpus"]
     report = (replicated_out / "report.md").read_text()
     assert "## replicas" in report and "(chosen)" in report.split("## replicas")[1]
 
