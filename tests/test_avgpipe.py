@@ -94,7 +94,8 @@ def _rank(rank, world, port, pkg, cfg, parallel, alpha, out) -> None:
         transport = TorchTransport(Launch(rank, world, rank, "test"))
         package = load_package(pkg)
         layout = RankLayout(world, parallel, rank)
-        averaging = ElasticAveraging(parallel, alpha) if alpha is not None else None
+        # alpha: a number, "default" (1/N) or None (no averaging object: plain replicas or one pipeline)
+        averaging = None if alpha is None else ElasticAveraging(parallel, None if alpha == "default" else alpha)
         engine = RankEngine(package, cfg, rank=rank, world_size=world, transport=transport, layout=layout,
                             averaging=averaging)
         data = iter(load_dataset("synthetic", package.manifest, micro_batches=parallel * cfg.micro_batches,
@@ -212,7 +213,7 @@ def test_two_parallel_pipelines_match_a_plain_loop_with_two_models_and_their_ave
     cfg = TrainConfig(schedule="avgpipe", advance=1, micro_batches=2, steps=4, optimizer="momentum", lr=0.05,
                       seed=5)
     alpha = 0.5
-    res = run_avgpipe(seq2, cfg, 2, None, world=4)        # alpha defaults to 1/N
+    res = run_avgpipe(seq2, cfg, 2, "default", world=4)        # alpha defaults to 1/N
     models, mean = elastic_reference(seq2, cfg, 2, alpha, cfg.steps)
     apart = 0.0
     for rank, replica, ws, ref, _ in res:
