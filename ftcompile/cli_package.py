@@ -155,7 +155,17 @@ def _preflight(args: argparse.Namespace):
         raise base.UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     package = load_package(args.package)    # a damaged package: code and plan here, weights below
     m = package.manifest
-    nproc = args.nproc if args.nproc is not None else m.num_gpus
+    from .avgpipe import launch_settings
+
+    try:   # avgpipe: 'auto' from the plan's tuning; N parallel pipelines of nproc / N ranks each
+        parallel = launch_settings(args, package)
+    except ValueError as exc:
+        raise base.UsageError(str(exc)) from None
+    nproc = args.nproc if args.nproc is not None else m.num_gpus * parallel
+    if nproc % parallel:
+        raise base.UsageError(f"--nproc {nproc} does not split into {parallel} parallel pipelines; give a multiple "
+                              f"of {parallel} (e.g. --nproc {parallel * m.num_gpus})")
+    nproc //= parallel
     if nproc > m.num_gpus:
         raise base.UsageError(f"--nproc {nproc}: the plan has {m.num_gpus} GPU(s), so ranks beyond {m.num_gpus} "
                               f"would hold no stage; give --nproc {m.num_gpus} or fewer (several GPUs' stages "
@@ -178,7 +188,7 @@ def _preflight(args: argparse.Namespace):
     programs(m, config_from_args(res.args, m), 1)      # ScheduleError: e.g. 2bw with too few micro-batches
     load_dataset(res.args.data, m, micro_batches=res.args.micro_batches, seed=res.args.seed)
     _check_weights(package)
-    return package, res, nproc
+    return package, res, nproc * parallel
 
 
 def cmd_run(args: argparse.Namespace) -> int:

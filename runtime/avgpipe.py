@@ -248,3 +248,44 @@ class ElasticAveraging:
         for avg in self._stages.values():
             avg.close()
         self._stages.clear()
+
+
+# --------------------------------------------------------------------------- options
+
+def _count(flag: str, text, low: int):
+    """``text`` as an int >= ``low``, ``"auto"``, or None when not given."""
+    if text is None or text == "auto":
+        return text
+    try:
+        n = int(text)
+    except (TypeError, ValueError):
+        raise AvgPipeError(f"{flag} takes a whole number or 'auto', got {text!r}") from None
+    if n < low:
+        raise AvgPipeError(f"{flag} must be at least {low} (or 'auto'), got {n}")
+    return n
+
+
+def check_options(args) -> list[str]:
+    """Refuse AvgPipe options that make no sense (:class:`AvgPipeError`); warnings for pointless ones."""
+    n = _count("--parallel-pipelines", getattr(args, "parallel_pipelines", None), 1)
+    _count("--advance", getattr(args, "advance", None), 0)
+    alpha = getattr(args, "elastic_alpha", None)
+    if alpha is not None:
+        check(n if isinstance(n, int) else 2, alpha)
+    given = [f for f, v in (("--parallel-pipelines", n), ("--advance", getattr(args, "advance", None)),
+                            ("--elastic-alpha", alpha)) if v is not None]
+    if given and args.schedule not in (None, "avgpipe"):
+        raise AvgPipeError(f"{', '.join(given)} belong to --schedule avgpipe, not {args.schedule}; add "
+                           "--schedule avgpipe or drop them")
+    return []
+
+
+def resolved(args) -> tuple[int, int, float | None]:
+    """``(parallel pipelines, advance, alpha)`` of a rank's options; 'auto' must have been resolved by the
+    launcher (``ftcompile run``), which can consult the compiler."""
+    n = _count("--parallel-pipelines", getattr(args, "parallel_pipelines", None), 1)
+    k = _count("--advance", getattr(args, "advance", None), 0)
+    if n == "auto" or k == "auto":
+        raise AvgPipeError("--parallel-pipelines auto and --advance auto are chosen by `ftcompile run` from the "
+                           "package's plan; started directly, give numbers")
+    return (n or 1), (k or 0), getattr(args, "elastic_alpha", None)

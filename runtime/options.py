@@ -57,6 +57,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-prediction", action="store_true", default=None,
                    help="async: forward with weights predicted to the backward's version (FTPipe §4.2; "
                         "momentum, adam, adamw)")
+    g.add_argument("--parallel-pipelines", default=None, metavar="N|auto",
+                   help="avgpipe: N parallel pipelines with elastic averaging, each on its own batch (--nproc "
+                        "counts the ranks of all N; default 1; auto: the plan's tuned choice)")
+    g.add_argument("--advance", default=None, metavar="K|auto",
+                   help="avgpipe: micro-batches forwarded in advance of 1F1B's warm-up (0: 1F1B, M: all forwards "
+                        "first; default 0; auto: the plan's tuned choice)")
+    g.add_argument("--elastic-alpha", type=float, default=None, metavar="A",
+                   help="avgpipe: how far each parallel model is pulled toward their average per step (default 1/N)")
     g = p.add_argument_group("optimizer (with --resume, an option not given keeps the checkpoint's value)")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default adam")
     g.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3)")
@@ -99,7 +107,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 _VALUED = ("schedule", "micro_batches", "steps", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
            "warmup_steps", "clip_grad_norm", "data", "seed", "device", "transport", "timeout", "heartbeat_timeout",
-           "log_dir", "checkpoint_dir", "checkpoint_every", "progress")
+           "log_dir", "checkpoint_dir", "checkpoint_every", "progress", "parallel_pipelines", "advance",
+           "elastic_alpha")
 _FLAGS = ("recompute", "weight_prediction", "no_dropout", "resume", "overwrite_checkpoints", "reset_optimizer")
 
 
@@ -155,7 +164,9 @@ def check(args) -> list[str]:
         raise OptionError("--overwrite-checkpoints deletes the checkpoints --resume continues from; give one of them")
     if args.reset_optimizer and not args.resume:
         raise OptionError("--reset-optimizer needs --resume (a fresh run starts its optimizer afresh anyway)")
-    warnings = []
+    from .avgpipe import check_options as _avgpipe_options
+
+    warnings = _avgpipe_options(args)
     if args.lr == 0:
         warnings.append("--lr 0: no weight will change")
     if args.momentum is not None and args.optimizer not in (None, "momentum"):

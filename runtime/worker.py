@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from . import avgpipe as _avgpipe
 from . import checkpoint as ckpt
 from .checkpoint import CheckpointError
 from .engine import PipelineError, PipelineHang, RankEngine, TrainConfig, stage_ranks
@@ -69,7 +70,8 @@ def config_from_args(args, manifest) -> TrainConfig:
                        lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
                        clip_grad_norm=args.clip_grad_norm, recompute=bool(args.recompute),
                        weight_prediction=bool(args.weight_prediction), seed=args.seed,
-                       dropout=not args.no_dropout, timeout_s=args.timeout, total_steps=args.steps)
+                       dropout=not args.no_dropout, timeout_s=args.timeout, total_steps=args.steps,
+                       advance=_avgpipe.resolved(args)[1] if args.schedule == "avgpipe" else 0)
 
 
 def _device(spec: str, local_rank: int) -> torch.device:
@@ -289,6 +291,16 @@ class RankRun:
             torch.cuda.set_device(self.device)
         self.ranks = stage_ranks(m, self.launch.world_size)
         self.owner = self.ranks[m.loss_stage] if m.loss_stage is not None else 0
+        self.layout = self.averaging = None
+        self.parallel = 1
+        if self.cfg.schedule == "avgpipe":       # N parallel pipelines: N replicas with elastic averaging
+            from .layout import RankLayout
+
+            self.parallel, _, alpha = _avgpipe.resolved(args)
+            self.layout = RankLayout(self.launch.world_size, self.parallel, self.launch.rank)
+            self.averaging = _avgpipe.ElasticAveraging(self.parallel, alpha)
+            self.ranks = self.layout.stage_ranks(m)
+            self.owner = self.layout.stage_ranks(m, 0)[m.loss_stage] if m.loss_stage is not None else 0
         self.log_dir = Path(args.log_dir or Path(args.package) / "runs" / args.schedule)
 
     def describe(self, r: int) -> str:
@@ -347,7 +359,8 @@ class RankRun:
         failure, ck = None, self.res.checkpoint
         try:
             self.engine = RankEngine(self.package, self.cfg, rank=self.rank, world_size=self.launch.world_size,
-                                     transport=self.transport, device=self.device, ranks=self.ranks)
+                                     transport=self.transport, device=self.device, ranks=self.ranks,
+                                     layout=self.layout, averaging=self.averaging)
             if ck is not None:
                 self.phase(f"loading the checkpoint of step {ck.step}")
                 names = [n for mod in self.engine.modules.values() for n in mod.state_dict()]
@@ -386,7 +399,10 @@ class RankRun:
                 "world_size": self.launch.world_size, "config": recorded_config(args)}
         self.phase(f"in the checkpoint of step {step}")
         try:
-            ckpt.save(args.checkpoint_dir, step, self.engine.state(), meta=meta, control=self.control,
+            state = self.engine.state()
+            if self.averaging is not None:      # AvgPipe saves the reference model; all N resume from it
+                state = self.averaging.reference(state)
+            ckpt.save(args.checkpoint_dir, step, state, meta=meta, control=self.control,
                       previous=previous)
         except (ckpt.CheckpointPeerLost, RuntimeError) as exc:
             # A peer that died mid-save fails the collective; the transport's receivers say which.
@@ -398,7 +414,8 @@ class RankRun:
         from .data import load_dataset
 
         args, cfg, engine = self.args, self.cfg, self.engine
-        batches = iter(load_dataset(args.data, self.m, micro_batches=cfg.micro_batches, seed=args.seed))
+        batches = iter(load_dataset(args.data, self.m, micro_batches=cfg.micro_batches * self.parallel,
+                                    seed=args.seed))
         for _ in range(self.start):
             next(batches)
         self._open_log()
@@ -425,7 +442,7 @@ class RankRun:
             self.bar.close()
         if self.log is not None:
             done, cfg = self.args.steps - self.start, self.cfg
-            sps = done * cfg.micro_batches * self.m.micro_batch_size / self.seconds
+            sps = done * cfg.micro_batches * self.parallel * self.m.micro_batch_size / self.seconds
             self.log.write({"run": self.run_id, "summary": True, "steps": done, "seconds": self.seconds,
                             "schedule": cfg.schedule, "samples_per_s": sps})
             self.log.close()
