@@ -198,6 +198,60 @@ def launch_settings(args, package) -> int:
         ch = tuned["chosen"]
         if n == "auto":
             args.parallel_pipelines = n = int(ch["parallel_pipelines"])
+            if getattr(args, "micro_batches", None) is None:     # the tuned pair (M, N), unless M was given
+                args.micro_batches = int(ch["micro_batches"])
         if k == "auto":
             args.advance = k = int(ch["advance"])
     return int(n or 1)
+
+
+# --------------------------------------------------------------------------- ftcompile compile / simulate
+
+def add_arguments(group, *, auto: bool = True) -> None:
+    """``--parallel-pipelines`` and ``--advance`` for ``compile`` (``auto``: tune) and ``simulate``."""
+    what = "N|auto" if auto else "N"
+    group.add_argument("--parallel-pipelines", default=None, metavar=what,
+                       help="avgpipe: N parallel pipelines on the same GPUs (default 1" +
+                            ("; auto: tune (M, N, advance) in simulation and record the choice in plan.json)"
+                             if auto else ")"))
+    group.add_argument("--advance", default=None, metavar="K|auto" if auto else "K",
+                       help="avgpipe: micro-batches forwarded in advance of 1F1B's warm-up (default 0" +
+                            ("; auto: the fastest that fits, in simulation)" if auto else ")"))
+
+
+def problem_advance(args) -> int:
+    """The advance a Problem prices (0 when not a number)."""
+    from .runtime.avgpipe import _count
+
+    k = _count("--advance", getattr(args, "advance", None), 0)
+    _count("--parallel-pipelines", getattr(args, "parallel_pipelines", None), 1)
+    if (k is not None or getattr(args, "parallel_pipelines", None) is not None) and args.schedule not in (None, "avgpipe"):
+        raise TuneError("--parallel-pipelines and --advance belong to --schedule avgpipe; add it or drop them")
+    return k if isinstance(k, int) else 0
+
+
+def tune_for_compile(args, problem: Problem, plan: Plan) -> Tuning:
+    """The tuning ``ftcompile compile --schedule avgpipe`` records: what was given is fixed, the rest searched."""
+    from .runtime.avgpipe import _count
+
+    n = _count("--parallel-pipelines", getattr(args, "parallel_pipelines", None), 1)
+    k = _count("--advance", getattr(args, "advance", None), 0)
+    searching = n == "auto" or k == "auto"
+    Ms = tuple(sorted({1, 2, 4, 8, 16, problem.micro_batches})) if n == "auto" else (problem.micro_batches,)
+    Ns = (1, 2, 3, 4) if n == "auto" else (n or 1,)
+    ks = "auto" if (k == "auto" or (searching and k is None)) else (k or 0,)
+    return tune(problem, plan, micro_batches=Ms, parallel=Ns, advances=ks)
+
+
+def format_tuning(t: Tuning) -> str:
+    from .cli import format_table
+
+    rows = [s.row() for s in t.settings]
+    out = [f"AvgPipe settings (simulated; Eqs. from the profiled M={t.profiled[0]}, N=1):",
+           format_table(HEADER, rows, right=tuple(range(len(HEADER))))]
+    c = t.chosen
+    out.append("chosen: none fits" if c is None else
+               f"chosen: M={c.micro_batches}, N={c.parallel}, advance={c.advance}: {c.throughput:.1f} samples/s "
+               f"(simulated), {c.memory_bytes / 2**30:.2f} GiB on the fullest GPU")
+    out += [f"note: {n}" for n in t.notes]
+    return "\n".join(out)
