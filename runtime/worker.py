@@ -387,6 +387,8 @@ class RankRun:
     def _on_step(self, rec: dict) -> None:
         rec = {"run": self.run_id, "schedule": self.cfg.schedule, "micro_batches": self.cfg.micro_batches,
                "world_size": self.launch.world_size, **rec}
+        if self.parallel > 1:
+            rec["parallel_pipelines"] = self.parallel
         self.log.write(rec)
         if self.bar is not None:
             self.bar.update(1)
