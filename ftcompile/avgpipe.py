@@ -17,8 +17,8 @@ module reports:
   time (Eq. 2, with the utilisation our roofline profile implies, 100 % during compute),
   blocking communication (Eq. 4), bubbles from the recursions (Eqs. 5-7) and memory (Eq. 8).
 * **memory**: per GPU, ``N`` times each pipeline's model footprint (weights, gradients,
-  optimizer state and versions, from :func:`ftcompile.plan.evaluate`) plus one weight-sized
-  buffer per pipeline for the pending pull (:mod:`ftcompile.runtime.avgpipe`), plus ``N`` times
+  optimizer state and versions, from :func:`ftcompile.plan.evaluate`) plus, when ``N > 1``, one
+  weight-sized buffer per pipeline for the pending pull (:mod:`ftcompile.runtime.avgpipe`), plus ``N`` times
   its data footprint (activations in flight at this ``M`` and advance, buffers, inputs), plus
   the GPU's reserve once.
 
@@ -92,7 +92,8 @@ def memory_of(cost, N: int) -> int:
     for g in cost.gpus:
         model = g.param_bytes + g.weight_version_bytes + g.grad_bytes + g.optimizer_bytes
         data = g.memory_bytes - model - g.reserve_bytes
-        worst = max(worst, N * (model + g.param_bytes) + N * data + g.reserve_bytes)
+        pull = g.param_bytes if N > 1 else 0       # one pipeline never pulls: no displacement buffer
+        worst = max(worst, N * (model + pull) + N * data + g.reserve_bytes)
     return worst
 
 

@@ -234,3 +234,76 @@ def test_two_parallel_pipelines_match_a_plain_loop_with_two_models_and_their_ave
     assert all(torch.equal(c[0], x) for c in refs.values() for x in c[1:])
     losses = [x[4] for x in res if x[4] is not None]
     assert len(losses) == 1 and len(losses[0]) == cfg.steps
+
+
+# --------------------------------------------------------------------------- tuning (compiler side)
+
+@pytest.fixture(scope="module")
+def tiny_problem():
+    from ftcompile.cluster import load_cluster
+    from ftcompile.compile import compile_plan
+    from ftcompile.plan import Problem
+    from test_codegen import traced
+
+    _, graph, prof = traced("gpt2-tiny")
+    problem = Problem(graph, prof, load_cluster("2xcpu").with_overrides(gpus=2), schedule="1f1b", micro_batches=4)
+    return problem, compile_plan(problem, "seq", jobs=1).best().plan
+
+
+def test_one_pipeline_setting_is_the_schedules_own_simulation(tiny_problem):
+    from dataclasses import replace
+
+    from ftcompile.avgpipe import setting
+    from ftcompile.plan import evaluate
+    from ftcompile.simulate import simulate
+
+    problem, plan = tiny_problem
+    for sched, advance in (("1f1b", 0), ("gpipe", 4)):
+        pb = replace(problem, schedule=sched)
+        s = setting(problem, plan, 4, 1, advance)
+        assert s.step_ms == pytest.approx(simulate(pb, plan).minibatch_ms)
+        assert s.memory_bytes == max(g.memory_bytes for g in evaluate(pb, plan).gpus)
+    # N pipelines on the same GPUs: never faster per step than one, never more than N x one GPU's work
+    one, two = setting(problem, plan, 4, 1, 0), setting(problem, plan, 4, 2, 0)
+    assert one.step_ms <= two.step_ms <= 2 * one.step_ms + 1e-9
+    assert two.memory_bytes > one.memory_bytes
+
+
+def test_tuning_chooses_the_fastest_setting_that_fits(tiny_problem):
+    from dataclasses import replace
+
+    from ftcompile.avgpipe import setting, tune
+
+    problem, plan = tiny_problem
+    t = tune(problem, plan, micro_batches=(2, 4), parallel=(1, 2, 3))
+    assert len(t.settings) == sum(len({0, m} | {2 ** i for i in range(8) if 2 ** i < m}) * 3 for m in (2, 4))
+    fit = [s for s in t.settings if s.fits]
+    assert t.chosen is not None and t.chosen.throughput == max(s.throughput for s in fit)
+    assert all(s.predicted_step_ms > 0 and s.predicted_memory_bytes > 0 for s in t.settings)
+    # a memory limit between one and two pipelines' needs: only N = 1 fits
+    one = setting(problem, plan, 4, 1, 4).memory_bytes
+    two = setting(problem, plan, 4, 2, 0).memory_bytes
+    tight = replace(problem, cluster=problem.cluster.with_overrides(gpu_memory=(one + two) // 2))
+    t = tune(tight, plan, micro_batches=(4,), parallel=(1, 2))
+    assert t.chosen is not None and t.chosen.parallel == 1 and all(not s.fits for s in t.settings if s.parallel == 2)
+
+
+def test_avgpipe_options_are_refused_where_they_make_no_sense():
+    import argparse
+
+    from ftcompile.runtime.avgpipe import AvgPipeError, check_options, resolved
+
+    def ns(**kw):
+        base = dict(schedule="avgpipe", parallel_pipelines=None, advance=None, elastic_alpha=None)
+        base.update(kw)
+        return argparse.Namespace(**base)
+
+    assert resolved(ns(parallel_pipelines="2", advance="3")) == (2, 3, None)
+    with pytest.raises(AvgPipeError, match="belong to --schedule avgpipe"):
+        check_options(ns(schedule="1f1b", advance="1"))
+    with pytest.raises(AvgPipeError, match="whole number or 'auto'"):
+        check_options(ns(parallel_pipelines="two"))
+    with pytest.raises(AvgPipeError, match="at least 1"):
+        check_options(ns(parallel_pipelines="0"))
+    with pytest.raises(AvgPipeError, match="ftcompile run"):
+        resolved(ns(parallel_pipelines="auto"))
