@@ -10,6 +10,7 @@ the average of its two models.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from pathlib import Path
@@ -307,3 +308,29 @@ def test_avgpipe_options_are_refused_where_they_make_no_sense():
         check_options(ns(parallel_pipelines="0"))
     with pytest.raises(AvgPipeError, match="ftcompile run"):
         resolved(ns(parallel_pipelines="auto"))
+
+
+@pytest.mark.slow
+def test_cli_runs_two_parallel_pipelines_on_two_processes_and_resumes_from_the_reference(seq2, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from ftcompile.runtime.checkpoint import latest
+
+    exe = [sys.executable, "-m", "ftcompile", "run", str(seq2), "--nproc", "2", "--schedule", "avgpipe",
+           "--parallel-pipelines", "2", "--advance", "1", "--optimizer", "momentum", "--lr", "0.05",
+           "--data", "text", "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "log"),
+           "--progress", "off", "--timeout", "120"]
+    r = subprocess.run(exe + ["--steps", "3"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(exe + ["--steps", "5", "--resume"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(x) for x in (tmp_path / "log" / "train.jsonl").read_text().splitlines()]
+    steps = [x for x in recs if "step" in x and "loss" in x]
+    assert [x["step"] for x in steps] == list(range(5))
+    assert all(x["parallel_pipelines"] == 2 and math.isfinite(x["loss"]) for x in steps)
+    assert latest(tmp_path / "ck").step == 5
+    bad = subprocess.run(exe + ["--steps", "3", "--nproc", "3", "--overwrite-checkpoints"], capture_output=True,
+                         text=True, timeout=600)
+    assert bad.returncode == 2 and "parallel pipelines" in bad.stderr
