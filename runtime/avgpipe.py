@@ -261,7 +261,7 @@ def _count(flag: str, text, low: int):
     except (TypeError, ValueError):
         raise AvgPipeError(f"{flag} takes a whole number or 'auto', got {text!r}") from None
     if n < low:
-        raise AvgPipeError(f"{flag} must be at least {low} (or 'auto'), got {n}")
+        raise AvgPipeError(f"{flag} must be {'0 or more' if low == 0 else f'at least {low}'} (or 'auto'), got {n}")
     return n
 
 
@@ -272,11 +272,12 @@ def check_options(args) -> list[str]:
     alpha = getattr(args, "elastic_alpha", None)
     if alpha is not None:
         check(n if isinstance(n, int) else 2, alpha)
-    given = [f for f, v in (("--parallel-pipelines", n), ("--advance", getattr(args, "advance", None)),
-                            ("--elastic-alpha", alpha)) if v is not None]
+    given = [f for f, v in (("--parallel-pipelines", n), ("--elastic-alpha", alpha)) if v is not None]
     if given and args.schedule not in (None, "avgpipe"):
         raise AvgPipeError(f"{', '.join(given)} belong to --schedule avgpipe, not {args.schedule}; add "
                            "--schedule avgpipe or drop them")
+    if getattr(args, "advance", None) not in (None, 0, "0") and args.schedule not in (None, "avgpipe"):
+        return [f"--advance does nothing under --schedule {args.schedule}: it is for --schedule avgpipe"]
     return []
 
 
@@ -289,3 +290,16 @@ def resolved(args) -> tuple[int, int, float | None]:
         raise AvgPipeError("--parallel-pipelines auto and --advance auto are chosen by `ftcompile run` from the "
                            "package's plan; started directly, give numbers")
     return (n or 1), (k or 0), getattr(args, "elastic_alpha", None)
+
+
+def as_replicas(args, schedule: str | None) -> None:
+    """Under ``avgpipe`` the parallel pipelines are the run's replicas: set ``args.replicas`` to N (refusing a
+    ``--replicas`` that says otherwise)."""
+    if schedule != "avgpipe":
+        return
+    n = resolved(args)[0]
+    given = getattr(args, "replicas", None)
+    if given is not None and given != n:
+        raise AvgPipeError(f"--replicas {given} with --schedule avgpipe: its parallel pipelines are the replicas; "
+                           f"give --parallel-pipelines {given} instead (now {n})")
+    args.replicas = n

@@ -300,8 +300,9 @@ def test_avgpipe_options_are_refused_where_they_make_no_sense():
         return argparse.Namespace(**base)
 
     assert resolved(ns(parallel_pipelines="2", advance="3")) == (2, 3, None)
+    assert check_options(ns(schedule="1f1b", advance="1")) == ["--advance does nothing under --schedule 1f1b: it is for --schedule avgpipe"]
     with pytest.raises(AvgPipeError, match="belong to --schedule avgpipe"):
-        check_options(ns(schedule="1f1b", advance="1"))
+        check_options(ns(schedule="1f1b", parallel_pipelines="2"))
     with pytest.raises(AvgPipeError, match="whole number or 'auto'"):
         check_options(ns(parallel_pipelines="two"))
     with pytest.raises(AvgPipeError, match="at least 1"):
