@@ -368,8 +368,12 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if fits(mid) else (mid, hi)
         parts.append(f"with {format_bytes(limit)} per GPU a Seq-pipe plan fits on {hi} GPUs (--gpus {hi})")
+    elif problem.memory_reserve >= limit:
+        parts.append(f"each GPU keeps {format_bytes(problem.memory_reserve)} for the CUDA context and workspace "
+                     f"(the hardware's memory_reserve), no less than the {format_bytes(limit)} it has, so no "
+                     f"number of GPUs (--gpus) helps: raise --gpu-memory")
     else:
-        parts.append(f"it does not fit on up to {max_gpus} GPUs of {format_bytes(limit)}: some single "
+        parts.append(f"it does not fit on up to {max_gpus} GPUs of {format_bytes(limit)} (--gpus): some single "
                      "operator needs more memory than one GPU has")
     return "; ".join(parts)
 
