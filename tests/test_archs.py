@@ -50,13 +50,13 @@ HF = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "phi", "g
       "electra", "distilbert", "deberta_v2", "vit_mae", "gpt2_autocast",
       # with torch's fused attention (dropout inside it keyed like any other)
       "llama_sdpa", "gpt2_sdpa", "bert_sdpa", "bart_sdpa", "t5_sdpa", "qwen3_sdpa"]
-PLAIN = ["resnet", "mobilenet_v2", "lstm_gru", "lstm_dropout"]
+PLAIN = ["resnet", "mobilenet_v2", "lstm_gru", "lstm_dropout", "random_masking"]
 # In every run of the suite (CI's 20-minute budget): a rotary decoder with a no-grad region and
 # grouped-query attention, shared weights, BatchNorm statistics, aliased inputs and an
 # encoder-decoder, LSTM/GRU; `make test-slow` (pytest -m slow) runs the rest. Autocast, no-grad
 # and in-place ops also have small-model tests in test_trace_regions.py, SDPA's pricing in
-# test_profile.py; torch.rand keying (vit_mae) and the other families run in the slow set only.
-QUICK = {"llama", "albert", "resnet", "bloom", "m2m100", "lstm_gru"}
+# test_profile.py; random_masking draws torch.rand in forward as vit_mae does.
+QUICK = {"llama", "albert", "resnet", "bloom", "m2m100", "lstm_gru", "random_masking"}
 QUICK_TRAINING = {("albert", "async")}     # several holders of one tensor per rank (2 ranks, 3 GPUs planned)
 VERIFY_TOL = 1e-6
 
@@ -116,8 +116,9 @@ def test_compiles_and_verifies(name, pkg_root):
         assert "aten.scaled_dot_product_attention.default" in ops
     if name in ("resnet", "mobilenet_v2"):
         assert report.compared["buffer"] >= 3 and any(s.mutates_buffers for s in m.stages)
-    if name == "vit_mae":
+    if name in ("vit_mae", "random_masking"):
         assert report.random_calls["package_other"] >= 1          # the masking noise is drawn in forward
+        assert not report.notes                                  # keyed alike: no advice to pass it in
     if name in ("lstm_gru",):
         assert m.random_ops == 0                                 # no dropout between LSTM layers: not random
     if name == "lstm_dropout":
