@@ -14,8 +14,8 @@ from ftcompile.hardware import PRESETS, HardwareError, HardwareSpec, load_hardwa
 from ftcompile.ir import TensorMeta
 from ftcompile.models import ModelOptions, build_model
 from ftcompile.profile import (
-    OPTIMIZERS, PROFILE_VERSION, Profile, ProfileError, analytic_profile, cached, graph_input_values, host_params,
-    measured_profile, optimizer_state_bytes, param_costs, store,
+    OPTIMIZERS, PROFILE_VERSION, Profile, ProfileError, analytic_profile, cached, graph_input_values,
+    held_activation_bytes, host_params, measured_profile, optimizer_state_bytes, param_costs, store,
 )
 from ftcompile.trace import trace
 
@@ -368,6 +368,11 @@ def test_activation_bytes_positive_and_each_tensor_counted_once():
         assert p.nodes[savers[0]].first_saved_bytes == h_bytes and p.nodes[savers[1]].first_saved_bytes == 0
         assert sum(p.nodes[s].activation_bytes for s in [h_node.id, *savers]) == (
             h_bytes + sum(p.nodes[s].activation_bytes - p.nodes[s].first_saved_bytes for s in [h_node.id, *savers]))
+        # a stage holding only the second saver keeps h all the same; holding both, once
+        own = {s: p.nodes[s].activation_bytes - p.nodes[s].first_saved_bytes for s in savers}
+        assert held_activation_bytes(p, [savers[1]]) == own[savers[1]] + h_bytes
+        assert held_activation_bytes(p, [h_node.id]) == p.nodes[h_node.id].activation_bytes
+        assert held_activation_bytes(p, savers) == sum(own.values()) + h_bytes
         # x (a graph input) is saved by fc0 and charged to the input node, once
         assert p.nodes[g.inputs[0]["node"]].activation_bytes == 4 * 16 * 4
         assert p.nodes[h_node.id].output_bytes == {s: h_bytes for s in g.successors(h_node.id)}
@@ -720,11 +725,13 @@ def cut_package(tmp_path_factory):
     return path, graph, prof, plan
 
 
-def test_stage_keeps_the_inputs_it_saves_whatever_the_cut(cut_package):
+def test_stage_keeps_the_inputs_it_saves_across_a_cut(cut_package):
     """A stage that does not recompute keeps what autograd saves in its forward, received values
-    included: the plan's held activations of each stage are at least that, measured on the
-    generated stage modules with saved-tensor hooks (dropout off: on the CPU its mask is a float
-    tensor, the GPU kernel the profile prices keeps one byte per element)."""
+    included: with the cut right after a node whose output the next node saves, the plan's held
+    activations of each stage are at least that (the saved value counts with the receiving
+    stage; it used to count with the producer's), measured on the generated stage modules with
+    saved-tensor hooks (dropout off: on the CPU its mask is a float tensor, the GPU kernel the
+    profile prices keeps one byte per element)."""
     from ftcompile.cluster import load_cluster
     from ftcompile.plan import Problem, evaluate
     from ftcompile.runtime import load_package
