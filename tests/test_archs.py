@@ -125,6 +125,26 @@ def test_compiles_and_verifies(name, pkg_root):
         assert m.random_ops == 1 and m.dropout_ops == 0          # keyed apart from dropout
 
 
+def test_rotary_decoder_in_basic_blocks_verifies(tmp_path):
+    """Issue 10's first failure: a rotary decoder traced by layers, naming the rotary class itself as
+    a block (the no-grad region inside a block node) compiles and verifies like the operator graph."""
+    built = build_model(spec("llama"), ModelOptions())
+    graph = trace(built.model, built.args, built.kwargs, basic_blocks=("LlamaDecoderLayer", "LlamaRotaryEmbedding"),
+                  source={"model": built.name, "options": dataclasses.asdict(built.options)})
+    blocks = [n.op for n in graph.op_nodes() if n.op.startswith("block:")]
+    assert blocks.count("block:LlamaRotaryEmbedding") == 1 and blocks.count("block:LlamaDecoderLayer") >= 2
+    prof = analytic_profile(graph, load_hardware("cpu"))
+    cluster = load_cluster("2xcpu").with_overrides(gpus=2)
+    result = compile_plan(Problem(graph, prof, cluster, schedule="1f1b", micro_batches=4), "seq", jobs=1)
+    assert result.chosen is not None, [(r.name, r.reason) for r in result.results]
+    doc = plan_document(result, model=graph.source)
+    write_package(generate(graph, doc, weight_source(built.model, graph), input_ranges=example_input_ranges(built)),
+                  doc, tmp_path / "pkg")
+    report = verify_package(str(tmp_path / "pkg"), tolerance=VERIFY_TOL)
+    assert report.ok, [d.row() for d in report.failures[:5]] + report.notes
+    assert report.compared["gradient"] > 0
+
+
 # --------------------------------------------------------------------------- training
 
 def _cfg(schedule: str) -> TrainConfig:
