@@ -61,6 +61,9 @@ def add_parsers(sub) -> None:
                    help="recompute activations in backward (async always does, but for the last stage)")
     g.add_argument("--optimizer", choices=("sgd", "momentum", "adam", "adafactor"), default="adam",
                    help="optimizer whose state memory counts (default: adam)")
+    from .avgpipe import add_arguments as _avgpipe_arguments
+
+    _avgpipe_arguments(g)
     g = p.add_argument_group("strategies")
     g.add_argument("--strategy", default="auto", metavar="NAMES",
                    help="auto (all that apply) or a comma-separated list of: mixed, seq, acyclic, metis, "
@@ -98,6 +101,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--schedule", choices=SCHEDULES, help="schedule (default: the plan's)")
     p.add_argument("--micro-batches", type=base._positive_int, metavar="M", help="default: the plan's")
     p.add_argument("--steps", type=base._positive_int, default=2, metavar="K", help="mini-batches measured (default: 2)")
+    from .avgpipe import add_arguments as _avgpipe_arguments
+
+    _avgpipe_arguments(p, auto=False)
     p.add_argument("-o", "--output", metavar="FILE.png", help="timeline picture (default: OUT/timeline-SCHEDULE.png; .svg beside it)")
     p.add_argument("--json", action="store_true", help="print the simulation figures as JSON")
     p.set_defaults(func=cmd_simulate)
@@ -230,8 +236,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
             prof.check_graph(graph)
         else:
             prof = _analytic_profile(graph, hw, args.optimizer, args.cache_dir, ui)
+        from dataclasses import replace
+
+        from .avgpipe import format_tuning, problem_advance, tune_for_compile
+
         problem = Problem(graph, prof, cluster, schedule=args.schedule, micro_batches=args.micro_batches,
-                          recompute=args.recompute)
+                          recompute=args.recompute, advance=problem_advance(args))
         t = lap("profile", t)
 
         from .compile import resolve_strategies
@@ -264,6 +274,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
             from .compile import replicas_section
 
             doc["replicas"] = replicas_section(options, chosen, cluster)
+        if args.schedule == "avgpipe" and result.chosen is not None:     # (M, N, advance), AvgPipe §5.2
+            tuning = tune_for_compile(args, replace(result.problem, replicas=1, ring_bandwidth=None),
+                                      result.best().plan)
+            doc["avgpipe"] = tuning.to_json()
+            ui.note(format_tuning(tuning))
+            t = lap("avgpipe_tuning", t)
         if result.chosen is None:
             doc["requirements"] = minimum_requirements(problem)
             t = lap("requirements", t)
@@ -383,13 +399,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     doc, graph, prof, plan, folder = _load_out(args.plan)
     schedule = args.schedule or doc["schedule"]
-    problem = problem_from_doc(doc, graph, prof, schedule=schedule, micro_batches=args.micro_batches)
+    from dataclasses import replace
+
+    from .avgpipe import problem_advance, setting
+
+    args.schedule = schedule
+    problem = replace(problem_from_doc(doc, graph, prof, schedule=schedule, micro_batches=args.micro_batches),
+                      advance=problem_advance(args))
     result = simulate(problem, plan, steps=args.steps)
+    par = None
+    if schedule == "avgpipe" and int(args.parallel_pipelines or 1) > 1:    # N pipelines share the GPUs
+        par = setting(problem, plan, problem.micro_batches, int(args.parallel_pipelines), problem.advance)
     out = args.output or os.path.join(folder, f"timeline-{schedule}.png")
     draw_timeline(result, out)
     data = result.to_json()
     data.pop("events", None)
     data["picture"] = out
+    if par is not None:      # the timeline is one pipeline's; the figures below are all N's (ftcompile.avgpipe)
+        data.update(parallel_pipelines=par.parallel, avgpipe_step_ms=par.step_ms,
+                    avgpipe_throughput_samples_per_s=par.throughput, avgpipe_peak_memory=par.memory_bytes,
+                    avgpipe_memory_feasible=par.fits)
     if args.json:
         base._emit_json(data)
         return 0

@@ -159,7 +159,19 @@ def _preflight(args: argparse.Namespace):
         raise base.UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     package = load_package(args.package)    # a damaged package: code and plan here, weights below
     m = package.manifest
-    nproc = args.nproc if args.nproc is not None else m.num_gpus * max(m.replicas, 1)
+    from .avgpipe import launch_settings
+    from .runtime.avgpipe import as_replicas
+
+    try:   # avgpipe: 'auto' from the plan's tuning; its N parallel pipelines are the run's N replicas
+        parallel = launch_settings(args, package)
+        as_replicas(args, args.schedule or m.schedule)
+    except ValueError as exc:
+        raise base.UsageError(str(exc)) from None
+    default_replicas = parallel if (args.schedule or m.schedule) == "avgpipe" else max(m.replicas, 1)
+    nproc = args.nproc if args.nproc is not None else m.num_gpus * default_replicas
+    if (args.schedule or m.schedule) == "avgpipe" and nproc % parallel:
+        raise base.UsageError(f"--nproc {nproc} does not split into {parallel} parallel pipelines; give a multiple "
+                              f"of {parallel} (e.g. --nproc {parallel * m.num_gpus})")
     if nproc > m.num_gpus and args.replicas is None and nproc % m.num_gpus:
         raise base.UsageError(f"--nproc {nproc}: the plan has {m.num_gpus} GPU(s) per pipeline, so {nproc} ranks "
                               f"make no whole number of pipelines; give --nproc {m.num_gpus} or fewer (several "

@@ -258,6 +258,28 @@ def why(options: list[ReplicaOption], chosen: int | None) -> str:
                 f"{t['pipeline_bytes'] / 1e9:.3f}, {t['allreduce_cross_host_bytes'] / 1e9:.3f} GB of all-reduce "
                 f"of {t['allreduce_bytes'] / 1e9:.3f})")
 
+    feasible = [o for o in options if o.feasible]
+    longest = max(o.layout.pipeline_gpus for o in feasible)
+    most = max(o.layout.replicas for o in feasible)
+    middle = [o for o in feasible if o.layout.pipeline_gpus not in (longest, c.layout.pipeline_gpus)
+              and o.layout.replicas != most]
+    if c.layout.replicas == most and len(feasible) > 1:
+        what = ("each replica holds the whole model on one GPU: no pipeline bubble and no activation traffic"
+                if c.layout.pipeline_gpus == 1 else "the shortest pipeline that fits, with the fewest bubbles")
+        note = (f"it is the most replicas that fit ({what}), and its all-reduce ({c.allreduce_ms:.1f} ms per step) "
+                f"costs less than longer pipelines lose")
+        if middle:
+            m = max(middle, key=lambda o: o.throughput)
+            note += (f"; the best intermediate layout ({m.layout.pipeline_gpus} GPUs x {m.layout.replicas}) gives "
+                     f"{m.throughput:.2f}")
+        parts.append(note)
+    elif c.layout.pipeline_gpus == longest and len(feasible) > 1:
+        shorter = [o for o in feasible if o.layout.pipeline_gpus < longest]
+        if shorter:
+            m = max(shorter, key=lambda o: o.throughput)
+            parts.append(f"it is the longest pipeline: the best layout with more replicas ({m.layout.pipeline_gpus} "
+                         f"GPUs x {m.layout.replicas}) gives {m.throughput:.2f}, its all-reduce taking "
+                         f"{m.allreduce_ms:.1f} ms per step")
     if same:
         parts.append(f"{c.layout.order} moves {across(c)}")
         for o in same:

@@ -60,8 +60,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-prediction", action="store_true", default=None,
                    help="async: forward with weights predicted to the backward's version (FTPipe §4.2; "
                         "momentum, adam, adamw)")
-    g.add_argument("--advance", type=int, default=None, metavar="K",
-                   help="avgpipe: micro-batches forwarded in advance of 1F1B's warm-up (AvgPipe; default 0)")
+    g.add_argument("--parallel-pipelines", default=None, metavar="N|auto",
+                   help="avgpipe: N parallel pipelines with elastic averaging, each on its own batch (they are the run's "
+                        "replicas: --nproc counts the ranks of all N; default 1; auto: the plan's tuned choice)")
+    g.add_argument("--advance", default=None, metavar="K|auto",
+                   help="avgpipe: micro-batches forwarded in advance of 1F1B's warm-up (0: 1F1B, M: all forwards "
+                        "first; default 0; auto: the plan's tuned choice)")
+    g.add_argument("--elastic-alpha", type=float, default=None, metavar="A",
+                   help="avgpipe: how far each parallel model is pulled toward their average per step (default 1/N)")
     g.add_argument("--on-nonfinite", choices=("stop", "skip"), default=None,
                    help="a loss that is NaN or infinite: stop the run naming the step and stage (default), or "
                         "skip that step's update on every stage and go on")
@@ -117,7 +123,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 _VALUED = ("schedule", "micro_batches", "steps", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
            "warmup_steps", "clip_grad_norm", "data", "seed", "device", "transport", "timeout", "heartbeat_timeout",
            "log_dir", "checkpoint_dir", "checkpoint_every", "progress", "advance", "on_nonfinite", "replicas",
-           "rank_order")
+           "rank_order", "parallel_pipelines", "elastic_alpha")
 _FLAGS = ("recompute", "weight_prediction", "no_dropout", "resume", "overwrite_checkpoints", "reset_optimizer",
           "measure_memory")
 
@@ -156,8 +162,6 @@ def check(args) -> list[str]:
             raise OptionError(f"{flag} must be at least 1, got {value}")
     if getattr(args, "replicas", None) is not None and args.replicas < 1:
         raise OptionError(f"--replicas must be at least 1, got {args.replicas}")
-    if getattr(args, "advance", None) is not None and args.advance < 0:
-        raise OptionError(f"--advance must be 0 or more, got {args.advance}")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         raise OptionError(f"--warmup-steps must be 0 or more, got {args.warmup_steps}")
     _finite("--lr", args.lr, low=0.0, must="a finite learning rate >= 0 (e.g. 1e-3)")
@@ -178,9 +182,9 @@ def check(args) -> list[str]:
         raise OptionError("--overwrite-checkpoints deletes the checkpoints --resume continues from; give one of them")
     if args.reset_optimizer and not args.resume:
         raise OptionError("--reset-optimizer needs --resume (a fresh run starts its optimizer afresh anyway)")
-    warnings = []
-    if getattr(args, "advance", None) and args.schedule not in (None, "avgpipe"):
-        warnings.append(f"--advance does nothing under --schedule {args.schedule}: it is for --schedule avgpipe")
+    from .avgpipe import check_options as _avgpipe_options
+
+    warnings = _avgpipe_options(args)
     if args.lr == 0:
         warnings.append("--lr 0: no weight will change")
     if args.momentum is not None and args.optimizer not in (None, "momentum"):

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from . import avgpipe as _avgpipe
 from . import checkpoint as ckpt
 from .checkpoint import CheckpointError
 from .engine import PipelineError, PipelineHang, RankEngine, TrainConfig
@@ -72,7 +73,7 @@ def config_from_args(args, manifest) -> TrainConfig:
                        clip_grad_norm=args.clip_grad_norm, recompute=bool(args.recompute),
                        weight_prediction=bool(args.weight_prediction), seed=args.seed,
                        dropout=not args.no_dropout, timeout_s=args.timeout, total_steps=args.steps,
-                       nonfinite=args.on_nonfinite or "stop", advance=int(args.advance or 0),
+                       nonfinite=args.on_nonfinite or "stop", advance=_avgpipe.resolved(args)[1] if args.schedule == "avgpipe" else 0,
                        measure_memory=bool(getattr(args, "measure_memory", False)))
 
 
@@ -289,6 +290,7 @@ class RankRun:
         self.package = load_package(self.args.package)
         m = self.m = self.package.manifest
         world = self.launch.world_size
+        _avgpipe.as_replicas(self.args, self.args.schedule or m.schedule)     # AvgPipe: N pipelines = N replicas
         self.replicas = replicas_for(m, world, self.args.replicas)
         self.layout = RankLayout(world, self.replicas, self.rank, self.args.rank_order or m.rank_order)
         self.res = resolve(self.args, m, restart_run_id=_launch_run_id(), replicas=self.replicas)
@@ -307,6 +309,11 @@ class RankRun:
         # Replica 0's loss rank writes the log and holds the folders' locks.
         first = self.layout.stage_ranks(m, 0)
         self.owner = first[m.loss_stage] if m.loss_stage is not None else min(first.values())
+        # AvgPipe: the N parallel pipelines are the N replicas, pulled toward their average instead of
+        # averaging gradients (runtime/avgpipe.py).
+        self.averaging = None
+        if self.cfg.schedule == "avgpipe":
+            self.averaging = _avgpipe.ElasticAveraging(self.replicas, _avgpipe.resolved(args)[2])
         self.log_dir = Path(args.log_dir or Path(args.package) / "runs" / args.schedule)
 
     def describe(self, r: int) -> str:
@@ -365,7 +372,8 @@ class RankRun:
         failure, ck = None, self.res.checkpoint
         try:
             self.engine = RankEngine(self.package, self.cfg, rank=self.rank, world_size=self.launch.world_size,
-                                     transport=self.transport, device=self.device, layout=self.layout)
+                                     transport=self.transport, device=self.device, layout=self.layout,
+                                     averaging=self.averaging)
             if ck is not None:
                 self.phase(f"loading the checkpoint of step {ck.step}")
                 names = [n for mod in self.engine.modules.values() for n in mod.state_dict()]
@@ -393,6 +401,8 @@ class RankRun:
     def _on_step(self, rec: dict) -> None:
         rec = {"run": self.run_id, "schedule": self.cfg.schedule, "micro_batches": self.cfg.micro_batches,
                "world_size": self.launch.world_size, "replicas": self.replicas, **rec}
+        if self.averaging is not None:
+            rec["parallel_pipelines"] = self.replicas
         loss = rec.get("loss")
         if loss is not None and not math.isfinite(loss):
             # train.jsonl stays strict JSON (no NaN / Infinity literals)
@@ -415,7 +425,12 @@ class RankRun:
             # Once per stage: replica 0's ranks write; the others' copies are only compared with
             # theirs (gradients are averaged across replicas under every schedule, so all hold the
             # same weights and optimizer state; a difference is refused as a bug).
-            ckpt.save(args.checkpoint_dir, step, self.engine.state(), meta=meta, control=self.control,
+            # AvgPipe's parallel pipelines differ: they save the reference model (their average, the
+            # same bits on every pipeline), from which all N resume.
+            state = self.engine.state()
+            if self.averaging is not None:
+                state = self.averaging.reference(state)
+            ckpt.save(args.checkpoint_dir, step, state, meta=meta, control=self.control,
                       previous=previous, write=self.layout.replica == 0)
         except (ckpt.CheckpointPeerLost, RuntimeError) as exc:
             # A peer that died mid-save fails the collective; the transport's receivers say which.
