@@ -44,7 +44,7 @@ import numpy as np
 from .cluster import ClusterSpec
 from .hardware import HardwareSpec, load_hardware
 from .ir import OpGraph, atomic_write_text
-from .profile import Profile
+from .profile import Profile, held_activation_bytes
 from .runtime.allreduce import BUCKET_BYTES as ALLREDUCE_BUCKET_BYTES
 from .runtime.schedules import SCHEDULES, StageProgram, flow_control, flow_window, stage_program, stage_programs
 from .units import format_bytes
@@ -693,7 +693,7 @@ def evaluate(problem: Problem, plan: Plan, *, windows: dict[tuple[int, int], int
         # step's other work like the transfers do.
         ar = problem.allreduce_ms(s.gpu, gb)
         period = compute + max(0.0, send_ms - compute) + max(0.0, recv_ms - compute) + max(0.0, ar / M - compute)
-        act_full = sum(prof.nodes[n].activation_bytes for n in nodes)
+        act_full = held_activation_bytes(prof, nodes)     # each saved value once, with its savers
         graph_inputs = sum(e.bytes for n in nodes for e in graph.in_edges(n)
                            if graph.node(e.src).kind == "input")
         act_in = recv_b + graph_inputs
