@@ -171,9 +171,11 @@ def _run_one(name: str, problem: Problem, simulate_plan: bool, options: dict | N
             sim.pop("events", None)
             if not sim["memory_feasible"]:
                 worst = max(range(plan.num_gpus), key=lambda g: sim["gpu_peak_memory"][g] - sim["gpu_memory_limit"])
+                from .units import format_bytes
+
                 return StrategyResult(name, False, f"the simulated run does not fit: GPU {worst} peaks at "
-                                      f"{sim['gpu_peak_memory'][worst] / 1e9:.2f} GB of "
-                                      f"{sim['gpu_memory_limit'] / 1e9:.2f} GB", plan, cost, sim,
+                                      f"{format_bytes(sim['gpu_peak_memory'][worst])} of "
+                                      f"{format_bytes(sim['gpu_memory_limit'])}", plan, cost, sim,
                                       time.perf_counter() - t0)
         return StrategyResult(name, True, None, plan, cost, sim, time.perf_counter() - t0,
                               figures=plan_figures(problem, plan, cost))
