@@ -173,6 +173,7 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
     for attach in (False, True):
         left = time_limit - (time.perf_counter() - t0)
         if left <= 0:
+            searches.append({"result": "stopped", "stopped": "time limit"})
             break
         groups, side = attach_side_nodes(problem, attach_share) if attach else (None, None)
         if attach and len(groups) == N:
