@@ -70,6 +70,8 @@ class _Data:
     made: list[list[int]]         # node -> values it makes
     reads: list[list[int]]        # node -> values it reads (each once)
     margin: int = 0               # bytes kept free beyond the estimate (raised when evaluate disagrees)
+    pupd: list = None             # per parameter: its optimizer step's share U / M
+    ptied: dict = None            # tied parameters (read by several nodes): their gradient sum per extra holder
 
 
 def _build_data(problem: Problem) -> _Data:
@@ -120,8 +122,20 @@ def _build_data(problem: Problem) -> _Data:
         if v not in reads[b]:
             reads[b].add(v)
             vcons[v].append(b)
+    from ..plan import _shared_sum_ms
+
+    M = problem.micro_batches
+    pupd = [problem.update_ms([nm]) / M for nm in pnames]
+    nreaders: dict[int, int] = {}
+    for ps in params:
+        for q in ps:
+            nreaders[q] = nreaders.get(q, 0) + 1
+    names = list(pnames)
+    ptied = {q: _shared_sum_ms(problem, [names[q]], {names[q]: 2}) / M for q, c in nreaders.items()
+             if c > 1 and prof.params[names[q]].grad_bytes}
+    ptied = {q: c for q, c in ptied.items() if c > 0}
     return _Data(ids, work, rec, act, ginp, params, ptotal, pbytes, pred, succ, edge_bytes,
-                 vprod, vbytes, vfloat, vcons, made, [sorted(r) for r in reads])
+                 vprod, vbytes, vfloat, vcons, made, [sorted(r) for r in reads], pupd=pupd, ptied=ptied)
 
 
 # --------------------------------------------------------------------------- incremental costs
@@ -170,6 +184,8 @@ class _State:
         z = lambda: [0.0] * P  # noqa: E731
         self.work, self.rec, self.act, self.ginp = z(), z(), z(), z()
         self.send, self.recvf, self.recvb, self.pmem = z(), z(), z(), z()
+        self.upd = z()
+        self.holders: dict[int, int] = {}           # tied parameter -> blocks holding it
         self.count = [0] * P
         self.eps = 1e-2 * sum(data.work) / max(1, len(data.work))
         self.pref: list[dict[int, int]] = [dict() for _ in range(P)]
@@ -196,10 +212,16 @@ class _State:
             if r == 0:
                 del ref[p]
                 self.pmem[b] -= d.ptotal[p] + d.pbytes[p] * self.extra[b]
+                self.upd[b] -= d.pupd[p]
+                if p in d.ptied:
+                    self.holders[p] -= 1
             else:
                 ref[p] = r
                 if r == 1 and sign > 0:
                     self.pmem[b] += d.ptotal[p] + d.pbytes[p] * self.extra[b]
+                    self.upd[b] += d.pupd[p]
+                    if p in d.ptied:
+                        self.holders[p] = self.holders.get(p, 0) + 1
 
     def _value(self, v: int, sign: int) -> None:
         d = self.d
@@ -238,7 +260,10 @@ class _State:
 
     # costs
     def period(self, b: int) -> float:
-        c = self.work[b] + (self.rec[b] if self.recomp[b] else 0.0)
+        c = self.work[b] + self.upd[b] + (self.rec[b] if self.recomp[b] else 0.0)
+        if self.d.ptied:
+            ref = self.pref[b]
+            c += sum(cq * (self.holders[q] - 1) for q, cq in self.d.ptied.items() if q in ref)
         return c + max(0.0, self.send[b] - c) + max(0.0, self.recvf[b] - c)
 
     def memory(self, b: int) -> float:
