@@ -14,6 +14,7 @@ bounds for a stage priced before the rest of its stage graph exists.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from typing import Callable
 
@@ -60,15 +61,25 @@ def run_strategy(name: str, problem: Problem, **options) -> Plan:
     ``options`` go to the strategy's function; ``max_stages=None`` is dropped, and a
     plan with more stages than ``max_stages`` is refused (:class:`Infeasible`).
     """
-    from ..plan import check_plan, ordered
+    from ..plan import check_plan, evaluate, ordered
 
     if options.get("max_stages") is None:
         options.pop("max_stages", None)
     elif int(options["max_stages"]) < 1:
         raise ValueError(f"max_stages must be at least 1, got {options['max_stages']}")
-    plan = get_strategy(name)(problem, **options)
-    plan = ordered(plan, problem.graph)
-    check_plan(problem.graph, plan)
+    from ..runtime.schedules import ScheduleError
+
+    fn = get_strategy(name)
+    if problem.schedule in ("2bw", "2gw") and "max_stages" in inspect.signature(fn).parameters:
+        # two weight versions hold only for a pipeline no deeper than M: at most M + 1 stages
+        options["max_stages"] = min(options.get("max_stages") or (1 << 30), problem.micro_batches + 1)
+    try:
+        plan = fn(problem, **options)
+        plan = ordered(plan, problem.graph)
+        check_plan(problem.graph, plan)
+        evaluate(problem, plan)            # (a schedule that cannot run the plan says so here)
+    except ScheduleError as exc:
+        raise Infeasible(f"{name}: {exc}") from None
     cap = options.get("max_stages")
     if cap is not None and len(plan.stages) > cap:
         raise Infeasible(f"{name} made {len(plan.stages)} stages, more than --max-stages {cap}")
