@@ -188,7 +188,8 @@ def test_non_adjacent_stages_may_share_a_gpu_for_t5():
     # And the partitioner produces such plans when asked for more blocks than GPUs (on 4 GPUs
     # T5-tiny's best Mixed-pipe plan folds blocks of the decoder onto encoder GPUs).
     pr = _problem("t5-tiny", 4)
-    plan = partition_mixed(pr, l_factors=(2, 3), seeds=(0, 1))
+    # (the best by objective: simulation may then prefer a plan without folding)
+    plan = partition_mixed(pr, l_factors=(2, 3), seeds=(0, 1), simulate_top=0)
     check_plan(pr.graph, plan)
     ev = evaluate(pr, plan)
     assert ev.feasible

@@ -91,6 +91,44 @@ def stage_cap(problem: Problem, max_stages: int | None) -> int:
     return max(1, int(max_stages)) if max_stages is not None else 1 << 30
 
 
+# --------------------------------------------------------------------------- choosing by simulation
+
+def best_simulated(problem: Problem, finals: list[tuple[float, Plan]], top: int) -> Plan:
+    """Among the ``top`` distinct plans of lowest objective, the one whose simulated run is best.
+
+    The objective (FTPipe Eq. 1, the largest GPU load) ignores the waits between stages that
+    the schedule's dependencies impose, most of all when a GPU runs several stages; only the
+    simulator (:func:`ftcompile.simulate.simulate`) sees them, and it also replays the memory
+    the runtime holds. So each candidate is simulated, and the one whose simulated run fits
+    memory with the shortest simulated period wins (ties: lower objective). The winner's
+    ``info`` gets ``simulated_period_ms`` and ``simulated_memory_fits``; each simulated
+    candidate's figures go to ``info["simulated_candidates"]``.
+    """
+    from ..simulate import simulate
+
+    finals = sorted(finals, key=lambda c: c[0])
+    picked, seen = [], set()
+    for obj, plan in finals:
+        key = tuple(sorted((s.gpu, tuple(sorted(s.nodes))) for s in plan.stages))
+        if key not in seen:
+            seen.add(key)
+            picked.append((obj, plan))
+        if len(picked) == top:
+            break
+    scored = []
+    for obj, plan in picked:
+        sim = simulate(problem, plan)
+        fits = bool(getattr(sim, "memory_feasible", True))
+        plan.info["simulated_period_ms"] = round(sim.period_ms, 6)
+        plan.info["simulated_memory_fits"] = fits
+        scored.append((not fits, sim.period_ms, obj, plan))
+    best = min(scored, key=lambda c: c[:3])[3]
+    best.info["simulated_candidates"] = [{"objective_ms": round(o, 6), "simulated_period_ms": round(p, 6),
+                                          "simulated_memory_fits": not nf, "stages": len(pl.stages)}
+                                         for nf, p, o, pl in sorted(scored, key=lambda c: c[2])]
+    return best
+
+
 # --------------------------------------------------------------------------- memory
 
 class MemoryModel:

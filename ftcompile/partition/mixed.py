@@ -630,30 +630,10 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
 
 
 def _best_simulated(problem: Problem, finals: list[tuple[float, Plan]], top: int) -> Plan:
-    """Among the plans of lowest objective, the one that simulates fastest.
+    """:func:`~ftcompile.partition.base.best_simulated` (kept under this name for callers)."""
+    from .base import best_simulated
 
-    Eq. 1 sums a GPU's stage periods as if its stages never waited on one another;
-    with several stages per GPU the dependencies between them can leave the GPU idle,
-    which only the simulator sees. So the few best plans by objective are simulated
-    under the problem's schedule and the shortest simulated period wins.
-    """
-    from ..simulate import simulate
-
-    finals = sorted(finals, key=lambda c: c[0])
-    picked, seen = [], set()
-    for obj, plan in finals:
-        key = tuple(sorted((s.gpu, tuple(sorted(s.nodes))) for s in plan.stages))
-        if key not in seen:
-            seen.add(key)
-            picked.append((obj, plan))
-        if len(picked) == top:
-            break
-    scored = []
-    for obj, plan in picked:
-        period = simulate(problem, plan).period_ms
-        plan.info["simulated_period_ms"] = round(period, 6)
-        scored.append((period, obj, plan))
-    return min(scored, key=lambda c: (c[0], c[1]))[2]
+    return best_simulated(problem, finals, top)
 
 
 def _assign_any(problem: Problem, q: Quotient) -> dict[int, int]:
