@@ -334,11 +334,8 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
         return replace(problem, cluster=replace(problem.cluster, gpu_memory=int(m)))
 
     def seq_fits(pb: Problem) -> bool:
-        try:
-            run_strategy("seq", pb)
-            return True
-        except (Infeasible, PlanError, ValueError):
-            return False
+        # as compile judges a plan: priced, and its simulated run within the limit
+        return _run_one("seq", pb, True).feasible
 
     if seq_fits(problem):
         # The strategies asked for failed, but the cluster is big enough.
@@ -351,17 +348,25 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
     except (Infeasible, PlanError, ValueError):
         need = None
     if need is not None:
-        lo, hi = max(limit, static // P), need          # lo does not fit (else we would not be here)
-        while hi - lo > precision * hi:
+        reserve = problem.memory_reserve                # kept free on every GPU (hardware preset)
+        lo, hi = max(limit, reserve + static // P), need  # lo does not fit (else we would not be here)
+        while hi - lo > precision * (hi - reserve):     # (precision on what the plan itself uses)
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if seq_fits(with_memory(mid)) else (mid, hi)
         parts.append(f"on {P} GPUs a Seq-pipe plan fits in {format_bytes(hi)} per GPU (have "
-                     f"{format_bytes(limit)}): use --gpu-memory {format_bytes(hi * 1.005)} or more")
+                     f"{format_bytes(limit)}, of which {format_bytes(reserve)} stay free as the hardware's "
+                     f"reserve): use --gpu-memory {format_bytes(hi + max(0.005 * (hi - reserve), 10_000))} or more")
 
     def fits(p: int) -> bool:
         return seq_fits(replace(problem, cluster=problem.cluster.with_overrides(gpus=p)))
 
-    lo = max(P, -(-static // max(limit, 1)) - 1)       # lo GPUs do not fit
+    usable = limit - problem.memory_reserve
+    if usable <= 0:
+        parts.append(f"no number of GPUs of {format_bytes(limit)} fits: each keeps "
+                     f"{format_bytes(problem.memory_reserve)} free for the CUDA context, workspaces and "
+                     "fragmentation (the hardware's reserve); raise --gpu-memory first, then --gpus")
+        return "; ".join(parts)
+    lo = max(P, -(-static // usable) - 1)               # lo GPUs do not fit
     hi = min(lo + 1, max_gpus)
     while hi < max_gpus and not fits(hi):
         lo, hi = hi, min(hi * 2, max_gpus)
@@ -370,10 +375,6 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if fits(mid) else (mid, hi)
         parts.append(f"with {format_bytes(limit)} per GPU a Seq-pipe plan fits on {hi} GPUs (--gpus {hi})")
-    elif problem.memory_reserve >= limit:
-        parts.append(f"each GPU keeps {format_bytes(problem.memory_reserve)} for the CUDA context and workspace "
-                     f"(the hardware's memory_reserve), no less than the {format_bytes(limit)} it has, so no "
-                     f"number of GPUs (--gpus) helps: raise --gpu-memory")
     else:
         parts.append(f"it does not fit on up to {max_gpus} GPUs of {format_bytes(limit)} (--gpus): some single "
                      "operator needs more memory than one GPU has")

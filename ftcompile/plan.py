@@ -355,21 +355,6 @@ def ordered(plan: Plan, graph: OpGraph) -> Plan:
 
 # --------------------------------------------------------------------------- costs
 
-def _in_flight(schedule: str, depth: int, micro_batches: int, group0: bool) -> int:
-    """Micro-batches a stage at ``depth`` keeps in flight (its runtime program's figure)."""
-    return stage_program(schedule, -1, depth=depth, micro_batches=micro_batches, steps=1,
-                         group=0 if group0 else 1).in_flight
-
-
-def _extra_weight_versions(schedule: str, depth: int, group0: bool, micro_batches: int = 1,
-                           recompute: bool = False) -> int:
-    """Extra weight copies a stage at ``depth`` keeps (its runtime program's figure). Without
-    ``micro_batches`` it assumes an update per micro-batch and no recomputation: the most any
-    setting keeps."""
-    return stage_program(schedule, -1, depth=depth, micro_batches=micro_batches, steps=1, recompute=recompute,
-                         group=0 if group0 else 1).extra_weight_versions
-
-
 def plan_windows(problem: Problem, sg: nx.DiGraph, depth: dict[int, int], progs: dict[int, StageProgram],
                  windows: dict[tuple[int, int], int] | None = None) -> dict[tuple[int, int], tuple[int, bool]]:
     """The flow control of a plan: per stage edge ``(p, c)``, ``(W, credits)`` as the runtime enforces it
