@@ -710,10 +710,9 @@ def evaluate(problem: Problem, plan: Plan, *, windows: dict[tuple[int, int], int
         # backward will use later ones;
         t_fwd = ws_fwd + (tb if (problem.weight_prediction and problem.schedule == "async" and prog.recompute)
                           else 0)
-        # update: per shared tensor, the holders' sum and a zero gradient standing in for a missing
-        # own one (the other holders' gradients wait in the receive term, or are theirs); the
-        # runtime's fused optimizers update in place; Adafactor's factored statistics are small.
-        t_upd = sum(2 * prof.params[n].grad_bytes for n in names
+        # update: the other holders' gradients of shared tensors with their sum (the runtime's fused
+        # optimizers update in place; Adafactor's factored statistics are small).
+        t_upd = sum(prof.params[n].bytes * shared_holders[n] for n in names
                     if shared_holders[n] > 1 and prof.params[n].grad_bytes)
         if problem.replicas > 1:
             t_upd += min(gb, ALLREDUCE_BUCKET_BYTES)      # the all-reduce's flat bucket
@@ -741,23 +740,6 @@ def evaluate(problem: Problem, plan: Plan, *, windows: dict[tuple[int, int], int
         receive[g] += w * b
     for sc in stage_costs:
         receive[sc.gpu] += sc.in_flight * sc.grads_back_bytes
-    # Gradients of shared (tied) tensors from holders on other GPUs: each holder sends its
-    # gradient at the start of its U(j) (one message per GPU, which every holder there reads),
-    # and it waits here until this GPU's holders reach their own U(j), through their remaining
-    # backwards and the other stages' tasks, so it adds to whatever the GPU runs meanwhile.
-    holder_gpus: dict[str, set[int]] = {}
-    holder_stages: dict[str, list[int]] = {}
-    for s in plan.stages:
-        for prm in {p for n in s.nodes for p in graph.node(n).params}:
-            if prof.params[prm].grad_bytes:
-                holder_gpus.setdefault(prm, set()).add(s.gpu)
-                holder_stages.setdefault(prm, []).append(s.gpu)
-    for prm, gpus_of in holder_gpus.items():
-        if len(holder_stages[prm]) < 2:
-            continue
-        for g in gpus_of:
-            remote = sum(1 for h in holder_stages[prm] if h != g)
-            receive[g] += remote * prof.params[prm].grad_bytes
     send = [0] * plan.num_gpus
     where = plan.stage_of()
     for (v, g_dst) in {(v, gpu_of[c]) for p, c, data in sg.edges(data=True) for v in data["values"]}:
