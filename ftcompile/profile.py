@@ -43,8 +43,9 @@ from .execute import run_instrs
 from .hardware import HardwareSpec
 from .ir import Node, OpGraph, TensorMeta, atomic_write_text, iter_refs
 
-PROFILE_VERSION = 3     # 2: gradients from the real dataflow, fused attention, no leftovers in measured runs;
-#                         3: a saved input's bytes are the saver's (first in graph order), saved inputs listed
+PROFILE_VERSION = 4     # 2: gradients from the real dataflow, fused attention, no leftovers in measured runs;
+#                         3: a saved input's bytes are the saver's (first in graph order), saved inputs listed;
+#                         4: CPU profiles price attention and dropout as a CPU runs them (math path, float mask)
 PROFILE_FORMAT = "ftcompile.profile"
 OPTIMIZERS = ("sgd", "momentum", "adam", "adafactor")
 
@@ -359,6 +360,24 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     return _EFFICIENT(q, k, v, bias, need_lse, float(dropout_p), bool(is_causal), scale=scale)[0]
 
 
+def runs_gpu_kernels(hardware_name: str) -> bool:
+    """Whether hardware named ``hardware_name`` runs the GPU's kernels (fused attention, ``native_dropout``).
+
+    A CPU does not: there ``scaled_dot_product_attention`` with dropout runs torch's math path,
+    which keeps the ``s x s`` probabilities and the dropout mask for backward, and
+    ``aten.dropout`` keeps a float mask (``native_dropout`` is fused on CUDA only). A plan for
+    CPU workers priced with the GPU's figures would promise less memory than they hold.
+    Hardware presets and measured profiles name CPUs ``cpu`` / ``cpu-<N>cores``.
+    """
+    return not str(hardware_name).startswith("cpu")
+
+
+def _as_run_on(instrs: list, gpu: bool) -> list:
+    """The instructions as the target runs them: the GPU's kernels (see :func:`_as_gpu_kernels` and
+    :func:`fused_attention`), or as written for a CPU (on ``meta`` they run as a CPU runs them)."""
+    return _as_fused_attention(_as_gpu_kernels(instrs)) if gpu else list(instrs)
+
+
 def _as_fused_attention(instrs: list) -> list:
     """SDPA instructions as the fused kernel (see :func:`fused_attention`); for profiles made on ``meta``."""
     out = []
@@ -645,6 +664,7 @@ def analytic_profile(graph: OpGraph, hardware: HardwareSpec, *, optimizer: str =
     op_nodes = [n for n in graph.nodes if n.kind == "op"]
     t0 = time.perf_counter()
     grads = gradient_values(graph)
+    gpu = runs_gpu_kernels(hardware.name)      # price the kernels the target really runs
     for i, node in enumerate(op_nodes):
         ins = _node_inputs(graph, node)
         sig = _signature(graph, node, grads)
@@ -654,7 +674,7 @@ def analytic_profile(graph: OpGraph, hardware: HardwareSpec, *, optimizer: str =
                              else _literal_value(m.literal)) for name, m in ins}
             try:
                 run = _run_node_once(node, inputs, meta_params, "meta", True, torch.ones_like,
-                                     _as_fused_attention(_as_gpu_kernels(node.instrs)), grads)
+                                     _as_run_on(node.instrs, gpu), grads)
             except Exception as exc:  # noqa: BLE001
                 raise ProfileError(f"cannot cost node {node.id} ({node.name}, {node.op}) on meta: "
                                    f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from exc
@@ -871,7 +891,8 @@ def _measure_node(node: Node, names: list[str], host: dict, hparams: Mapping[str
 
     ins, ps = stage_in()
     _sync(device)
-    instrs = _as_gpu_kernels(node.instrs)
+    gpu = device.type != "cpu"
+    instrs = _as_gpu_kernels(node.instrs) if gpu else list(node.instrs)
     try:
         run = _run_node_once(node, ins, ps, device, False, torch.randn_like, instrs, grads)
     except Exception as exc:  # noqa: BLE001
@@ -880,10 +901,10 @@ def _measure_node(node: Node, names: list[str], host: dict, hparams: Mapping[str
     outputs = {v: (t.detach().to("cpu") if isinstance(t, torch.Tensor) else t) for v, t in run.outputs.items()}
     saved_internal, saved_pos = run.saved_internal_bytes, run.saved_inputs
     del run             # its outputs hold the autograd graph and every tensor it saved
-    if any(ins.target == _SDPA_TARGET for ins in node.instrs):
-        # Plans are for GPUs running the fused attention kernel; a CPU (or a GPU's math
-        # fallback, as for dropout in float32 attention on some) keeps the s x s matrix.
-        # What the node keeps is counted as the analytic profile counts it, on meta.
+    if gpu and any(ins.target == _SDPA_TARGET for ins in node.instrs):
+        # Plans for GPUs price the fused attention kernel (a GPU's math fallback, as for
+        # dropout in float32 attention on some, keeps the s x s matrix): what the node keeps
+        # is counted as the analytic profile counts it, on meta. A CPU keeps what it measured.
         saved_internal, saved_pos = _saved_as_fused(node, names, graph, grads)
     fwd_times, bwd_times = [], []
     for r in range(warmup + repeats):

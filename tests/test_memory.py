@@ -106,6 +106,9 @@ def test_measured_peak_within_planned_peak(interleaved, schedule):
         assert p.exitcode == 0
     for g in range(2):
         planned = cost.gpus[g].memory_bytes - cost.gpus[g].reserve_bytes
+        if os.environ.get("FTC_MEMDIAG"):
+            print(f"MEMORY {schedule} GPU {g}: measured {got[g]:,} planned {planned:,} "
+                  f"({got[g] / planned:.2f})", flush=True)
         assert 0 < got[g] <= planned, (g, got[g], planned, cost.gpus[g])
         # and the model is not wildly pessimistic
         assert got[g] > 0.3 * planned, (g, got[g], planned)

@@ -198,8 +198,11 @@ def test_dropout_is_priced_as_the_fused_gpu_kernel():
     assert a.activation_bytes == 8 * 32                        # the bool mask, not a float one
     assert a.bytes_forward == 8 * 32 * (4 + 4 + 1)             # read x, write y and the mask: one kernel
     assert a.forward_ms == pytest.approx(8 * 32 * 9 / (900e9 * 0.7) * 1e3 + 5e-3)
+    # A CPU runs aten.dropout as written (CUDA only fuses it): a float mask, measured and analytic alike.
+    c = analytic_profile(g, PRESETS["cpu"]).nodes[node.id]
+    assert c.activation_bytes == 8 * 32 * 4
     measured = measured_profile(g, host_params(g, m), graph_input_values(g, (x,), {}), warmup=0, repeats=1)
-    assert measured.nodes[node.id].activation_bytes == a.activation_bytes
+    assert measured.nodes[node.id].activation_bytes == c.activation_bytes
 
 
 # --------------------------------------------------------------------------- hardware
@@ -674,6 +677,9 @@ def test_sdpa_is_priced_as_the_fused_kernel():
     # mask as an additive bias (batch x s x s, one per example, not per head)
     assert c.activation_bytes - c.first_saved_bytes < scores / 2
     assert c.first_saved_bytes <= 3 * batch * heads * s * d * 4
+    # a CPU runs torch's math path, which keeps the probabilities (heads x s x s) for backward
+    cpu = analytic_profile(g, PRESETS["cpu"]).nodes[node.id]
+    assert cpu.activation_bytes - cpu.first_saved_bytes >= scores
     ge, pe = attention_costs("eager")
     # eager keeps, per layer, the probabilities and their dropped-out copy (heads x s x s floats each)
     # and the boolean dropout mask; SDPA the output and a bias of batch x s x s
