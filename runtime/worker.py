@@ -255,7 +255,7 @@ class RankRun:
         self.rank = self.launch.rank
         self.report = report or Reporter(self.rank, self.launch.launcher == "ftcompile")
         self.args = args
-        self.transport = self.control = self.heartbeat = self.engine = None
+        self.transport = self.control = self.heartbeat = self.engine = self.norms = self.layout = None
         self.locks: list = []
         self.log = self.bar = None
 
@@ -287,8 +287,12 @@ class RankRun:
         self.device = _device(args.device, self.launch.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.ranks = stage_ranks(m, self.launch.world_size)
-        self.owner = self.ranks[m.loss_stage] if m.loss_stage is not None else 0
+        from .freeze import rank_layout
+
+        self.layout = rank_layout(m, self.launch.world_size, self.launch.rank)
+        self.ranks = self.layout.stage_ranks(m) if self.layout else stage_ranks(m, self.launch.world_size)
+        lead = self.layout.stage_ranks(m, 0) if self.layout else self.ranks
+        self.owner = lead[m.loss_stage] if m.loss_stage is not None else 0
         self.log_dir = Path(args.log_dir or Path(args.package) / "runs" / args.schedule)
 
     def describe(self, r: int) -> str:
@@ -346,8 +350,12 @@ class RankRun:
         self.phase("loading its stages")
         failure, ck = None, self.res.checkpoint
         try:
+            from .freeze import grad_norms_hook
+
+            self.norms = grad_norms_hook(self.args, self.m, self.layout)
             self.engine = RankEngine(self.package, self.cfg, rank=self.rank, world_size=self.launch.world_size,
-                                     transport=self.transport, device=self.device, ranks=self.ranks)
+                                     transport=self.transport, device=self.device, ranks=self.ranks,
+                                     layout=self.layout, grad_hook=self.norms)
             if ck is not None:
                 self.phase(f"loading the checkpoint of step {ck.step}")
                 names = [n for mod in self.engine.modules.values() for n in mod.state_dict()]
@@ -372,8 +380,10 @@ class RankRun:
                             desc=f"{self.cfg.schedule} x{self.launch.world_size}")
 
     def _on_step(self, rec: dict) -> None:
+        from .freeze import phase_record
+
         rec = {"run": self.run_id, "schedule": self.cfg.schedule, "micro_batches": self.cfg.micro_batches,
-               "world_size": self.launch.world_size, **rec}
+               "world_size": self.launch.world_size, **phase_record(self.m, self.layout, self.cfg), **rec}
         self.log.write(rec)
         if self.bar is not None:
             self.bar.update(1)
@@ -382,7 +392,7 @@ class RankRun:
 
     def _save(self, step: int, previous: int | None) -> None:
         args, m = self.args, self.m
-        meta = {"run_id": self.run_id, "package": m.generator.get("graph_hash"), "model": m.model.get("name"),
+        meta = {"run_id": self.run_id, "package": m.generator.get("base_graph_hash") or m.generator.get("graph_hash"), "model": m.model.get("name"),
                 "world_size": self.launch.world_size, "config": recorded_config(args)}
         self.phase(f"in the checkpoint of step {step}")
         try:
@@ -398,7 +408,8 @@ class RankRun:
         from .data import load_dataset
 
         args, cfg, engine = self.args, self.cfg, self.engine
-        batches = iter(load_dataset(args.data, self.m, micro_batches=cfg.micro_batches, seed=args.seed))
+        reps = self.layout.replicas if self.layout else 1     # each step's global batch: every replica's
+        batches = iter(load_dataset(args.data, self.m, micro_batches=reps * cfg.micro_batches, seed=args.seed))
         for _ in range(self.start):
             next(batches)
         self._open_log()
@@ -417,6 +428,8 @@ class RankRun:
         self.phase("finishing")
         engine.finish()
         self.seconds = time.perf_counter() - t0
+        if self.norms is not None and args.grad_norms_file:
+            self.norms.write(f"{args.grad_norms_file}.rank{self.rank}.json")
 
     def close(self) -> None:
         if self.heartbeat is not None:
@@ -425,7 +438,8 @@ class RankRun:
             self.bar.close()
         if self.log is not None:
             done, cfg = self.args.steps - self.start, self.cfg
-            sps = done * cfg.micro_batches * self.m.micro_batch_size / self.seconds
+            reps = self.layout.replicas if self.layout else 1
+            sps = done * reps * cfg.micro_batches * self.m.micro_batch_size / self.seconds
             self.log.write({"run": self.run_id, "summary": True, "steps": done, "seconds": self.seconds,
                             "schedule": cfg.schedule, "samples_per_s": sps})
             self.log.close()
