@@ -186,3 +186,120 @@ def _no_dropout(ins):
     else:
         kwargs[kw] = False
     return replace(ins, args=args, kwargs=kwargs)
+
+
+# --------------------------------------------------------------------------- AutoPipe + AutoDP
+
+@dataclass
+class PhasePlan:
+    """The layout of one training phase and why it was chosen."""
+
+    frozen: int                     # layers frozen
+    pipeline_gpus: int              # P
+    replicas: int                   # R
+    micro_batches: int              # M per replica (R x M micro-batches per step, fixed over the run)
+    samples_per_s: float            # simulated, all replicas together
+    step_ms: float
+    strategy: str | None
+    tried: list[dict]               # every (P, R, M) priced: feasible, throughput, reason
+    graph: OpGraph | None = None    # the frozen graph
+    doc: dict | None = None         # its plan document (plan.json)
+
+    def row(self) -> dict:
+        return {"frozen_layers": self.frozen, "P": self.pipeline_gpus, "R": self.replicas, "M": self.micro_batches,
+                "predicted_samples_per_s": round(self.samples_per_s, 6), "predicted_step_ms": round(self.step_ms, 6),
+                "strategy": self.strategy, "tried": self.tried}
+
+
+def pipeline_lengths(gpus: int, start: int, global_micro_batches: int) -> list[int]:
+    """AutoPipe's candidates: ``start``, ``start / 2``, ... while ``P`` divides the GPUs and the
+    ``R = G / P`` replicas divide the step's micro-batches."""
+    out, P = [], start
+    while P >= 1:
+        R = gpus // P
+        if gpus % P == 0 and global_micro_batches % R == 0:
+            out.append(P)
+        if P % 2:
+            break
+        P //= 2
+    return out
+
+
+def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster, *, global_micro_batches: int,
+               schedule: str, optimizer: str = "adam", start_pipeline: int | None = None,
+               pipeline_gpus: int | None = None, strategies="auto", jobs: int | None = 1, hardware=None,
+               recompute=None, profile_fn=None) -> PhasePlan:
+    """AutoPipe and AutoDP: the best ``(P, R = G / P, M = global / R)`` for ``frozen`` frozen layers.
+
+    The frozen graph (:func:`freeze_graph`) is profiled (``profile_fn(graph)``, default: analytic on
+    ``hardware`` or the cluster's) and partitioned by our strategies for each pipeline length from
+    ``start_pipeline`` (default: all the cluster's GPUs), halving while the halved pipeline's plan
+    fits and the simulator predicts a higher throughput over all replicas (the all-reduce of the
+    trainable weights included). ``pipeline_gpus`` forces one length (a manual schedule).
+    """
+    from .compile import compile_plan, plan_document
+    from .plan import Problem
+    from .replicas import ReplicaLayout, replicated_problem
+
+    G = cluster.physical_gpus
+    fg = freeze_graph(graph, frozen_region(graph, layer_paths, frozen))
+    if profile_fn is None:
+        from .hardware import load_hardware
+        from .profile import analytic_profile
+
+        hw = hardware or load_hardware(cluster.hardware)
+        prof = analytic_profile(fg, hw, optimizer=optimizer)
+    else:
+        prof = profile_fn(fg)
+    if pipeline_gpus is not None:
+        if G % pipeline_gpus or global_micro_batches % (G // pipeline_gpus):
+            raise FreezeError(f"a {pipeline_gpus}-GPU pipeline on {G} GPUs needs {G // max(pipeline_gpus, 1)} "
+                              f"replicas dividing both the GPUs and the step's {global_micro_batches} micro-batches;"
+                              f" choose P among {pipeline_lengths(G, G, global_micro_batches)}")
+        candidates = [pipeline_gpus]
+    else:
+        candidates = pipeline_lengths(G, start_pipeline or G, global_micro_batches)
+    tried: list[dict] = []
+    best = None
+    for P in candidates:
+        R = G // P
+        M = global_micro_batches // R
+        base = Problem(fg, prof, cluster, schedule=schedule, micro_batches=M, recompute=recompute)
+        pb = replicated_problem(base, cluster, ReplicaLayout(P, R))
+        result = compile_plan(pb, strategies, jobs=jobs)
+        row = {"P": P, "R": R, "M": M, "feasible": result.chosen is not None}
+        if result.chosen is None:
+            row["reason"] = "; ".join(f"{r.name}: {r.reason}" for r in result.results[:3])
+            tried.append(row)
+            break       # a shorter pipeline holds more per GPU: it will not fit either
+        chosen = result.best()
+        sim = chosen.sim or {}
+        thr = float(sim.get("throughput_samples_per_s", 0.0))
+        row.update(samples_per_s=round(thr, 6), strategy=chosen.name)
+        tried.append(row)
+        if best is not None and thr <= best.samples_per_s:
+            break       # halving no longer gains
+        doc = plan_document(result, model=fg.source)
+        best = PhasePlan(frozen, P, R, M, thr, float(sim.get("minibatch_ms", 0.0)), chosen.name, tried, fg, doc)
+    if best is None:
+        raise FreezeError(f"no pipeline of {candidates} GPUs fits the model with {frozen} frozen layers: "
+                          + "; ".join(r.get("reason", "") for r in tried))
+    best.tried = tried
+    return best
+
+
+def write_phase_package(phase: PhasePlan, built, layer_paths: Sequence[str], out_dir, *,
+                        rank_order: str = "pipeline-major") -> str:
+    """Generate the package of ``phase`` into ``out_dir``: its stages, and in its manifest the layout
+    ``(P, R)``, the frozen layers and the base graph's hash (so the run's checkpoints load into it)."""
+    from .codegen import example_input_ranges, generate, write_package
+    from .weights import weight_source
+
+    g = phase.graph
+    pkg = generate(g, phase.doc, weight_source(built.model, g), input_ranges=example_input_ranges(built))
+    m = pkg.manifest
+    m.replicas, m.rank_order = phase.replicas, rank_order
+    m.generator["base_graph_hash"] = g.source["freeze"]["base_graph_hash"]
+    m.model["freeze"] = {"layers": phase.frozen, "of": len(layer_paths), "paths": list(layer_paths)}
+    write_package(pkg, phase.doc, out_dir)
+    return str(out_dir)
