@@ -176,6 +176,18 @@ def freeze_graph(graph: OpGraph, region: FrozenRegion) -> OpGraph:
 
 
 def _no_dropout(ins):
+    """The instruction as an eval-mode module runs it: dropout ops keep their place in the order of
+    random calls (an eval-mode module still calls ``F.dropout(training=False)``) but do nothing;
+    attention gets ``dropout_p = 0`` (what eval-mode attention passes, not a random call at all)."""
+    from .codegen import _ATTENTION_DROPOUT, _ATTENTION_OPS
+
+    if ins.target in _ATTENTION_OPS:
+        pos, args, kwargs = _ATTENTION_OPS[ins.target], list(ins.args), dict(ins.kwargs)
+        if len(args) > pos:
+            args[pos] = 0.0
+        elif _ATTENTION_DROPOUT in kwargs:
+            kwargs[_ATTENTION_DROPOUT] = 0.0
+        return replace(ins, args=args, kwargs=kwargs)
     spec = _DROPOUT_TRAIN_ARG.get(ins.target)
     if spec is None:
         return ins

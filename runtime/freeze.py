@@ -148,10 +148,11 @@ def grad_norms_hook(args, manifest, layout) -> GradNorms | None:
                      replica=layout.replica if layout is not None else 0)
 
 
-def phase_record(manifest, layout, cfg) -> dict:
-    """The step log's phase fields: frozen layers, pipeline length P, replicas R, micro-batches M."""
+def phase_record(manifest, layout, cfg, args=None) -> dict:
+    """The step log's phase fields: frozen layers, pipeline length P, replicas R, micro-batches M
+    (in a freeze run, whose phases measure gradient norms, or with replicas or frozen layers)."""
     freeze = (manifest.model or {}).get("freeze")
-    if not freeze and (layout is None or layout.replicas == 1):
+    if not freeze and (layout is None or layout.replicas == 1) and not getattr(args, "grad_norms_layers", None):
         return {}
     return {"phase": {"frozen_layers": int((freeze or {}).get("layers", 0)),
                       "layers": (freeze or {}).get("of"),

@@ -383,7 +383,7 @@ class RankRun:
         from .freeze import phase_record
 
         rec = {"run": self.run_id, "schedule": self.cfg.schedule, "micro_batches": self.cfg.micro_batches,
-               "world_size": self.launch.world_size, **phase_record(self.m, self.layout, self.cfg), **rec}
+               "world_size": self.launch.world_size, **phase_record(self.m, self.layout, self.cfg, self.args), **rec}
         self.log.write(rec)
         if self.bar is not None:
             self.bar.update(1)
