@@ -240,14 +240,16 @@ def pipeline_lengths(gpus: int, start: int, global_micro_batches: int) -> list[i
 def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster, *, global_micro_batches: int,
                schedule: str, optimizer: str = "adam", start_pipeline: int | None = None,
                pipeline_gpus: int | None = None, strategies="auto", jobs: int | None = 1, hardware=None,
-               recompute=None, profile_fn=None) -> PhasePlan:
+               recompute=None, profile_fn=None, replicas: int | None = None) -> PhasePlan:
     """AutoPipe and AutoDP: the best ``(P, R = G / P, M = global / R)`` for ``frozen`` frozen layers.
 
     The frozen graph (:func:`freeze_graph`) is profiled (``profile_fn(graph)``, default: analytic on
     ``hardware`` or the cluster's) and partitioned by our strategies for each pipeline length from
     ``start_pipeline`` (default: all the cluster's GPUs), halving while the halved pipeline's plan
     fits and the simulator predicts a higher throughput over all replicas (the all-reduce of the
-    trainable weights included). ``pipeline_gpus`` forces one length (a manual schedule).
+    trainable weights included). ``pipeline_gpus`` forces one length (a manual schedule);
+    ``replicas`` keeps ``R`` fixed (AutoPipe without AutoDP: the GPUs a shorter pipeline frees stay
+    idle, and ``M`` stays ``global / R``).
     """
     from .compile import compile_plan, plan_document
     from .plan import Problem
@@ -271,10 +273,19 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
         candidates = [pipeline_gpus]
     else:
         candidates = pipeline_lengths(G, start_pipeline or G, global_micro_batches)
+        if replicas is not None:        # every halving of the pipeline, R fixed
+            P, candidates = start_pipeline or G // replicas, []
+            while P >= 1:
+                candidates.append(P)
+                if P % 2:
+                    break
+                P //= 2
     tried: list[dict] = []
     best = None
     for P in candidates:
-        R = G // P
+        R = G // P if replicas is None else replicas
+        if P * R > G:
+            continue
         M = global_micro_batches // R
         base = Problem(fg, prof, cluster, schedule=schedule, micro_batches=M, recompute=recompute)
         pb = replicated_problem(base, cluster, ReplicaLayout(P, R))
@@ -315,3 +326,35 @@ def write_phase_package(phase: PhasePlan, built, layer_paths: Sequence[str], out
     m.model["freeze"] = {"layers": phase.frozen, "of": len(layer_paths), "paths": list(layer_paths)}
     write_package(pkg, phase.doc, out_dir)
     return str(out_dir)
+
+
+# --------------------------------------------------------------------------- AutoCache (pricing)
+
+def cached_profile(graph: OpGraph, prof, region: FrozenRegion, previous: FrozenRegion | None, *,
+                   host_bandwidth: float):
+    """AutoCache's price: ``prof`` (of the frozen graph) with the cached prefix read, not recomputed.
+
+    The nodes of ``previous`` (the prefix frozen before this phase, whose output is cached per
+    sample) cost nothing; reading the cache costs the cached boundary's bytes per micro-batch over
+    the host link (``host_bandwidth`` bytes/s), charged to the nodes that produce it. The newly
+    frozen nodes (in ``region``, not in ``previous``) keep their forward: they advance the cache.
+    The read replaces the recomputation only where it is faster (AutoCache's profiler rule);
+    returns ``(profile, cached)``.
+    """
+    from dataclasses import replace as dc_replace
+
+    if previous is None or not previous.nodes:
+        return prof, False
+    read_ms = sum(graph.node(graph.producer(v)).outputs[v].bytes for v in previous.boundary) / host_bandwidth * 1e3
+    forward_ms = sum(prof.nodes[n].forward_ms for n in previous.nodes if n in prof.nodes)
+    if read_ms >= forward_ms:
+        return prof, False
+    producers = {graph.producer(v) for v in previous.boundary}
+    nodes = dict(prof.nodes)
+    share = read_ms / max(len(producers), 1)
+    for n in previous.nodes:
+        if n in nodes:
+            c = nodes[n]
+            t = share if n in producers else 0.0
+            nodes[n] = dc_replace(c, forward_ms=t, recompute_ms=t, flops_forward=0.0, bytes_forward=0.0)
+    return dc_replace(prof, nodes=nodes), True
