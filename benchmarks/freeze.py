@@ -86,76 +86,73 @@ def predict(name: str, cluster_name: str, alpha: float, intervals: int, strategy
     L = len(layers)
     sched = schedule_of(L, alpha, intervals)
     common = dict(global_micro_batches=Mg, schedule="gpipe", optimizer="adam", strategies=strategy, hardware=hw)
-    base = plan_phase(graph, layers, 0, cluster, **common)
-    paper_base = plan_phase(graph, layers, 0, cluster, pipeline_gpus=G, **common)
-    rows, prev_region = [], None
-    cache: dict[int, dict] = {}
-    for n in sorted(set(sched)):
-        region = frozen_region(graph, layers, n)
+    best = plan_phase(graph, layers, 0, cluster, **common)
+    paper = plan_phase(graph, layers, 0, cluster, pipeline_gpus=G, **common)
+    regions = {n: frozen_region(graph, layers, n) for n in set(sched)}
+    profiles = {}
+    for n, region in regions.items():
         fg = freeze_graph(graph, region)
-        prof = analytic_profile(fg, hw, optimizer="adam")
-        # freeze only: the baseline's plan on the frozen costs
-        pb = replicated_problem(Problem(fg, prof, cluster, schedule="gpipe", micro_batches=base.micro_batches),
-                                cluster, ReplicaLayout(base.pipeline_gpus, base.replicas))
-        plan = Plan.from_json(base.doc["plan"])
-        only = simulate_fixed(pb, plan)
-        autopipe = plan_phase(graph, layers, n, cluster, replicas=base.replicas,
-                              start_pipeline=base.pipeline_gpus, **common)
-        autodp = plan_phase(graph, layers, n, cluster, start_pipeline=base.pipeline_gpus, **common)
-        cached, used = autodp.samples_per_s, False
-        if prev_region is not None and prev_region.layers > 0:
-            def with_cache(g, _prev=prev_region, _reg=region):
-                p = analytic_profile(g, hw, optimizer="adam")
-                return cached_profile(g, p, _reg, _prev, host_bandwidth=hw.host_bandwidth)[0]
+        profiles[n] = (fg, analytic_profile(fg, hw, optimizer="adam"))
 
-            cp = analytic_profile(fg, hw, optimizer="adam")
-            used = cached_profile(fg, cp, region, prev_region, host_bandwidth=hw.host_bandwidth)[1]
-            if used:
-                cached = plan_phase(graph, layers, n, cluster, start_pipeline=base.pipeline_gpus,
-                                    profile_fn=with_cache, **common).samples_per_s
-        # a phase's later passes read the whole current prefix: the steady state of the cache
-        cache[n] = {"frozen": n, "freeze_only": only, "autopipe": autopipe.samples_per_s,
-                    "autopipe_P": autopipe.pipeline_gpus, "autodp": autodp.samples_per_s,
-                    "autodp_PR": (autodp.pipeline_gpus, autodp.replicas), "autocache": cached, "cache_used": used}
-        rows.append(cache[n])
-        prev_region = region
-    # time per interval: equal samples S; time = S / throughput
-    def total(key: str) -> float:
-        return sum(1.0 / cache[n][key] for n in sched)
+    def breakdown(base) -> dict:
+        """Throughput per interval of each system, starting from the no-freeze layout ``base``."""
+        per: dict[str, list[float]] = {k: [] for k in ("freeze_only", "autopipe", "autodp", "autocache")}
+        rows, memo = [], {}
+        for i, n in enumerate(sched):
+            prev = sched[i - 1] if i else 0
+            if (prev, n) not in memo:
+                fg, prof = profiles[n]
+                pb = replicated_problem(Problem(fg, prof, cluster, schedule="gpipe", micro_batches=base.micro_batches),
+                                        cluster, ReplicaLayout(base.pipeline_gpus, base.replicas))
+                only = simulate_fixed(pb, Plan.from_json(base.doc["plan"]))
+                ap = plan_phase(graph, layers, n, cluster, replicas=base.replicas, start_pipeline=base.pipeline_gpus,
+                                **common)
+                dp = plan_phase(graph, layers, n, cluster, start_pipeline=base.pipeline_gpus, **common)
+                cached, used = dp.samples_per_s, False
+                if prev > 0:
+                    used = cached_profile(fg, prof, regions[n], regions[prev], host_bandwidth=hw.host_bandwidth)[1]
+                    if used:
+                        def with_cache(g, _n=n, _prev=prev):
+                            return cached_profile(g, profiles[_n][1], regions[_n], regions[_prev],
+                                                  host_bandwidth=hw.host_bandwidth)[0]
 
-    base_t = intervals / base.samples_per_s
-    paper_t = intervals / paper_base.samples_per_s
-    out = {"model": name, "cluster": cluster_name, "layers": L, "alpha": alpha, "schedule": sched,
-           "batch": batch, "micro_batch": micro,
-           "baseline": {"P": base.pipeline_gpus, "R": base.replicas, "M": base.micro_batches,
-                        "samples_per_s": base.samples_per_s},
-           "paper_baseline": {"P": paper_base.pipeline_gpus, "R": paper_base.replicas,
-                              "samples_per_s": paper_base.samples_per_s},
-           "phases": rows, "seconds": round(time.perf_counter() - t0, 1)}
-    for key in ("freeze_only", "autopipe", "autodp", "autocache"):
-        out[f"speedup_{key}"] = base_t / total(key)
-        out[f"speedup_{key}_vs_paper_baseline"] = paper_t / total(key)
-    return out
+                        cached = plan_phase(graph, layers, n, cluster, start_pipeline=base.pipeline_gpus,
+                                            profile_fn=with_cache, **common).samples_per_s
+                memo[(prev, n)] = {"frozen": n, "cached_prefix": prev if used else 0, "freeze_only": only,
+                                   "autopipe": ap.samples_per_s, "autopipe_P": ap.pipeline_gpus,
+                                   "autodp": dp.samples_per_s, "autodp_PR": (dp.pipeline_gpus, dp.replicas),
+                                   "autocache": cached, "cache_used": used}
+                rows.append(memo[(prev, n)])
+            for k in per:
+                per[k].append(memo[(prev, n)][k])
+        # equal samples per interval: time ~ sum of 1 / throughput
+        base_t = len(sched) / base.samples_per_s
+        return {"layout": {"P": base.pipeline_gpus, "R": base.replicas, "M": base.micro_batches,
+                           "samples_per_s": base.samples_per_s},
+                "phases": rows, **{f"speedup_{k}": base_t / sum(1.0 / x for x in v) for k, v in per.items()}}
+
+    return {"model": name, "cluster": cluster_name, "layers": L, "alpha": alpha, "schedule": sched,
+            "batch": batch, "micro_batch": micro, "best_layout": breakdown(best), "paper_layout": breakdown(paper),
+            "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def report(r: dict) -> str:
     lines = [f"{r['model']} on {r['cluster']}: {r['layers']} layers, alpha={r['alpha']:.3g}, frozen per interval "
-             f"{r['schedule']}, batch {r['batch']} ({r['micro_batch']} per micro-batch)",
-             f"  baseline (best no-freeze layout): P={r['baseline']['P']} R={r['baseline']['R']} "
-             f"{r['baseline']['samples_per_s']:.1f} samples/s; paper's layout P={r['paper_baseline']['P']} "
-             f"R={r['paper_baseline']['R']} {r['paper_baseline']['samples_per_s']:.1f} samples/s",
-             "  frozen | freeze only | +AutoPipe (P) | +AutoDP (P x R) | +AutoCache"]
-    for p in r["phases"]:
-        lines.append(f"  {p['frozen']:6d} | {p['freeze_only']:11.1f} | {p['autopipe']:9.1f} ({p['autopipe_P']}) | "
-                     f"{p['autodp']:9.1f} ({p['autodp_PR'][0]}x{p['autodp_PR'][1]}) | {p['autocache']:9.1f}"
-                     f"{'' if p['cache_used'] else ' (no cache)'}")
-    lines.append("  speed-up over the whole run vs best baseline: " + ", ".join(
-        f"{k} {r[f'speedup_{k}']:.2f}x" for k in ("freeze_only", "autopipe", "autodp", "autocache")))
-    lines.append("  speed-up vs the paper's baseline layout:    " + ", ".join(
-        f"{k} {r[f'speedup_{k}_vs_paper_baseline']:.2f}x" for k in ("freeze_only", "autopipe", "autodp",
-                                                                      "autocache")))
+             f"{r['schedule']}, global batch {r['batch']} ({r['micro_batch']} per micro-batch), gpipe, adam"]
+    for key, label in (("best_layout", "best no-freeze layout"), ("paper_layout", "the paper's baseline layout")):
+        b = r[key]
+        lay = b["layout"]
+        lines.append(f"  from {label}: P={lay['P']} R={lay['R']} M={lay['M']}, {lay['samples_per_s']:.1f} samples/s "
+                     "(simulated)")
+        lines.append("    frozen (cached) | freeze only | +AutoPipe (P) | +AutoDP (PxR) | +AutoCache   [samples/s]")
+        for p in b["phases"]:
+            lines.append(f"    {p['frozen']:6d} ({p['cached_prefix']:2d})     | {p['freeze_only']:11.1f} | "
+                         f"{p['autopipe']:9.1f} ({p['autopipe_P']}) | {p['autodp']:9.1f} ({p['autodp_PR'][0]}x"
+                         f"{p['autodp_PR'][1]}) | {p['autocache']:9.1f}")
+        lines.append("    speed-up over the run: " + ", ".join(
+            f"{k} {b[f'speedup_{k}']:.2f}x" for k in ("freeze_only", "autopipe", "autodp", "autocache")))
     if r["model"] in PAPER:
-        lines.append(f"  paper (PipeTransformer, 8 GPUs, alpha=1/3): {PAPER[r['model']]:.2f}x")
+        lines.append(f"  paper (PipeTransformer, 8 GPUs, alpha=1/3, measured): {PAPER[r['model']]:.2f}x")
     return "\n".join(lines)
 
 

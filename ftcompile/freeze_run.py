@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 from .freeze import FreezeError, find_layers, frozen_layers, parse_alpha, plan_phase, write_phase_package
@@ -185,6 +187,8 @@ def run_freeze(args, spec: FreezeSpec) -> int:
     while step < steps:
         if spec.manual:
             end = next((s for s, _, _ in spec.at if s > step), steps)
+        elif math.floor(Fraction(spec.alpha).limit_denominator(10_000) * (L - frozen)) == 0:
+            end = steps         # Eq. 1 can freeze no more: train to the end without checks
         else:
             end = min(step + spec.every, steps)
         end = min(end, steps)
