@@ -100,6 +100,13 @@ def predict(name: str, cluster_name: str, alpha: float, intervals: int, strategy
         rows, memo = [], {}
         for i, n in enumerate(sched):
             prev = sched[i - 1] if i else 0
+            if n == 0:          # before the first freeze every system runs the baseline
+                memo[(0, 0)] = {"frozen": 0, "cached_prefix": 0, "freeze_only": base.samples_per_s,
+                                "autopipe": base.samples_per_s, "autopipe_P": base.pipeline_gpus,
+                                "autodp": base.samples_per_s, "autodp_PR": (base.pipeline_gpus, base.replicas),
+                                "autocache": base.samples_per_s, "cache_used": False}
+                if not rows:
+                    rows.append(memo[(0, 0)])
             if (prev, n) not in memo:
                 fg, prof = profiles[n]
                 pb = replicated_problem(Problem(fg, prof, cluster, schedule="gpipe", micro_batches=base.micro_batches),

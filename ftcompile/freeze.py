@@ -301,7 +301,7 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
         row.update(samples_per_s=round(thr, 6), strategy=chosen.name)
         tried.append(row)
         if best is not None and thr <= best.samples_per_s:
-            break       # halving no longer gains
+            continue    # no gain here; a shorter pipeline with more replicas may still gain
         doc = plan_document(result, model=fg.source)
         best = PhasePlan(frozen, P, R, M, thr, float(sim.get("minibatch_ms", 0.0)), chosen.name, tried, fg, doc)
     if best is None:
