@@ -180,8 +180,9 @@ def _package(out: Path, name: str, gpus: int) -> Path:
 
 
 def freeze_reference(package: Path, schedule: dict[int, list[str]], steps: int, *, M: int, lr: float,
-                     seed: int = 0) -> dict[str, torch.Tensor]:
-    """Plain PyTorch: the original model, freezing the named submodules at the given steps."""
+                     seed: int = 0, norms_of: list[str] = (), norms: dict | None = None) -> dict[str, torch.Tensor]:
+    """Plain PyTorch: the original model, freezing the named submodules at the given steps
+    (``norms[step][layer]``: each of ``norms_of``'s gradient norms before each update)."""
     from ftcompile.codegen import rebuild_model
     from ftcompile.runtime import optim
     from ftcompile.runtime.data import load_dataset, split_micro_batches
@@ -205,6 +206,10 @@ def freeze_reference(package: Path, schedule: dict[int, list[str]], steps: int, 
             with keyed_random_mode(micro_batch_seed(seed, j * M + i)):
                 loss = model(*args, **kwargs)[0]
             (loss / M).backward()
+        if norms is not None:
+            norms[j] = {path: math.sqrt(sum(float(p.grad.double().pow(2).sum())
+                                            for p in model.get_submodule(path).parameters() if p.grad is not None))
+                        for path in norms_of}
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {n: p.detach() for n, p in model.named_parameters()}
@@ -224,14 +229,14 @@ def test_manual_freeze_run_equals_plain_pytorch_freezing_the_same_layers(bert4, 
                 "--schedule", schedule, "--log-dir", str(log), "--checkpoint-dir", str(ck),
                 "--freeze", "at=2:1@2x2+4:2@2x2,strategy=seq", timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
+    layers = ["bert.encoder.layer.0", "bert.encoder.layer.1"]
+    ref_norms: dict = {}
     want = freeze_reference(bert4, {2: ["bert.embeddings", "bert.encoder.layer.0"], 4: ["bert.encoder.layer.1"]},
-                            steps, M=4, lr=lr)
+                            steps, M=4, lr=lr, norms_of=layers, norms=ref_norms)
     got = final_weights(ck)
     for n, t in want.items():
         err = float((got[n] - t).abs().max()) / max(float(t.abs().max()), 1e-2)
         assert err < 2e-5, (n, err)
-    # the frozen weights really stopped at their freeze step, the active ones kept moving
-    start = load_package(bert4)
     # every step's phase is in the step log
     recs = [json.loads(x) for x in (log / "train.jsonl").read_text().splitlines()]
     phases = {rec["step"]: rec["phase"] for rec in recs if "step" in rec and "phase" in rec}
@@ -241,9 +246,12 @@ def test_manual_freeze_run_equals_plain_pytorch_freezing_the_same_layers(bert4, 
     decisions = [x for x in lines if x.get("decision")]
     assert [(d["step"], d["frozen_before"], d["frozen_after"]) for d in decisions] == [(2, 0, 1), (4, 1, 2)]
     assert all(set(d["grad_norms"]) == {"bert.encoder.layer.0", "bert.encoder.layer.1"} for d in decisions)
+    # the norms behind each decision are the gradients' of the step before it, as plain PyTorch has them
+    for d in decisions:
+        for layer in layers:
+            assert d["grad_norms"][layer] == pytest.approx(ref_norms[d["step"] - 1][layer], rel=1e-4, abs=1e-9)
     assert decisions[1]["grad_norms"]["bert.encoder.layer.0"] == 0.0        # frozen: no gradient at all
     assert decisions[0]["grad_norms"]["bert.encoder.layer.0"] > 0.0
     runs = [x for x in lines if "phase" in x]
     assert [x["steps"] for x in runs] == [[0, 2], [2, 4], [4, 6]]
     assert all(x["transition_s"] >= 0 and x["samples_per_s"] > 0 for x in runs)
-    del start
