@@ -255,3 +255,32 @@ def test_manual_freeze_run_equals_plain_pytorch_freezing_the_same_layers(bert4, 
     runs = [x for x in lines if "phase" in x]
     assert [x["steps"] for x in runs] == [[0, 2], [2, 4], [4, 6]]
     assert all(x["transition_s"] >= 0 and x["samples_per_s"] > 0 for x in runs)
+
+
+def test_freeze_run_refuses_what_it_cannot_do_before_any_rank_starts(bert4, tmp_path):
+    for extra, msg in [(["--nproc", "2", "--freeze", "alpha=1/3,every=2"], "--nproc 4"),
+                       (["--schedule", "async", "--freeze", "alpha=1/3,every=2"], "gpipe, 1f1b"),
+                       (["--freeze", "alpha=1/3"], "needs both"),
+                       (["--freeze", "at=2:3"], "has 2 layers")]:
+        r = run_cli(str(bert4), "--steps", "4", "--log-dir", str(tmp_path / "log"), *extra, timeout=300)
+        assert r.returncode == 2 and msg in r.stderr, (extra, r.stderr[-2000:])
+        assert "Traceback" not in r.stderr
+    assert not (tmp_path / "log" / "train.jsonl").exists()
+
+
+def test_autocache_is_priced_only_where_reading_beats_recomputing():
+    from ftcompile.freeze import cached_profile
+
+    _, g, _ = traced("bert-tiny")
+    layers = find_layers(g)
+    hw = load_hardware("cpu")
+    prev, region = frozen_region(g, layers, 1), frozen_region(g, layers, 2)
+    fg = freeze_graph(g, region)
+    prof = analytic_profile(fg, hw, optimizer="adam")
+    fast, used = cached_profile(fg, prof, region, prev, host_bandwidth=1e15)
+    assert used
+    new_nodes = region.nodes - prev.nodes
+    assert all(fast.nodes[n].forward_ms == prof.nodes[n].forward_ms for n in new_nodes)   # the cache advances
+    assert sum(fast.nodes[n].forward_ms for n in prev.nodes) < 1e-6                      # read, not recomputed
+    slow, used = cached_profile(fg, prof, region, prev, host_bandwidth=1.0)                # 1 byte/s: recompute
+    assert not used and slow is prof
