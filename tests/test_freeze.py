@@ -284,3 +284,38 @@ def test_autocache_is_priced_only_where_reading_beats_recomputing():
     assert sum(fast.nodes[n].forward_ms for n in prev.nodes) < 1e-6                      # read, not recomputed
     slow, used = cached_profile(fg, prof, region, prev, host_bandwidth=1.0)                # 1 byte/s: recompute
     assert not used and slow is prof
+
+
+@pytest.mark.slow
+def test_eq1_run_on_four_ranks_goes_through_transitions(tmp_path):
+    """A 6-layer BERT (random weights from a config) frozen by Eq. 1 every 2 steps on 4 ranks."""
+    import subprocess
+    import sys
+
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.BertConfig(num_hidden_layers=6, hidden_size=64, num_attention_heads=2, intermediate_size=128)
+    T.BertForQuestionAnswering(cfg).save_pretrained(tmp_path / "bert6")
+    pkg = tmp_path / "pkg"
+    c = subprocess.run([sys.executable, "-m", "ftcompile", "compile", "bert-tiny", "--pretrained", str(tmp_path / "bert6"),
+                        "--cluster", "2xcpu", "--gpus", "4", "--schedule", "1f1b", "--strategy", "seq",
+                        "--optimizer", "momentum", "-o", str(pkg), "-q"], capture_output=True, text=True, timeout=600)
+    assert c.returncode == 0, c.stderr[-2000:]
+    log = tmp_path / "log"
+    r = run_cli(str(pkg), "--nproc", "4", "--steps", "8", "--optimizer", "momentum", "--lr", "0.01",
+                "--schedule", "1f1b", "--log-dir", str(log), "--freeze", "alpha=1/3,every=2,strategy=seq",
+                timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in (log / "freeze.jsonl").read_text().splitlines()]
+    decisions = [x for x in lines if x.get("decision")]
+    changes = [d for d in decisions if d["frozen_after"] > d["frozen_before"]]
+    assert len(changes) >= 2
+    for d in decisions:     # each decision is Eq. 1 on the norms it logged
+        norms = [d["grad_norms"][f"bert.encoder.layer.{i}"] for i in range(6)]
+        assert d["frozen_after"] == frozen_layers(d["frozen_before"], norms[d["frozen_before"]:], 1 / 3)
+    runs = [x for x in lines if "phase" in x and not x.get("decision")]
+    assert all(x["P"] * x["R"] == 4 and x["samples_per_s"] > 0 for x in runs)
+    recs = [json.loads(x) for x in (log / "train.jsonl").read_text().splitlines()]
+    steps = sorted(x["step"] for x in recs if "step" in x and "phase" in x)
+    assert steps == list(range(8))
