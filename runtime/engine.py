@@ -653,6 +653,8 @@ class RankEngine:
         args, outs, weights = st.saved.pop(k)
         seed = self._seed(k)
         t0 = time.perf_counter()
+        if outs is None and not (self._opt[st.id][0] or any(self._needs_grad(v) for v in spec.outputs)):
+            outs = ()       # frozen stage (freeze training): no gradient to compute, skip the recomputation
         if outs is None:
             weights = self._weights(st, version, across_update=False)
             args = [self._leaf(v, x) for v, x in zip(spec.inputs, args)]
