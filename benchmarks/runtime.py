@@ -45,14 +45,25 @@ def ftc(*args: str, env: dict | None = None) -> str:
 
 
 def measure(model: str, out: Path, schedules: list[str], steps: int, micro_batches: int, nproc: int,
-            device: str) -> list[dict]:
+            device: str, strategies: list[str]) -> list[dict]:
     prof = out / "profile.measured.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ftc("-q", "profile", model, "--method", "measured", "--device", "cuda" if device == "cuda" else "cpu",
         "--repeats", "5", "-o", str(prof), "--no-cache", env=env)
-    pkg = out / "pkg"
-    ftc("-q", "compile", model, "--cluster", "2xcpu", "--gpus", str(nproc), "--profile", str(prof),
-        "--micro-batches", str(micro_batches), "--strategy", "auto", "-o", str(pkg), "--json")
+    rows = []
+    for strategy in strategies:
+        pkg = out / f"pkg-{strategy}"
+        # one pipeline over the ranks (--replicas 1): this compares a pipeline's prediction with its run
+        ftc("-q", "compile", model, "--cluster", "2xcpu", "--gpus", str(nproc), "--profile", str(prof),
+            "--micro-batches", str(micro_batches), "--strategy", strategy, "--replicas", "1", "-o", str(pkg),
+            "--json")
+        for row in _runs(model, pkg, schedules, steps, micro_batches, nproc, device, out / strategy):
+            rows.append({"strategy": strategy, **row})
+    return rows
+
+
+def _runs(model: str, pkg: Path, schedules: list[str], steps: int, micro_batches: int, nproc: int, device: str,
+          out: Path) -> list[dict]:
     rows = []
     for sched in schedules:
         sim = json.loads(ftc("-q", "simulate", str(pkg), "--schedule", sched, "--micro-batches",
@@ -95,19 +106,28 @@ def main() -> int:
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--strategies", default="auto",
+                    help="plan each with these strategies (e.g. seq,mixed) to compare the predicted and measured "
+                         "ranking")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
             rows += measure(model, Path(tmp) / model, args.schedules.split(","), args.steps, args.micro_batches,
-                            args.nproc, args.device)
-    print(f"{'model':<10} {'schedule':<10} {'predicted/s':>12} {'measured/s':>11} {'ratio':>6}  "
+                            args.nproc, args.device, args.strategies.split(","))
+    print(f"{'model':<10} {'strategy':<9} {'schedule':<10} {'predicted/s':>12} {'measured/s':>11} {'ratio':>6}  "
           f"overhead ms/micro-batch per rank")
     for r in rows:
         ov = ", ".join(f"{x:.2f}" for x in r["overhead_ms_per_micro_batch"])
-        print(f"{r['model']:<10} {r['schedule']:<10} {r['predicted_sps']:>12.1f} {r['measured_sps']:>11.1f} "
-              f"{(r['ratio'] or float('nan')):>6.2f}  {ov}")
+        print(f"{r['model']:<10} {r['strategy']:<9} {r['schedule']:<10} {r['predicted_sps']:>12.1f} "
+              f"{r['measured_sps']:>11.1f} {(r['ratio'] or float('nan')):>6.2f}  {ov}")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for sched in dict.fromkeys(r["schedule"] for r in rows):
+            mine = [r for r in rows if r["model"] == model and r["schedule"] == sched]
+            if len(mine) > 1:
+                rank = lambda key: " > ".join(x["strategy"] for x in sorted(mine, key=lambda x: -x[key]))  # noqa: E731
+                print(f"{model} {sched}: predicted {rank('predicted_sps')}; measured {rank('measured_sps')}")
     if args.json:
         from ftcompile.runtime.atomic import atomic_write_text
 

@@ -61,10 +61,16 @@ def add_parsers(sub) -> None:
                    help="recompute activations in backward (async always does, but for the last stage)")
     g.add_argument("--optimizer", choices=("sgd", "momentum", "adam", "adafactor"), default="adam",
                    help="optimizer whose state memory counts (default: adam)")
+    from .avgpipe import add_arguments as _avgpipe_arguments
+
+    _avgpipe_arguments(g)
     g = p.add_argument_group("strategies")
     g.add_argument("--strategy", default="auto", metavar="NAMES",
                    help="auto (all that apply) or a comma-separated list of: mixed, seq, acyclic, metis, "
                         "uniform, params, exact (default: auto)")
+    g.add_argument("--replicas", type=_replicas_arg, default=None, metavar="R|auto",
+                   help="data x pipeline: R copies of a pipeline over GPUs/R GPUs each; default auto: every R "
+                        "dividing the GPUs is planned and simulated, the highest throughput is kept")
     g.add_argument("--jobs", type=base._positive_int, metavar="N", help="strategies run in parallel (default: cores)")
     g.add_argument("--max-stages", type=base._positive_int, metavar="N",
                    help="at most N pipeline stages in all: fewer stages, less staleness under async "
@@ -95,6 +101,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--schedule", choices=SCHEDULES, help="schedule (default: the plan's)")
     p.add_argument("--micro-batches", type=base._positive_int, metavar="M", help="default: the plan's")
     p.add_argument("--steps", type=base._positive_int, default=2, metavar="K", help="mini-batches measured (default: 2)")
+    from .avgpipe import add_arguments as _avgpipe_arguments
+
+    _avgpipe_arguments(p, auto=False)
     p.add_argument("-o", "--output", metavar="FILE.png", help="timeline picture (default: OUT/timeline-SCHEDULE.png; .svg beside it)")
     p.add_argument("--json", action="store_true", help="print the simulation figures as JSON")
     p.set_defaults(func=cmd_simulate)
@@ -117,6 +126,18 @@ def add_parsers(sub) -> None:
 
 
 # --------------------------------------------------------------------------- compile
+
+def _replicas_arg(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        r = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--replicas takes a whole number or 'auto', not {text!r}") from None
+    if r < 1:
+        raise argparse.ArgumentTypeError(f"--replicas must be at least 1, got {r}")
+    return r
+
 
 def _seconds(text: str) -> float:
     try:
@@ -194,6 +215,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     ui = base._Ui(args)
     base._check_cache_dir(args)
     cluster = _cluster(args)
+    from .replicas import layouts
+
+    lays = layouts(cluster, args.replicas)       # refuses an --replicas not dividing the GPUs, before tracing
     hw = load_hardware(args.hardware or cluster.hardware)
     t0 = time.perf_counter()
     phases: dict[str, float] = {}      # seconds per phase, for the --json summary and plan.json
@@ -212,8 +236,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
             prof.check_graph(graph)
         else:
             prof = _analytic_profile(graph, hw, args.optimizer, args.cache_dir, ui)
+        from dataclasses import replace
+
+        from .avgpipe import format_tuning, problem_advance, tune_for_compile
+
         problem = Problem(graph, prof, cluster, schedule=args.schedule, micro_batches=args.micro_batches,
-                          recompute=args.recompute)
+                          recompute=args.recompute, advance=problem_advance(args))
         t = lap("profile", t)
 
         from .compile import resolve_strategies
@@ -222,18 +250,36 @@ def cmd_compile(args: argparse.Namespace) -> int:
         warnings = _size_warnings(graph, cluster.num_gpus, args.max_stages)
         for w in warnings:
             ui.note(f"warning: {w}")
+        from .replicas import compile_replicated
+
         done = []
         with ui.steps("partition", "strategy") as bar:
             def progress(r):
                 done.append(r.name)
-                bar(len(done), total)
+                bar(len(done), total * len(lays))
                 ui.note(f"{r.name}: " + (f"{r.cost.objective_ms:.3f} ms, {r.cost.efficiency:.1%} of the lower "
                                          f"bound" if r.feasible else f"no plan ({r.reason})") + f" [{r.seconds:.1f} s]")
 
-            result = compile_plan(problem, args.strategy, jobs=args.jobs, progress=progress,
-                                  max_stages=args.max_stages, time_limit=args.time_limit)
+            def option_done(o):
+                ui.note(f"{o.layout.pipeline_gpus} GPUs x {o.layout.replicas} replicas ({o.layout.order}): "
+                        + (f"{o.throughput:.3f} samples/s" if o.feasible else f"no plan ({o.reason})"))
+
+            options, chosen = compile_replicated(problem, args.strategy, replicas=args.replicas, jobs=args.jobs,
+                                                 progress=option_done, strategy_progress=progress,
+                                                 max_stages=args.max_stages, time_limit=args.time_limit)
         t = lap("partition_and_simulate", t)
+        result = _result_of(options, chosen)
         doc = plan_document(result, model=graph.source)
+        if len(options) > 1 or options[0].layout.replicas > 1:
+            from .compile import replicas_section
+
+            doc["replicas"] = replicas_section(options, chosen, cluster)
+        if args.schedule == "avgpipe" and result.chosen is not None:     # (M, N, advance), AvgPipe §5.2
+            tuning = tune_for_compile(args, replace(result.problem, replicas=1, ring_bandwidth=None),
+                                      result.best().plan)
+            doc["avgpipe"] = tuning.to_json()
+            ui.note(format_tuning(tuning))
+            t = lap("avgpipe_tuning", t)
         if result.chosen is None:
             doc["requirements"] = minimum_requirements(problem)
             t = lap("requirements", t)
@@ -253,7 +299,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         raise CompileError(f"no strategy found a plan that fits ({reasons}). To fit: {doc['requirements']}. "
                            f"The table is in {paths['report']}")
     if result.chosen is not None:
-        used = len(result.best().plan.gpus())
+        used = len(result.best().plan.gpus()) * result.problem.replicas
         if used < cluster.num_gpus:
             warnings.append(f"the chosen plan uses {used} of the {cluster.num_gpus} GPUs")
     summary = {"output": args.output, "chosen": result.chosen, "lower_bound_ms": result.lower_bound_ms,
@@ -272,6 +318,19 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if package:
         print(f"package: {args.output} (verify with `ftcompile verify {args.output}`)")
     return 0
+
+
+def _result_of(options, chosen):
+    """The CompileResult to write: the chosen layout's, or, when none fits, the longest pipeline's
+    (whose table says best why nothing fits)."""
+    if chosen is not None:
+        return options[chosen].result
+    ran = [o for o in options if o.result is not None]
+    if ran:
+        return min(ran, key=lambda o: o.layout.replicas).result
+    from .compile import CompileResult
+
+    return CompileResult(options[0].problem, [], None, 0.0)
 
 
 def _check_loss(graph, model: str) -> None:
@@ -334,21 +393,32 @@ def _load_out(path: str):
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from .cluster import ClusterSpec
-    from .plan import Problem
+    from .compile import problem_from_doc
     from .simulate import simulate
     from .timeline import draw_timeline
 
     doc, graph, prof, plan, folder = _load_out(args.plan)
     schedule = args.schedule or doc["schedule"]
-    problem = Problem(graph, prof, ClusterSpec.from_json(doc["cluster"]), schedule=schedule,
-                      micro_batches=args.micro_batches or doc["micro_batches"], recompute=doc.get("recompute"))
+    from dataclasses import replace
+
+    from .avgpipe import problem_advance, setting
+
+    args.schedule = schedule
+    problem = replace(problem_from_doc(doc, graph, prof, schedule=schedule, micro_batches=args.micro_batches),
+                      advance=problem_advance(args))
     result = simulate(problem, plan, steps=args.steps)
+    par = None
+    if schedule == "avgpipe" and int(args.parallel_pipelines or 1) > 1:    # N pipelines share the GPUs
+        par = setting(problem, plan, problem.micro_batches, int(args.parallel_pipelines), problem.advance)
     out = args.output or os.path.join(folder, f"timeline-{schedule}.png")
     draw_timeline(result, out)
     data = result.to_json()
     data.pop("events", None)
     data["picture"] = out
+    if par is not None:      # the timeline is one pipeline's; the figures below are all N's (ftcompile.avgpipe)
+        data.update(parallel_pipelines=par.parallel, avgpipe_step_ms=par.step_ms,
+                    avgpipe_throughput_samples_per_s=par.throughput, avgpipe_peak_memory=par.memory_bytes,
+                    avgpipe_memory_feasible=par.fits)
     if args.json:
         base._emit_json(data)
         return 0

@@ -55,9 +55,12 @@ def add_parsers(sub) -> None:
             "recomputes with the newest weights, the last stage does not recompute), pipedream\n"
             "(weight stashing), 2bw (double-buffered weights, one step of delay) and 2gw (WPipe: the\n"
             "upstream half of the stages, G0, one step delayed and double-buffered, G1 not).\n\n"
-            "--nproc N spawns the ranks on this host. On several hosts start the same command\n"
-            "through torchrun (`torchrun --nproc-per-node N -m ftcompile.runtime PACKAGE ...`) or\n"
-            "mpirun (`mpirun -np N python -m ftcompile.runtime PACKAGE ...`).\n\n"
+            "--nproc N spawns the ranks on this host. N a multiple of the plan's P GPUs trains N/P\n"
+            "replicas of the pipeline (data x pipeline parallelism: each replica takes its share of\n"
+            "every step's batch, gradients averaged per stage; --replicas R, --rank-order). On several\n"
+            "hosts start the ranks through torchrun (`torchrun --nnodes 2 --nproc-per-node N\n"
+            "--rdzv-backend c10d --rdzv-endpoint HOST:PORT -m ftcompile.runtime PACKAGE ...` on each)\n"
+            "or mpirun (`mpirun -np N python -m ftcompile.runtime PACKAGE ...`).\n\n"
             "The rank holding the loss writes LOG_DIR/train.jsonl: per step the loss, samples/s,\n"
             "learning rate, each stage's forward/backward/recompute/update seconds, and each rank's\n"
             "waiting time and peak memory.\n\n"
@@ -69,7 +72,8 @@ def add_parsers(sub) -> None:
             "  ftcompile run out/gpt2 --nproc 2 --schedule 1f1b --steps 20 --data text\n"
             "  ftcompile run out/gpt2 --nproc 2 --schedule async --micro-batches 4 --optimizer momentum\n"
             "  ftcompile run out/gpt2 --nproc 2 --steps 100 --checkpoint-dir ckpt --checkpoint-every 5\n"
-            "  ftcompile run out/gpt2 --nproc 2 --checkpoint-dir ckpt --resume     # after a crash"))
+            "  ftcompile run out/gpt2 --nproc 2 --checkpoint-dir ckpt --resume     # after a crash\n"
+            "  ftcompile run out/gpt2 --nproc 4 --micro-batches 2                  # 2 replicas x 2 GPUs"))
     base._add_common(p, top=False)
     add_train_arguments(p)
     p.add_argument("--nproc", type=int, default=None, metavar="N",
@@ -145,7 +149,7 @@ def _preflight(args: argparse.Namespace):
     from .runtime import checkpoint as ckpt
     from .runtime import load_package
     from .runtime.lock import check_free
-    from .runtime.options import resolve
+    from .runtime.options import replicas_for, resolve
     from .runtime.worker import check_train_args
 
     ui = base._Ui(args)
@@ -159,12 +163,29 @@ def _preflight(args: argparse.Namespace):
         raise base.UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     package = load_package(args.package)    # a damaged package: code and plan here, weights below
     m = package.manifest
-    nproc = args.nproc if args.nproc is not None else m.num_gpus
-    if nproc > m.num_gpus:
-        raise base.UsageError(f"--nproc {nproc}: the plan has {m.num_gpus} GPU(s), so ranks beyond {m.num_gpus} "
-                              f"would hold no stage; give --nproc {m.num_gpus} or fewer (several GPUs' stages "
-                              "then share a rank)")
-    res = resolve(args, m)
+    from .avgpipe import launch_settings
+    from .runtime.avgpipe import as_replicas
+
+    try:   # avgpipe: 'auto' from the plan's tuning; its N parallel pipelines are the run's N replicas
+        parallel = launch_settings(args, package)
+        as_replicas(args, args.schedule or m.schedule)
+    except ValueError as exc:
+        raise base.UsageError(str(exc)) from None
+    default_replicas = parallel if (args.schedule or m.schedule) == "avgpipe" else max(m.replicas, 1)
+    nproc = args.nproc if args.nproc is not None else m.num_gpus * default_replicas
+    if (args.schedule or m.schedule) == "avgpipe" and nproc % parallel:
+        raise base.UsageError(f"--nproc {nproc} does not split into {parallel} parallel pipelines; give a multiple "
+                              f"of {parallel} (e.g. --nproc {parallel * m.num_gpus})")
+    if nproc > m.num_gpus and args.replicas is None and nproc % m.num_gpus:
+        raise base.UsageError(f"--nproc {nproc}: the plan has {m.num_gpus} GPU(s) per pipeline, so {nproc} ranks "
+                              f"make no whole number of pipelines; give --nproc {m.num_gpus} or fewer (several "
+                              f"GPUs' stages then share a rank), a multiple of {m.num_gpus} (one replica of the "
+                              "pipeline per multiple), or --replicas R")
+    try:
+        replicas = replicas_for(m, nproc, args.replicas)
+    except ValueError as exc:
+        raise base.UsageError(str(exc)) from None
+    res = resolve(args, m, replicas=replicas)
     for w in res.warnings:
         print(f"{base.PROG}: warning: {w}", file=sys.stderr)
     for n in res.notes:
@@ -182,12 +203,16 @@ def _preflight(args: argparse.Namespace):
     programs(m, config_from_args(res.args, m), 1)      # ScheduleError: e.g. 2bw with too few micro-batches
     load_dataset(res.args.data, m, micro_batches=res.args.micro_batches, seed=res.args.seed)
     _check_weights(package)
-    return package, res, nproc
+    if replicas > 1:
+        ui.note(f"{nproc} ranks: {replicas} replicas of a {nproc // replicas}-rank pipeline, "
+                f"{res.args.rank_order or m.rank_order}")
+    return package, res, (nproc, replicas)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .runtime.engine import stage_ranks
     from .runtime.launch import spawn
+    from .runtime.layout import RankLayout
+    from .runtime.worker import describe_rank
     from .runtime.options import NothingToDo, new_run_id, worker_argv
 
     if getattr(args, "freeze", None):
@@ -199,14 +224,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         except FreezeError as exc:
             raise base.UsageError(str(exc)) from None
     try:
-        package, res, nproc = _preflight(args)
+        package, res, (nproc, replicas) = _preflight(args)
     except NothingToDo as exc:
         print(f"{base.PROG} run: {exc}", file=sys.stderr)
         return 0
-    ranks = stage_ranks(package.manifest, nproc)
+    layout = RankLayout(nproc, replicas, 0, args.rank_order or package.manifest.rank_order)
 
     def describe(r: int) -> str:
-        return f"rank {r} (stages {sorted(s for s, x in ranks.items() if x == r)})"
+        return describe_rank(package.manifest, layout, r)
 
     worker = worker_argv(args)
     if getattr(args, "quiet", False) and args.progress == "auto":

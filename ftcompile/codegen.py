@@ -783,7 +783,9 @@ def generate(graph: OpGraph, doc: dict, weights: WeightSource, *, name: str | No
         dropout_ops=sum(1 for k in keys.values() if k < OTHER_RANDOM_KEYS),
         weights="stored" if weights.stored else "init", imports=sorted(imports),
         generator={"ftcompile": __version__, "graph_hash": graph.content_hash(), "strategy": doc.get("chosen"),
-                   "schedule": doc.get("schedule")})
+                   "schedule": doc.get("schedule")},
+        replicas=int((doc.get("layout") or {}).get("replicas") or 1),
+        rank_order=str((doc.get("replicas") or {}).get("order") or "pipeline-major"))
     manifest.check()
     sources["__init__.py"] = env.get_template("__init__.py.j2").render(
         version=__version__, manifest=manifest, model=model_name, strategy=doc.get("chosen"),

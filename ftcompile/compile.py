@@ -437,6 +437,10 @@ def plan_document(result: CompileResult, *, model: dict | None = None) -> dict:
         "limits": {"max_stages": result.info.get("max_stages"), "time_limit_s": result.info.get("time_limit_s")},
         "compile_seconds": round(result.seconds, 3),
     }
+    if p.replicas > 1 or p.cluster.gpu_ids is not None:
+        doc["layout"] = {"replicas": p.replicas, "pipeline_gpus": p.num_gpus,
+                         "gpu_ids": list(p.cluster.gpu_ids) if p.cluster.gpu_ids is not None else None,
+                         "ring_bandwidth": list(p.ring_bandwidth) if p.ring_bandwidth else None}
     if result.chosen is not None:
         best = result.best()
         doc["plan"] = best.plan.to_json()
@@ -454,6 +458,53 @@ def plan_document(result: CompileResult, *, model: dict | None = None) -> dict:
 
 # --------------------------------------------------------------------------- report
 
+def replicas_section(options, chosen: int | None, whole_cluster) -> dict:
+    """plan.json's ``replicas``: every (P, R) layout considered, the chosen one and why."""
+    from .replicas import why
+
+    c = options[chosen] if chosen is not None else None
+    return {"cluster": whole_cluster.to_json(), "gpus": whole_cluster.physical_gpus,
+            "options": [o.row() for o in options], "chosen": chosen,
+            "replicas": c.layout.replicas if c else None, "pipeline_gpus": c.layout.pipeline_gpus if c else None,
+            "order": c.layout.order if c else None, "why": why(options, chosen),
+            "note": "throughput: samples/s of all replicas together in the simulated steady state (R x M "
+                    "micro-batches per step, gradient all-reduce over a ring of R priced on the slowest link "
+                    "of the ring); options whose pipeline cannot hold the model's weights, gradients and "
+                    "optimizer state are refused without partitioning"}
+
+
+def problem_from_doc(doc: dict, graph, prof, *, schedule: str | None = None,
+                     micro_batches: int | None = None) -> Problem:
+    """The Problem a plan document was made for (its pipeline's GPUs, replicas and rings)."""
+    from .cluster import ClusterSpec
+
+    lay = doc.get("layout") or {}
+    ring = lay.get("ring_bandwidth")
+    return Problem(graph, prof, ClusterSpec.from_json(doc["cluster"]), schedule=schedule or doc["schedule"],
+                   micro_batches=micro_batches or doc["micro_batches"], recompute=doc.get("recompute"),
+                   replicas=int(lay.get("replicas") or 1), ring_bandwidth=tuple(ring) if ring else None)
+
+
+def _replicas_lines(rep: dict) -> list[str]:
+    lines = ["", f"## replicas: pipeline length x replicas on {rep['gpus']} GPUs", "",
+             "| pipeline GPUs | replicas | rank order | fits | strategy | samples/s (all replicas) | step ms | "
+             "all-reduce ms | moved per step: pipeline / all-reduce (across hosts) | max GPU mem | time s | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for i, o in enumerate(rep["options"]):
+        mark = " (chosen)" if i == rep.get("chosen") else ""
+        f = o["feasible"]
+        lines.append(
+            f"| {o['pipeline_gpus']}{mark} | {o['replicas']} | {o['order']} | {'yes' if f else 'no'} | "
+            f"{o['strategy'] or '-'} | {o['throughput']:.3f} | {o['step_ms']:.3f} | {o['allreduce_ms']:.3f} | "
+            f"{_fmt_bytes(o['pipeline_bytes_per_step'])} ({_fmt_bytes(o['pipeline_cross_host_bytes_per_step'])}) / "
+            f"{_fmt_bytes(o['allreduce_bytes_per_step'])} ({_fmt_bytes(o['allreduce_cross_host_bytes_per_step'])}) | "
+            f"{_fmt_bytes(o['max_gpu_memory_bytes'])} | {o['seconds']:.1f} | |" if f else
+            f"| {o['pipeline_gpus']} | {o['replicas']} | {o['order']} | no | - | - | - | - | - | - | "
+            f"{o['seconds']:.1f} | {o['reason']} |")
+    lines += ["", f"Chosen: {rep['why']}.", "", f"*{rep['note']}*"]
+    return lines
+
+
 def _fmt_bytes(b: float | None) -> str:
     if b is None:
         return "-"
@@ -468,6 +519,11 @@ def report_text(doc: dict) -> str:
     lines.append(f"# ftcompile plan: {m.get('model', '?')}")
     lines.append("")
     limits = doc.get("limits") or {}
+    lay = doc.get("layout") or {}
+    if lay.get("replicas", 1) > 1 or lay.get("gpu_ids"):
+        lines.append(f"one pipeline of {P_of(c)} GPUs (GPUs {lay.get('gpu_ids') or list(range(P_of(c)))} of the "
+                     f"cluster; replica 0), {lay.get('replicas', 1)} replica(s); the tables below are per "
+                     f"pipeline")
     lines.append(f"cluster {c['name']}: {c['nodes']} x {c['gpus_per_node']} GPUs, "
                  f"{c['gpu_memory'] / 1e9:.1f} GB each, {c['intra_node_bandwidth'] / 1e9:.1f} GB/s; "
                  f"schedule {doc['schedule']}, {doc['micro_batches']} micro-batches; "
@@ -482,7 +538,7 @@ def report_text(doc: dict) -> str:
     def fmt(v, f):
         return f.format(v) if v is not None else "-"
 
-    P = c["nodes"] * c["gpus_per_node"]
+    P = P_of(c)
     for r in doc["strategies"]:
         mark = " (chosen)" if r["name"] == doc.get("chosen") else ""
         stale = (f"{r['staleness_updates']:.2g} upd. (depth {r['max_depth']})"
@@ -529,7 +585,15 @@ def report_text(doc: dict) -> str:
     else:
         lines.append("")
         lines.append(f"no strategy found a plan that fits: {doc.get('requirements', '')}")
+    if doc.get("replicas"):
+        lines += _replicas_lines(doc["replicas"])
     return "\n".join(lines) + "\n"
+
+
+def P_of(cluster_json: dict) -> int:
+    """GPUs of a cluster document (a view counts its own)."""
+    c = cluster_json
+    return len(c["gpu_ids"]) if c.get("gpu_ids") else c["nodes"] * c["gpus_per_node"]
 
 
 def _row_note(r: dict) -> str:

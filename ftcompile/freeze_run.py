@@ -196,6 +196,7 @@ def run_freeze(args, spec: FreezeSpec) -> int:
         w = copy.copy(args)
         w.package, w.steps, w.micro_batches, w.schedule = package, end, M, schedule
         w.log_dir, w.checkpoint_dir, w.checkpoint_every = str(log_dir), str(ck_dir), None
+        w.replicas, w.rank_order = R, None      # the phase package's layout
         w.resume = step > 0
         w.overwrite_checkpoints = bool(args.overwrite_checkpoints) and step == 0
         w.reset_optimizer = False

@@ -19,7 +19,7 @@ the all-reduce on the ring of each pipeline GPU (:meth:`ReplicaLayout.ring_bandw
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .cluster import ClusterError, ClusterSpec
 
@@ -117,6 +117,42 @@ def layouts(cluster: ClusterSpec, replicas: int | None = None) -> list[ReplicaLa
     return out
 
 
+def traffic(problem, plan, layout: ReplicaLayout, cluster: ClusterSpec) -> dict:
+    """Bytes moved per step (every replica's M micro-batches) on the whole cluster, and how many of
+    them cross hosts: activations and their gradients between pipeline GPUs, and each ring
+    all-reduce (a ring of R carries ``2 (R - 1) / R`` of the gradients on each of its R links)."""
+    from .plan import evaluate, stage_graph
+
+    def host(physical: int) -> int:
+        return physical // cluster.gpus_per_node
+
+    gpu_of = {s.id: s.gpu for s in plan.stages}
+    grads = problem.grad_values
+    out = dict.fromkeys(("pipeline_bytes", "pipeline_cross_host_bytes", "allreduce_bytes",
+                         "allreduce_cross_host_bytes"), 0)
+    for a, b, data in stage_graph(problem.graph, plan).edges(data=True):
+        ga, gb = gpu_of[a], gpu_of[b]
+        if ga == gb:
+            continue
+        per_mb = sum(n * (2 if v in grads else 1) for v, n in data["values"].items())
+        for r in range(layout.replicas):
+            moved = per_mb * problem.micro_batches
+            out["pipeline_bytes"] += moved
+            if host(layout.physical(r, ga)) != host(layout.physical(r, gb)):
+                out["pipeline_cross_host_bytes"] += moved
+    if layout.replicas > 1:
+        cost = evaluate(problem, plan)
+        for g in range(layout.pipeline_gpus):
+            n = sum(sc.grad_bytes for sc in cost.stages if sc.gpu == g)
+            ring = layout.ring(g)
+            per_link = 2 * (layout.replicas - 1) / layout.replicas * n
+            for x, y in zip(ring, ring[1:] + ring[:1]):
+                out["allreduce_bytes"] += per_link
+                if host(x) != host(y):
+                    out["allreduce_cross_host_bytes"] += per_link
+    return {k: int(v) for k, v in out.items()}
+
+
 # --------------------------------------------------------------------------- planning
 
 @dataclass
@@ -130,9 +166,9 @@ class ReplicaOption:
     throughput: float = 0.0               # samples/s of all replicas together (simulated)
     step_ms: float = 0.0                  # one step (R x M micro-batches) in the steady state
     allreduce_ms: float = 0.0             # the slowest pipeline GPU's all-reduces per step
-    pipeline_bytes: int = 0               # activations and gradients crossing GPUs, per replica and step
-    allreduce_bytes: int = 0              # gradients averaged, per replica and step
+    traffic: dict = field(default_factory=dict)    # traffic(): bytes per step, all replicas, and across hosts
     seconds: float = 0.0
+    problem: object | None = None         # the pipeline's Problem
 
     def row(self) -> dict:
         best = self.result.best() if self.feasible and self.result is not None else None
@@ -142,7 +178,7 @@ class ReplicaOption:
                 "throughput": round(self.throughput, 6) if self.feasible else None,
                 "step_ms": round(self.step_ms, 6) if self.feasible else None,
                 "allreduce_ms": round(self.allreduce_ms, 6) if self.feasible else None,
-                "pipeline_bytes_per_step": self.pipeline_bytes, "allreduce_bytes_per_step": self.allreduce_bytes,
+                **{f"{k}_per_step": v for k, v in self.traffic.items()},
                 "max_gpu_memory_bytes": best.cost.max_memory_bytes if best else None,
                 "seconds": round(self.seconds, 3)}
 
@@ -156,7 +192,7 @@ def replicated_problem(base, cluster: ClusterSpec, layout: ReplicaLayout):
 
 
 def compile_replicated(base, strategies="auto", *, replicas: int | None = None, jobs: int | None = None,
-                       progress=None) -> tuple[list[ReplicaOption], int | None]:
+                       progress=None, strategy_progress=None, **compile_options) -> tuple[list[ReplicaOption], int | None]:
     """Plan every layout of ``base.cluster`` (every pipeline length dividing its GPU count, or the one
     ``replicas`` forces, in each order that places GPUs differently) and choose the highest
     simulated throughput over all replicas. Returns the options and the index of the chosen one.
@@ -178,13 +214,16 @@ def compile_replicated(base, strategies="auto", *, replicas: int | None = None, 
         if static > room:
             opt = ReplicaOption(lay, False, f"weights, gradients and optimizer state ({static / 1e9:.2f} GB) exceed "
                                 f"{lay.pipeline_gpus} GPU(s) of {cluster.gpu_memory / 1e9:.2f} GB less the reserve",
-                                seconds=time.perf_counter() - t0)
+                                seconds=time.perf_counter() - t0, problem=pb)
             options.append(opt)
             if progress:
                 progress(opt)
             continue
-        result = compile_plan(pb, strategies, jobs=jobs)
-        opt = ReplicaOption(lay, result.chosen is not None, result=result, seconds=time.perf_counter() - t0)
+        # One GPU has one plan (everything on it): no strategy can do better than another.
+        names = "uniform" if lay.pipeline_gpus == 1 else strategies
+        result = compile_plan(pb, names, jobs=jobs, progress=strategy_progress, **compile_options)
+        opt = ReplicaOption(lay, result.chosen is not None, result=result, seconds=time.perf_counter() - t0,
+                            problem=pb)
         if result.chosen is None:
             opt.reason = "no strategy found a pipeline plan that fits: " + "; ".join(
                 f"{r.name}: {r.reason}" for r in result.results[:3])
@@ -195,8 +234,7 @@ def compile_replicated(base, strategies="auto", *, replicas: int | None = None, 
             opt.step_ms = sim.get("minibatch_ms", 0.0)
             opt.allreduce_ms = max((sum(sc.allreduce_ms for sc in best.cost.stages if sc.gpu == g)
                                     for g in range(lay.pipeline_gpus)), default=0.0)
-            opt.pipeline_bytes = pb.micro_batches * sum(2 * sc.send_bytes for sc in best.cost.stages)
-            opt.allreduce_bytes = sum(sc.grad_bytes for sc in best.cost.stages) if lay.replicas > 1 else 0
+            opt.traffic = traffic(pb, best.plan, lay, cluster)
         options.append(opt)
         if progress:
             progress(opt)
@@ -213,10 +251,37 @@ def why(options: list[ReplicaOption], chosen: int | None) -> str:
     same = [o for o in options if o.feasible and o.layout.replicas == c.layout.replicas and o is not c]
     parts = [f"{c.layout.replicas} replica(s) of a {c.layout.pipeline_gpus}-GPU pipeline, {c.layout.order}, "
              f"gives the highest simulated throughput ({c.throughput:.2f} samples/s)"]
+    def across(o: ReplicaOption) -> str:
+        t = o.traffic
+        return (f"{(t['pipeline_cross_host_bytes'] + t['allreduce_cross_host_bytes']) / 1e9:.3f} GB per step "
+                f"across hosts ({t['pipeline_cross_host_bytes'] / 1e9:.3f} GB of pipeline traffic of "
+                f"{t['pipeline_bytes'] / 1e9:.3f}, {t['allreduce_cross_host_bytes'] / 1e9:.3f} GB of all-reduce "
+                f"of {t['allreduce_bytes'] / 1e9:.3f})")
+
+    feasible = [o for o in options if o.feasible]
+    longest = max(o.layout.pipeline_gpus for o in feasible)
+    most = max(o.layout.replicas for o in feasible)
+    middle = [o for o in feasible if o.layout.pipeline_gpus not in (longest, c.layout.pipeline_gpus)
+              and o.layout.replicas != most]
+    if c.layout.replicas == most and len(feasible) > 1:
+        what = ("each replica holds the whole model on one GPU: no pipeline bubble and no activation traffic"
+                if c.layout.pipeline_gpus == 1 else "the shortest pipeline that fits, with the fewest bubbles")
+        note = (f"it is the most replicas that fit ({what}), and its all-reduce ({c.allreduce_ms:.1f} ms per step) "
+                f"costs less than longer pipelines lose")
+        if middle:
+            m = max(middle, key=lambda o: o.throughput)
+            note += (f"; the best intermediate layout ({m.layout.pipeline_gpus} GPUs x {m.layout.replicas}) gives "
+                     f"{m.throughput:.2f}")
+        parts.append(note)
+    elif c.layout.pipeline_gpus == longest and len(feasible) > 1:
+        shorter = [o for o in feasible if o.layout.pipeline_gpus < longest]
+        if shorter:
+            m = max(shorter, key=lambda o: o.throughput)
+            parts.append(f"it is the longest pipeline: the best layout with more replicas ({m.layout.pipeline_gpus} "
+                         f"GPUs x {m.layout.replicas}) gives {m.throughput:.2f}, its all-reduce taking "
+                         f"{m.allreduce_ms:.1f} ms per step")
     if same:
-        o = same[0]
-        parts.append(f"{o.layout.order} gives {o.throughput:.2f}: per replica and step the pipeline moves "
-                     f"{c.pipeline_bytes / 1e9:.3f} GB between GPUs and the all-reduce "
-                     f"{c.allreduce_bytes / 1e9:.3f} GB, and {c.layout.order} keeps the heavier of the two on the "
-                     "faster links")
+        parts.append(f"{c.layout.order} moves {across(c)}")
+        for o in same:
+            parts.append(f"{o.layout.order} would move {across(o)} and gives {o.throughput:.2f} samples/s")
     return "; ".join(parts)

@@ -335,13 +335,17 @@ def space_message(root: Path, step: int, needed: int, free: int | None, previous
 
 
 def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: dict, control=None,
-         previous: int | None = None) -> Path:
+         previous: int | None = None, write: bool = True) -> Path:
     """Write the checkpoint after ``step`` steps; every rank calls it with its stages' states.
 
     ``stages`` is ``RankEngine.state()``; ``meta`` goes into ``meta.json`` (run id, package,
     settings); ``control`` (:class:`~ftcompile.runtime.control.Control`) links the ranks, None for
     a single rank. ``previous`` is the step of the last checkpoint, named when this one fails. Every
     rank returns the committed folder, or raises the same :class:`CheckpointError`.
+
+    ``write=False``: this rank holds copies that another rank writes (a replica other than 0 of
+    a replicated pipeline): it takes part in the collective and its copies are compared with the
+    written ones (digests), but it writes nothing, so a checkpoint holds each stage once.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -352,6 +356,7 @@ def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: d
     world = control.world_size if control is not None else 1
     flat, scalars = entries(stages)
     sizes = entry_bytes(flat)
+    written = flat if write else {}
     if world > 1:
         save_id, all_sizes = control.broadcast(uuid.uuid4().hex[:12]), control.all_gather(sizes)
     else:
@@ -359,6 +364,14 @@ def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: d
     unique: dict[str, int] = {}
     for s in all_sizes:
         unique.update(s)
+    if world > 1:
+        writes = control.all_gather(bool(write))
+        if not any(writes):
+            raise _everyone(CheckpointError("no rank writes the checkpoint (a bug: replica 0's ranks must)"))
+        missing = sorted(set(unique) - {k for s, w in zip(all_sizes, writes) if w for k in s})
+        if missing:
+            raise _everyone(CheckpointError(f"no writing rank holds {missing[0]} (and {len(missing) - 1} more); "
+                                            "the checkpoint would lack it (a bug)"))
     if world > 1:
         _check_copies(flat, all_sizes, control, step)
     needed = sum(unique.values()) + 64 * 1024 * world    # headers and meta.json
@@ -382,7 +395,7 @@ def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: d
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # "assuming the intent is to save in a single process"
-            dcp.save(flat, storage_writer=writer, process_group=control.group if control is not None else None,
+            dcp.save(written, storage_writer=writer, process_group=control.group if control is not None else None,
                      no_dist=world == 1)
     except (CheckpointException, OSError, RuntimeError) as exc:
         if rank == 0:

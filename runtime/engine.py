@@ -325,6 +325,7 @@ class RankEngine:
                                                else self.ranks.values())})
         self._groups: dict[int, object] = {}
         self._averaged: dict[tuple[int, int], BaseException | None] = {}
+        fns = {}
         if self.replicas > 1:
             if transport is None:
                 raise PipelineError("replicas need a transport")
@@ -332,8 +333,11 @@ class RankEngine:
 
             # every rank creates every stage's group, in stage order (collective on some transports)
             fns = transport.replica_groups(layout.stage_groups(self.m))
-            for sid in sorted(self.modules):
-                self._groups[sid] = ReplicaGroup(sid, self.replicas, fns[sid], self._averaged_cb)
+            if averaging is None:      # with an averaging rule (AvgPipe) replicas keep their own gradients
+                for sid in sorted(self.modules):
+                    self._groups[sid] = ReplicaGroup(sid, self.replicas, fns[sid], self._averaged_cb)
+        if averaging is not None and hasattr(averaging, "attach"):
+            averaging.attach(self, fns)
         self._build_optimizers()
 
     # ------------------------------------------------------------------ setup
@@ -463,6 +467,8 @@ class RankEngine:
         """Tell every peer this rank sends nothing more, and wait until every peer has said the same."""
         for g in self._groups.values():
             g.close()
+        if self.averaging is not None and hasattr(self.averaging, "close"):
+            self.averaging.close()
         if self.world_size == 1:
             return
         for dst in range(self.world_size):
@@ -774,7 +780,7 @@ class RankEngine:
         """
         if st.update_phase == 0:
             st.update_phase = 1
-            if self.replicas > 1:
+            if self._groups:
                 grads = []
                 for p in self._opt[st.id][0].values():
                     if p.grad is None:
@@ -782,7 +788,7 @@ class RankEngine:
                     grads.append(p.grad)
                 self._groups[st.id].submit(j, grads)
         if st.update_phase == 1:
-            if self.replicas > 1:
+            if self._groups:
                 with self.cv:
                     if (st.id, j) not in self._averaged:
                         return False

@@ -123,19 +123,6 @@ def read_norms(paths: Sequence[str | os.PathLike]) -> dict[int, list[float]]:
 
 # --------------------------------------------------------------------------- the ranks' helpers
 
-def rank_layout(manifest, world_size: int, rank: int):
-    """The replicated layout of a package planned with ``replicas > 1`` (None for a single pipeline).
-
-    A freeze phase's package records its ``(P, R)``: ``world_size`` must be ``R`` times the ranks of
-    one pipeline.
-    """
-    from .layout import RankLayout
-
-    if getattr(manifest, "replicas", 1) <= 1:
-        return None
-    return RankLayout(world_size, manifest.replicas, rank, manifest.rank_order)
-
-
 def grad_norms_hook(args, manifest, layout) -> GradNorms | None:
     """The engine's ``grad_hook`` when ``--grad-norms-at`` asks for gradient norms (else None)."""
     if not getattr(args, "grad_norms_at", None):
@@ -150,9 +137,9 @@ def grad_norms_hook(args, manifest, layout) -> GradNorms | None:
 
 def phase_record(manifest, layout, cfg, args=None) -> dict:
     """The step log's phase fields: frozen layers, pipeline length P, replicas R, micro-batches M
-    (in a freeze run, whose phases measure gradient norms, or with replicas or frozen layers)."""
+    (in a freeze run: a package with frozen layers, or a phase measuring gradient norms)."""
     freeze = (manifest.model or {}).get("freeze")
-    if not freeze and (layout is None or layout.replicas == 1) and not getattr(args, "grad_norms_layers", None):
+    if not freeze and not getattr(args, "grad_norms_layers", None):
         return {}
     return {"phase": {"frozen_layers": int((freeze or {}).get("layers", 0)),
                       "layers": (freeze or {}).get("of"),

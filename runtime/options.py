@@ -21,16 +21,19 @@ from dataclasses import dataclass, field
 
 from .checkpoint import Checkpoint, CheckpointError, check_resumable, latest
 from .control import HEARTBEAT_TIMEOUT_S
+from .layout import ORDERS
 from .optim import LR_SCHEDULES, OPTIMIZERS, PREDICTS, resume_change
 from .schedules import SCHEDULES
 
 #: Defaults of the options a resumed run otherwise takes from its checkpoint.
 DEFAULTS = {"steps": 10, "optimizer": "adam", "lr": 1e-3, "momentum": 0.9, "weight_decay": 0.0,
             "lr_schedule": "constant", "warmup_steps": 0, "seed": 0, "data": "synthetic", "recompute": False,
-            "weight_prediction": False, "no_dropout": False, "clip_grad_norm": None}
+            "weight_prediction": False, "no_dropout": False, "clip_grad_norm": None, "on_nonfinite": "stop",
+            "advance": 0}
 #: Recorded in every checkpoint's ``meta.json`` (``config``), and inherited by ``--resume``.
 RECORDED = ("schedule", "micro_batches", "steps", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
-            "warmup_steps", "clip_grad_norm", "seed", "data", "recompute", "weight_prediction", "no_dropout")
+            "warmup_steps", "clip_grad_norm", "seed", "data", "recompute", "weight_prediction", "no_dropout",
+            "on_nonfinite", "advance")
 
 
 class OptionError(ValueError):
@@ -57,6 +60,17 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-prediction", action="store_true", default=None,
                    help="async: forward with weights predicted to the backward's version (FTPipe §4.2; "
                         "momentum, adam, adamw)")
+    g.add_argument("--parallel-pipelines", default=None, metavar="N|auto",
+                   help="avgpipe: N parallel pipelines with elastic averaging, each on its own batch (they are the run's "
+                        "replicas: --nproc counts the ranks of all N; default 1; auto: the plan's tuned choice)")
+    g.add_argument("--advance", default=None, metavar="K|auto",
+                   help="avgpipe: micro-batches forwarded in advance of 1F1B's warm-up (0: 1F1B, M: all forwards "
+                        "first; default 0; auto: the plan's tuned choice)")
+    g.add_argument("--elastic-alpha", type=float, default=None, metavar="A",
+                   help="avgpipe: how far each parallel model is pulled toward their average per step (default 1/N)")
+    g.add_argument("--on-nonfinite", choices=("stop", "skip"), default=None,
+                   help="a loss that is NaN or infinite: stop the run naming the step and stage (default), or "
+                        "skip that step's update on every stage and go on")
     g = p.add_argument_group("optimizer (with --resume, an option not given keeps the checkpoint's value)")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default adam")
     g.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3)")
@@ -73,6 +87,15 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="data order and dropout seed (default 0)")
     g.add_argument("--no-dropout", action="store_true", default=None, help="train with dropout off")
     g.add_argument("--device", default="cpu", help="cpu or cuda (each rank takes cuda:LOCAL_RANK)")
+    g.add_argument("--replicas", type=int, default=None, metavar="R",
+                   help="train R replicas of the pipeline on the ranks, each on its share of every step's R x M "
+                        "micro-batches, gradients averaged across replicas (default: the ranks over the plan's "
+                        "GPUs per pipeline, e.g. 4 ranks of a 2-GPU plan: 2 replicas)")
+    g.add_argument("--rank-order", choices=ORDERS, default=None,
+                   help="pipeline-major: a replica's ranks are consecutive (a pipeline on one host); replica-major: "
+                        "one stage's replicas are consecutive (its all-reduce on one host) (default: the plan's)")
+    g.add_argument("--measure-memory", action="store_true", default=None,
+                   help="count every tensor each rank holds and log each rank's peak per step (CPU; slower)")
     g.add_argument("--transport", choices=("auto", "gloo", "nccl", "mpi"), default="auto",
                    help="auto: mpi under mpirun, nccl on cuda, else gloo")
     g.add_argument("--timeout", type=float, default=300.0, metavar="S",
@@ -107,9 +130,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 _VALUED = ("schedule", "micro_batches", "steps", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
            "warmup_steps", "clip_grad_norm", "data", "seed", "device", "transport", "timeout", "heartbeat_timeout",
-           "log_dir", "checkpoint_dir", "checkpoint_every", "progress",
-           "grad_norms_at", "grad_norms_layers", "grad_norms_file")
-_FLAGS = ("recompute", "weight_prediction", "no_dropout", "resume", "overwrite_checkpoints", "reset_optimizer")
+           "log_dir", "checkpoint_dir", "checkpoint_every", "progress", "advance", "on_nonfinite", "replicas",
+           "rank_order", "parallel_pipelines", "elastic_alpha", "grad_norms_at", "grad_norms_layers", "grad_norms_file")
+_FLAGS = ("recompute", "weight_prediction", "no_dropout", "resume", "overwrite_checkpoints", "reset_optimizer",
+          "measure_memory")
 
 
 def worker_argv(args) -> list[str]:
@@ -144,6 +168,8 @@ def check(args) -> list[str]:
                         ("--checkpoint-every", args.checkpoint_every)):
         if value is not None and value < 1:
             raise OptionError(f"{flag} must be at least 1, got {value}")
+    if getattr(args, "replicas", None) is not None and args.replicas < 1:
+        raise OptionError(f"--replicas must be at least 1, got {args.replicas}")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         raise OptionError(f"--warmup-steps must be 0 or more, got {args.warmup_steps}")
     _finite("--lr", args.lr, low=0.0, must="a finite learning rate >= 0 (e.g. 1e-3)")
@@ -164,7 +190,9 @@ def check(args) -> list[str]:
         raise OptionError("--overwrite-checkpoints deletes the checkpoints --resume continues from; give one of them")
     if args.reset_optimizer and not args.resume:
         raise OptionError("--reset-optimizer needs --resume (a fresh run starts its optimizer afresh anyway)")
-    warnings = []
+    from .avgpipe import check_options as _avgpipe_options
+
+    warnings = _avgpipe_options(args)
     if args.lr == 0:
         warnings.append("--lr 0: no weight will change")
     if args.momentum is not None and args.optimizer not in (None, "momentum"):
@@ -199,11 +227,42 @@ def _fmt(v) -> str:
     return "off" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
 
 
-def resolve(args, manifest, *, restart_run_id: str | None = None) -> Resolved:
+def replicas_for(manifest, world_size: int, replicas: int | None = None) -> int:
+    """How many replicas of the pipeline ``world_size`` ranks train (``--replicas``, else the default).
+
+    The default keeps the plan's pipeline: one rank per planned GPU, so ``world_size / num_gpus``
+    replicas (the manifest's ``replicas`` when the run has the planned ``num_gpus x replicas``
+    ranks); fewer ranks than planned GPUs make one replica whose ranks share the GPUs' stages.
+    """
+    N = max(manifest.num_gpus, 1)
+    if world_size < 1:
+        raise OptionError(f"--nproc must be at least 1, got {world_size}")
+    if replicas is not None:
+        if replicas < 1 or world_size % replicas:
+            options = [r for r in range(1, world_size + 1) if world_size % r == 0 and world_size // r <= N]
+            raise OptionError(f"--replicas {replicas} does not divide {world_size} ranks into pipelines; choose "
+                              f"--replicas among {options}")
+        if world_size // replicas > N:
+            raise OptionError(f"--replicas {replicas} on {world_size} ranks makes pipelines of {world_size // replicas} "
+                              f"ranks, but the plan has {N} GPU(s), so ranks beyond {N} per pipeline would hold no "
+                              f"stage; give --replicas {-(-world_size // N)} or more (dividing {world_size})")
+        return replicas
+    if world_size <= N:
+        return 1
+    if world_size % N:
+        raise OptionError(f"{world_size} ranks do not make whole pipelines of the plan's {N} GPU(s): give a multiple "
+                          f"of {N} ranks ({N * (world_size // N)} makes {world_size // N} replicas), or --replicas R "
+                          f"with R dividing {world_size} and at most {N} ranks per pipeline")
+    return world_size // N
+
+
+def resolve(args, manifest, *, restart_run_id: str | None = None, replicas: int = 1) -> Resolved:
     """Fill the options' defaults, reconciled with the checkpoint of ``--resume`` (see the module docstring).
 
     ``restart_run_id``: when the elastic agent restarts the ranks of a run, a checkpoint of that
-    run is resumed even without ``--resume``.
+    run is resumed even without ``--resume``. ``replicas``: of this run; a resume into another
+    number of replicas keeps the checkpoint's global batch (replicas x micro-batches) when
+    ``--micro-batches`` is not given and the batch divides, so training goes on as it would have.
     """
     cli = args
     args = copy.copy(args)
@@ -238,6 +297,23 @@ def resolve(args, manifest, *, restart_run_id: str | None = None) -> Resolved:
                 raise CheckpointError(f"--resume --optimizer {new_opt}: {why}. Resume with --optimizer {old_opt}, or "
                                       "pass --reset-optimizer to keep the weights and start the optimizer state "
                                       "afresh")
+        was_r = int(ck.meta.get("replicas") or 1)
+        if was_r != replicas and cli.micro_batches is None and was.get("micro_batches"):
+            total = was_r * int(was["micro_batches"])
+            if total % replicas == 0:
+                args.micro_batches = total // replicas
+                notes.append(f"{was_r} -> {replicas} replicas: {args.micro_batches} micro-batches per replica keep "
+                             f"the checkpoint's {total} micro-batches per step")
+            else:
+                warnings.append(f"the checkpoint's step of {was_r} x {was['micro_batches']} micro-batches does not "
+                                f"split among {replicas} replicas: each takes {was['micro_batches']}, so a step "
+                                "trains on another batch than before")
+        elif was_r != replicas and cli.micro_batches is not None and was.get("micro_batches") and \
+                was_r * int(was["micro_batches"]) != replicas * cli.micro_batches:
+            total = was_r * int(was["micro_batches"])
+            keep = f"; give --micro-batches {total // replicas} to keep it" if total % replicas == 0 else ""
+            warnings.append(f"the checkpoint trained on {was_r} x {was['micro_batches']} micro-batches per step; "
+                            f"{replicas} x {cli.micro_batches} is another batch{keep}")
         if args.steps is None:
             args.steps = int(was.get("steps") or ck.step)
         if args.steps == ck.step:
@@ -248,6 +324,8 @@ def resolve(args, manifest, *, restart_run_id: str | None = None) -> Resolved:
             what += "; changed: " + ", ".join(f"{n.replace('_', '-')} {_fmt(o)} -> {_fmt(g)}" for n, o, g in changed)
         notes.append(what)
         for name, old, given in changed:
+            if name == "micro_batches" and was_r * old == replicas * given:
+                continue    # the same global batch, shared among another number of replicas
             if name in ("micro_batches", "seed", "data"):
                 warnings.append(f"--{name.replace('_', '-')} differs from the checkpoint's ({_fmt(old)}): the resumed "
                                 "run skips the steps done in its own data order, so it does not see the data an "

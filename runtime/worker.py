@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -38,12 +39,14 @@ from pathlib import Path
 
 import torch
 
+from . import avgpipe as _avgpipe
 from . import checkpoint as ckpt
 from .checkpoint import CheckpointError
-from .engine import PipelineError, PipelineHang, RankEngine, TrainConfig, stage_ranks
+from .engine import PipelineError, PipelineHang, RankEngine, TrainConfig
+from .layout import RankLayout
 from .lock import FolderBusy, acquire
 from .options import (NothingToDo, OptionError, add_train_arguments, check, new_run_id, recorded_config,
-                      resolve, worker_argv)
+                      replicas_for, resolve, worker_argv)
 from .package import PackageError, load_package
 from .runlog import RunLogError, open_log
 from .schedules import ScheduleError
@@ -69,7 +72,18 @@ def config_from_args(args, manifest) -> TrainConfig:
                        lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
                        clip_grad_norm=args.clip_grad_norm, recompute=bool(args.recompute),
                        weight_prediction=bool(args.weight_prediction), seed=args.seed,
-                       dropout=not args.no_dropout, timeout_s=args.timeout, total_steps=args.steps)
+                       dropout=not args.no_dropout, timeout_s=args.timeout, total_steps=args.steps,
+                       nonfinite=args.on_nonfinite or "stop", advance=_avgpipe.resolved(args)[1] if args.schedule == "avgpipe" else 0,
+                       measure_memory=bool(getattr(args, "measure_memory", False)))
+
+
+def describe_rank(manifest, layout: RankLayout, r: int) -> str:
+    """``rank 3 (replica 1, stages [2, 3])``: what rank ``r`` of ``layout`` runs."""
+    for rep in range(layout.replicas):
+        stages = sorted(s for s, x in layout.stage_ranks(manifest, rep).items() if x == r)
+        if stages:
+            return f"rank {r} ({f'replica {rep}, ' if layout.replicas > 1 else ''}stages {stages})"
+    return f"rank {r} (no stage)"
 
 
 def _device(spec: str, local_rank: int) -> torch.device:
@@ -275,7 +289,11 @@ class RankRun:
         check_train_args(self.args)
         self.package = load_package(self.args.package)
         m = self.m = self.package.manifest
-        self.res = resolve(self.args, m, restart_run_id=_launch_run_id())
+        world = self.launch.world_size
+        _avgpipe.as_replicas(self.args, self.args.schedule or m.schedule)     # AvgPipe: N pipelines = N replicas
+        self.replicas = replicas_for(m, world, self.args.replicas)
+        self.layout = RankLayout(world, self.replicas, self.rank, self.args.rank_order or m.rank_order)
+        self.res = resolve(self.args, m, restart_run_id=_launch_run_id(), replicas=self.replicas)
         args = self.args = self.res.args
         self.cfg = config_from_args(args, m)
         programs(m, self.cfg, 1)                 # a schedule that cannot run is refused here
@@ -287,16 +305,19 @@ class RankRun:
         self.device = _device(args.device, self.launch.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        from .freeze import rank_layout
-
-        self.layout = rank_layout(m, self.launch.world_size, self.launch.rank)
-        self.ranks = self.layout.stage_ranks(m) if self.layout else stage_ranks(m, self.launch.world_size)
-        lead = self.layout.stage_ranks(m, 0) if self.layout else self.ranks
-        self.owner = lead[m.loss_stage] if m.loss_stage is not None else 0
+        self.ranks = self.layout.stage_ranks(m)
+        # Replica 0's loss rank writes the log and holds the folders' locks.
+        first = self.layout.stage_ranks(m, 0)
+        self.owner = first[m.loss_stage] if m.loss_stage is not None else min(first.values())
+        # AvgPipe: the N parallel pipelines are the N replicas, pulled toward their average instead of
+        # averaging gradients (runtime/avgpipe.py).
+        self.averaging = None
+        if self.cfg.schedule == "avgpipe":
+            self.averaging = _avgpipe.ElasticAveraging(self.replicas, _avgpipe.resolved(args)[2])
         self.log_dir = Path(args.log_dir or Path(args.package) / "runs" / args.schedule)
 
     def describe(self, r: int) -> str:
-        return f"rank {r} (stages {sorted(s for s, x in self.ranks.items() if x == r)})"
+        return describe_rank(self.m, self.layout, r)
 
     # ------------------------------------------------------------------ 2. linking the ranks
     def link(self) -> None:
@@ -354,8 +375,8 @@ class RankRun:
 
             self.norms = grad_norms_hook(self.args, self.m, self.layout)
             self.engine = RankEngine(self.package, self.cfg, rank=self.rank, world_size=self.launch.world_size,
-                                     transport=self.transport, device=self.device, ranks=self.ranks,
-                                     layout=self.layout, grad_hook=self.norms)
+                                     transport=self.transport, device=self.device, layout=self.layout,
+                                     averaging=self.averaging, grad_hook=self.norms)
             if ck is not None:
                 self.phase(f"loading the checkpoint of step {ck.step}")
                 names = [n for mod in self.engine.modules.values() for n in mod.state_dict()]
@@ -377,13 +398,23 @@ class RankRun:
         if args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty()):
             from tqdm import tqdm
             self.bar = tqdm(total=args.steps, initial=self.start, unit="step", file=sys.stderr,
-                            desc=f"{self.cfg.schedule} x{self.launch.world_size}")
+                            desc=f"{self.cfg.schedule} x{self.launch.world_size}" +
+                            (f" ({self.replicas} replicas)" if self.replicas > 1 else ""))
 
     def _on_step(self, rec: dict) -> None:
         from .freeze import phase_record
 
         rec = {"run": self.run_id, "schedule": self.cfg.schedule, "micro_batches": self.cfg.micro_batches,
-               "world_size": self.launch.world_size, **phase_record(self.m, self.layout, self.cfg, self.args), **rec}
+               "world_size": self.launch.world_size, "replicas": self.replicas,
+               **phase_record(self.m, self.layout, self.cfg, self.args), **rec}
+        if self.averaging is not None:
+            rec["parallel_pipelines"] = self.replicas
+        loss = rec.get("loss")
+        if loss is not None and not math.isfinite(loss):
+            # train.jsonl stays strict JSON (no NaN / Infinity literals)
+            rec["loss"], rec["loss_not_finite"] = None, repr(float(loss))
+        if self.cfg.measure_memory:
+            rec["memory_measured"] = "tensors each rank holds (runtime.memory)"
         self.log.write(rec)
         if self.bar is not None:
             self.bar.update(1)
@@ -392,12 +423,22 @@ class RankRun:
 
     def _save(self, step: int, previous: int | None) -> None:
         args, m = self.args, self.m
-        meta = {"run_id": self.run_id, "package": m.generator.get("base_graph_hash") or m.generator.get("graph_hash"), "model": m.model.get("name"),
-                "world_size": self.launch.world_size, "config": recorded_config(args)}
+        meta = {"run_id": self.run_id, "package": m.generator.get("base_graph_hash") or m.generator.get("graph_hash"),
+                "model": m.model.get("name"),
+                "world_size": self.launch.world_size, "replicas": self.replicas, "rank_order": self.layout.order,
+                "config": recorded_config(args)}
         self.phase(f"in the checkpoint of step {step}")
         try:
-            ckpt.save(args.checkpoint_dir, step, self.engine.state(), meta=meta, control=self.control,
-                      previous=previous)
+            # Once per stage: replica 0's ranks write; the others' copies are only compared with
+            # theirs (gradients are averaged across replicas under every schedule, so all hold the
+            # same weights and optimizer state; a difference is refused as a bug).
+            # AvgPipe's parallel pipelines differ: they save the reference model (their average, the
+            # same bits on every pipeline), from which all N resume.
+            state = self.engine.state()
+            if self.averaging is not None:
+                state = self.averaging.reference(state)
+            ckpt.save(args.checkpoint_dir, step, state, meta=meta, control=self.control,
+                      previous=previous, write=self.layout.replica == 0)
         except (ckpt.CheckpointPeerLost, RuntimeError) as exc:
             # A peer that died mid-save fails the collective; the transport's receivers say which.
             lost = _wait_for_failure(self.engine, seconds=5)
@@ -408,8 +449,9 @@ class RankRun:
         from .data import load_dataset
 
         args, cfg, engine = self.args, self.cfg, self.engine
-        reps = self.layout.replicas if self.layout else 1     # each step's global batch: every replica's
-        batches = iter(load_dataset(args.data, self.m, micro_batches=reps * cfg.micro_batches, seed=args.seed))
+        # Each step's batch holds every replica's micro-batches; the engine takes this replica's share.
+        batches = iter(load_dataset(args.data, self.m, micro_batches=self.replicas * cfg.micro_batches,
+                                    seed=args.seed))
         for _ in range(self.start):
             next(batches)
         self._open_log()
@@ -438,12 +480,12 @@ class RankRun:
             self.bar.close()
         if self.log is not None:
             done, cfg = self.args.steps - self.start, self.cfg
-            reps = self.layout.replicas if self.layout else 1
-            sps = done * reps * cfg.micro_batches * self.m.micro_batch_size / self.seconds
+            sps = done * self.replicas * cfg.micro_batches * self.m.micro_batch_size / self.seconds
             self.log.write({"run": self.run_id, "summary": True, "steps": done, "seconds": self.seconds,
                             "schedule": cfg.schedule, "samples_per_s": sps})
             self.log.close()
-            print(f"ftcompile run: {done} steps of {cfg.schedule} on {self.launch.world_size} rank(s) in "
+            reps = f" ({self.replicas} replicas)" if self.replicas > 1 else ""
+            print(f"ftcompile run: {done} steps of {cfg.schedule} on {self.launch.world_size} rank(s){reps} in "
                   f"{self.seconds:.1f} s ({sps:.1f} samples/s); log: {self.log_dir / 'train.jsonl'}", file=sys.stderr)
         if self.control is not None:
             self.control.close()
@@ -496,8 +538,11 @@ def main(argv: list[str] | None = None) -> int:
         code = exc.code
     except (PipelineError, TransportError, RunLogError, OSError) as exc:
         kind, peer = _kind(exc)
+        # A lost peer is a consequence: under ftcompile run the launcher names the root cause (the
+        # peer's own error, or its signal) and prints this line only when it has nothing better.
         report(str(exc) if not isinstance(exc, OSError) or isinstance(exc, RunLogError) else
-               f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}", kind=kind, code=1, peer=peer)
+               f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}", kind=kind, code=1, peer=peer,
+               show=not (kind == "lost" and launch.launcher == "ftcompile"))
         code = 1
     except REFUSALS as exc:
         alike = report.alike or getattr(exc, "every_rank", False)

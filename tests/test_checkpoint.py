@@ -327,7 +327,7 @@ def test_resume_to_fewer_steps_than_done_is_refused(pkgs, tmp_path):
     (["--lr", "inf"], "--lr must be"), (["--lr", "nan"], "--lr must be"), (["--lr=-0.1"], "--lr must be"),
     (["--momentum", "nan"], "--momentum must be in [0, 1)"), (["--momentum", "1.5"], "--momentum must be in [0, 1)"),
     (["--weight-decay=-1"], "--weight-decay must be"), (["--warmup-steps=-5"], "--warmup-steps must be 0 or more"),
-    (["--nproc", "0"], "--nproc must be at least 1"), (["--nproc", "3"], "ranks beyond 2 would hold no stage"),
+    (["--nproc", "0"], "--nproc must be at least 1"), (["--nproc", "3"], "3 ranks make no whole number of pipelines"),
     (["--heartbeat-timeout", "0"], "--heartbeat-timeout must be"), (["--max-restarts=-1"], "--max-restarts"),
     (["--timeout", "inf"], "--timeout must be"), (["--reset-optimizer"], "--reset-optimizer needs --resume"),
 ])
@@ -353,6 +353,29 @@ def test_verify_refuses_a_meaningless_tolerance(pkgs, tolerance):
                        capture_output=True, text=True, timeout=LIMIT)
     assert r.returncode == 2 and "--tolerance" in r.stderr and "number >= 0" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+NO_LOSS = """
+import torch
+from transformers import AlbertConfig, AlbertForMaskedLM
+
+
+def build():
+    cfg = AlbertConfig(vocab_size=64, embedding_size=16, hidden_size=32, num_hidden_layers=2,
+                       num_attention_heads=2, intermediate_size=48, max_position_embeddings=32)
+    cfg._attn_implementation = "eager"
+    return AlbertForMaskedLM(cfg), (), {"input_ids": torch.randint(0, 64, (2, 16))}   # no labels: no loss
+"""
+
+
+def test_a_model_without_a_scalar_loss_is_refused_at_compile(tmp_path):
+    """13: a masked LM called without labels returns logits first; compiling it would 'train' on nothing."""
+    (tmp_path / "noloss.py").write_text(NO_LOSS)
+    out = tmp_path / "out"
+    r = subprocess.run([PY, "-m", "ftcompile", "compile", f"{tmp_path / 'noloss.py'}:build", "--gpus", "2",
+                        "--cluster", "2xcpu", "-o", str(out)], capture_output=True, text=True, timeout=LIMIT)
+    refused(r, "returns no scalar training loss", "float32[2, 16, 64]", "the model's first output must be the loss")
+    assert not out.exists()
 
 
 # --------------------------------------------------------------------------- pieces

@@ -94,8 +94,8 @@ def test_layout_places_replicas_both_ways():
         RankLayout(4, 3, 0)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("schedule,order", [("1f1b", "pipeline-major"), ("gpipe", "replica-major")])
+@pytest.mark.parametrize("schedule,order", [("1f1b", "pipeline-major"),
+                                            pytest.param("gpipe", "replica-major", marks=pytest.mark.slow)])
 def test_two_replicas_of_two_stages_equal_one_process_on_the_doubled_batch(seq2, schedule, order):
     cfg = TrainConfig(schedule=schedule, micro_batches=2, steps=3, optimizer="momentum", lr=0.05, seed=4)
     res = run_replicas(seq2, cfg, replicas=2, world=4, order=order)
@@ -129,3 +129,81 @@ def test_async_replicas_match_the_reference_with_averaged_gradients(seq2):
             for n, t in w.items():
                 if n in want:
                     assert _close(t, want[n]) < 2e-5, (rank, sid, n)
+
+
+# --------------------------------------------------------------------------- compile: the (P, R) table
+
+@pytest.fixture(scope="module")
+def replicated_out(tmp_path_factory):
+    from ftcompile.cli import main
+
+    out = tmp_path_factory.mktemp("pr") / "o"
+    assert main(["compile", "gpt2-tiny", "--cluster", "2xcpu", "--gpus", "4", "--strategy", "uniform,seq", "-q", "-o", str(out),
+                 "--cache-dir", str(out.parent / "c")]) == 0
+    return out
+
+
+def test_compile_plans_every_pipeline_length_and_keeps_the_fastest(replicated_out):
+    import json
+
+    doc = json.loads((replicated_out / "plan.json").read_text())
+    rep = doc["replicas"]
+    rows = rep["options"]
+    assert {(o["pipeline_gpus"], o["replicas"]) for o in rows} == {(4, 1), (2, 2), (1, 4)}
+    # on 2 hosts x 2 GPUs, a 2-GPU pipeline can sit inside a host or across: both orders are planned
+    assert {o["order"] for o in rows if o["replicas"] == 2} == {"pipeline-major", "replica-major"}
+    feasible = [o for o in rows if o["feasible"]]
+    best = max(feasible, key=lambda o: o["throughput"])
+    chosen = rows[rep["chosen"]]
+    assert chosen["throughput"] == best["throughput"]
+    # what was chosen is what was written: the plan's GPUs, the package's layout
+    assert doc["layout"]["replicas"] == chosen["replicas"] == doc["package"]["replicas"]
+    assert doc["plan"]["num_gpus"] == chosen["pipeline_gpus"] == doc["package"]["num_gpus"]
+    assert doc["package"]["rank_order"] == chosen["order"]
+    assert abs(doc["simulation"]["throughput_samples_per_s"] - chosen["throughput"]) < 1e-3
+    # cross-host bytes, counted independently: 2 hosts of 2 GPUs (GPUs 0,1 | 2,3)
+    stages = {s["id"]: s["gpu"] for s in doc["plan"]["stages"]}
+    for o in rows:
+        if o["feasible"] and o["replicas"] == 2 and o["pipeline_gpus"] == 2:
+            # pipeline-major: replica r on GPUs 2r, 2r+1 (one host): no pipeline traffic across hosts,
+            # and each ring (GPU p of both replicas) crosses hosts on both links
+            if o["order"] == "pipeline-major":
+                assert o["pipeline_cross_host_bytes_per_step"] == 0
+                assert o["allreduce_cross_host_bytes_per_step"] == o["allreduce_bytes_per_step"] > 0
+            else:   # replica-major: a pipeline spans both hosts, its ring stays on one
+                assert o["allreduce_cross_host_bytes_per_step"] == 0
+                assert o["pipeline_cross_host_bytes_per_step"] == o["pipeline_bytes_per_step"]
+    assert len(set(stages.values())) == chosen["pipeline_gpus"]
+    report = (replicated_out / "report.md").read_text()
+    assert "## replicas" in report and "(chosen)" in report.split("## replicas")[1]
+
+
+def test_simulate_reads_the_replicated_plan_back(replicated_out, capsys):
+    import json
+
+    from ftcompile.cli import main
+
+    doc = json.loads((replicated_out / "plan.json").read_text())
+    capsys.readouterr()
+    assert main(["simulate", str(replicated_out), "--json", "-o", str(replicated_out / "t.png")]) == 0
+    sim = json.loads(capsys.readouterr().out)
+    assert sim["replicas"] == (doc["layout"]["replicas"] if doc.get("layout") else 1)
+    assert abs(sim["throughput_samples_per_s"] - doc["simulation"]["throughput_samples_per_s"]) < 1e-3
+
+
+def test_replicas_that_do_not_divide_the_gpus_are_refused_before_tracing(tmp_path, capsys):
+    from ftcompile.cli import main
+
+    rc = main(["compile", "gpt2-tiny", "--gpus", "4", "--replicas", "3", "-o", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--replicas 3 does not divide" in err and "1, 2, 4" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_ring_all_reduce_time_is_the_ring_formula():
+    from ftcompile.replicas import allreduce_ms
+
+    # a ring of R: each member sends 2 (R - 1) chunks of n / R bytes
+    for R, n, bw in [(2, 4e6, 1e9), (4, 1e8, 25e9), (8, 3.3e9, 300e9)]:
+        assert allreduce_ms(n, R, bw) == pytest.approx(2 * (R - 1) * (n / R) / bw * 1e3)
+    assert allreduce_ms(1e9, 1, 1e9) == 0.0
