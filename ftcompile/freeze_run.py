@@ -149,17 +149,18 @@ def run_freeze(args, spec: FreezeSpec) -> int:
     if (m0.model or {}).get("freeze"):
         raise FreezeError(f"{args.package} is a freeze phase's package; give the package of the whole model")
     P = m0.num_gpus
-    G = args.nproc if args.nproc is not None else P
-    if G != P:
-        raise FreezeError(f"--freeze starts from the package's {P}-GPU pipeline: give --nproc {P} (freed GPUs "
-                          "then host replicas as layers freeze)")
+    G = args.nproc if args.nproc is not None else P * max(m0.replicas, 1)
+    if G < P or G % P:
+        raise FreezeError(f"--freeze starts from the package's {P}-GPU pipeline: give --nproc a multiple of {P} "
+                          f"(e.g. {P * max(m0.replicas, 1)}: its planned replicas)")
+    R0 = G // P
     steps = args.steps or 10
     schedule = args.schedule or m0.schedule
     if schedule not in ("gpipe", "1f1b"):
         raise FreezeError(f"--freeze trains synchronous pipelines (gpipe, 1f1b), not {schedule}: give --schedule "
                           "1f1b")
     M = args.micro_batches or m0.micro_batches
-    global_mb = M
+    global_mb = M * R0          # every step's micro-batches, all replicas together, fixed over the run
     optimizer = args.optimizer or m0.optimizer
     doc = json.loads((pkg0.path / "plan.json").read_text())
     cluster = load_cluster(spec.cluster) if spec.cluster else ClusterSpec.from_json(doc["cluster"])
@@ -182,7 +183,7 @@ def run_freeze(args, spec: FreezeSpec) -> int:
     def save_log() -> None:
         atomic_write_text(log_dir / "freeze.jsonl", "".join(json.dumps(d) + "\n" for d in decisions + phases))
 
-    step, frozen, R, package, plan_s = 0, 0, 1, str(args.package), 0.0
+    step, frozen, R, package, plan_s = 0, 0, R0, str(args.package), 0.0
     note(f"{L} layers ({layer_paths[0]} ... {layer_paths[-1]}); phase 0: P={P} R={R} M={M}")
     while step < steps:
         if spec.manual:

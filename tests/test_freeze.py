@@ -258,7 +258,7 @@ def test_manual_freeze_run_equals_plain_pytorch_freezing_the_same_layers(bert4, 
 
 
 def test_freeze_run_refuses_what_it_cannot_do_before_any_rank_starts(bert4, tmp_path):
-    for extra, msg in [(["--nproc", "2", "--freeze", "alpha=1/3,every=2"], "--nproc 4"),
+    for extra, msg in [(["--nproc", "2", "--freeze", "alpha=1/3,every=2"], "multiple of 4"),
                        (["--schedule", "async", "--freeze", "alpha=1/3,every=2"], "gpipe, 1f1b"),
                        (["--freeze", "alpha=1/3"], "needs both"),
                        (["--freeze", "at=2:3"], "has 2 layers")]:
@@ -300,7 +300,7 @@ def test_eq1_run_on_four_ranks_goes_through_transitions(tmp_path):
     pkg = tmp_path / "pkg"
     c = subprocess.run([sys.executable, "-m", "ftcompile", "compile", "bert-tiny", "--pretrained", str(tmp_path / "bert6"),
                         "--cluster", "2xcpu", "--gpus", "4", "--schedule", "1f1b", "--strategy", "seq",
-                        "--optimizer", "momentum", "-o", str(pkg), "-q"], capture_output=True, text=True, timeout=600)
+                        "--replicas", "1", "--optimizer", "momentum", "-o", str(pkg), "-q"], capture_output=True, text=True, timeout=600)
     assert c.returncode == 0, c.stderr[-2000:]
     log = tmp_path / "log"
     r = run_cli(str(pkg), "--nproc", "4", "--steps", "8", "--optimizer", "momentum", "--lr", "0.01",
