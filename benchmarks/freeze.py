@@ -170,8 +170,8 @@ def cpu_run(model: str, pretrained: str, work: Path, steps: int, every: int) -> 
     pkg = work / f"{Path(pretrained).name}-pkg"
     py = [sys.executable, "-m", "ftcompile"]
     subprocess.run(py + ["compile", model, "--pretrained", pretrained, "--cluster", "2xcpu", "--gpus", "4",
-                         "--schedule", "1f1b", "--strategy", "seq", "--replicas", "1", "--optimizer", "momentum", "-o", str(pkg),
-                         "-q"],
+                         "--schedule", "1f1b", "--strategy", "seq", "--replicas", "1", "--optimizer", "momentum",
+                         "-o", str(pkg), "-q"],
                    check=True)
     log = work / f"{Path(pretrained).name}-run"
     r = subprocess.run(py + ["run", str(pkg), "--nproc", "4", "--steps", str(steps), "--optimizer", "momentum",

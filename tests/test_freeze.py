@@ -298,9 +298,10 @@ def test_eq1_run_on_four_ranks_goes_through_transitions(tmp_path):
     cfg = T.BertConfig(num_hidden_layers=6, hidden_size=64, num_attention_heads=2, intermediate_size=128)
     T.BertForQuestionAnswering(cfg).save_pretrained(tmp_path / "bert6")
     pkg = tmp_path / "pkg"
-    c = subprocess.run([sys.executable, "-m", "ftcompile", "compile", "bert-tiny", "--pretrained", str(tmp_path / "bert6"),
-                        "--cluster", "2xcpu", "--gpus", "4", "--schedule", "1f1b", "--strategy", "seq",
-                        "--replicas", "1", "--optimizer", "momentum", "-o", str(pkg), "-q"], capture_output=True, text=True, timeout=600)
+    c = subprocess.run([sys.executable, "-m", "ftcompile", "compile", "bert-tiny", "--pretrained",
+                        str(tmp_path / "bert6"), "--cluster", "2xcpu", "--gpus", "4", "--schedule", "1f1b",
+                        "--strategy", "seq", "--replicas", "1", "--optimizer", "momentum", "-o", str(pkg), "-q"],
+                       capture_output=True, text=True, timeout=600)
     assert c.returncode == 0, c.stderr[-2000:]
     log = tmp_path / "log"
     r = run_cli(str(pkg), "--nproc", "4", "--steps", "8", "--optimizer", "momentum", "--lr", "0.01",
