@@ -11,12 +11,13 @@ STAMP  := $(VENV)/.ftcompile-installed
 TORCH  ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: help setup demo test test-quick example clean
+.PHONY: help setup demo test test-all test-slow example clean
 
 help:
 	@echo "make demo        set up .venv; compile gpt2-tiny into a package, verify it, train it on 2 processes"
-	@echo "make test        set up .venv and run the whole test suite (pytest, $(PYTEST_WORKERS) workers)"
-	@echo "make test-quick  the same without tests marked slow"
+	@echo "make test        set up .venv and run the test suite without tests marked slow (what CI runs; pytest, $(PYTEST_WORKERS) workers)"
+	@echo "make test-all    every test, slow ones included"
+	@echo "make test-slow   only the tests marked slow (the long architecture and strategy sweeps)"
 	@echo "make example     regenerate examples/gpt2-tiny-mixed (the committed generated package)"
 	@echo "make setup       only create .venv and install ftcompile into it"
 	@echo "make clean       remove caches and demo output (keeps .venv)"
@@ -39,13 +40,16 @@ demo: $(STAMP)
 	$(BIN)/ftcompile run out/demo/plan --nproc 2 --schedule 1f1b --steps 8 --data text
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS)
-
-test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow"
 
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m slow
+
 example: $(STAMP)
-	$(BIN)/ftcompile compile gpt2-tiny --attention eager --cluster 2xcpu --gpus 3 --strategy mixed -q -o examples/gpt2-tiny-mixed
+	$(BIN)/ftcompile compile gpt2-tiny --attention eager --cluster 2xcpu --gpus 3 --replicas 1 --strategy mixed -q -o examples/gpt2-tiny-mixed
 	$(BIN)/ftcompile verify examples/gpt2-tiny-mixed
 
 clean:

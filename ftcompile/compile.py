@@ -171,9 +171,11 @@ def _run_one(name: str, problem: Problem, simulate_plan: bool, options: dict | N
             sim.pop("events", None)
             if not sim["memory_feasible"]:
                 worst = max(range(plan.num_gpus), key=lambda g: sim["gpu_peak_memory"][g] - sim["gpu_memory_limit"])
+                from .units import format_bytes
+
                 return StrategyResult(name, False, f"the simulated run does not fit: GPU {worst} peaks at "
-                                      f"{sim['gpu_peak_memory'][worst] / 1e9:.2f} GB of "
-                                      f"{sim['gpu_memory_limit'] / 1e9:.2f} GB", plan, cost, sim,
+                                      f"{format_bytes(sim['gpu_peak_memory'][worst])} of "
+                                      f"{format_bytes(sim['gpu_memory_limit'])}", plan, cost, sim,
                                       time.perf_counter() - t0)
         return StrategyResult(name, True, None, plan, cost, sim, time.perf_counter() - t0,
                               figures=plan_figures(problem, plan, cost))
@@ -332,11 +334,8 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
         return replace(problem, cluster=replace(problem.cluster, gpu_memory=int(m)))
 
     def seq_fits(pb: Problem) -> bool:
-        try:
-            run_strategy("seq", pb)
-            return True
-        except (Infeasible, PlanError, ValueError):
-            return False
+        # as compile judges a plan: priced, and its simulated run within the limit
+        return _run_one("seq", pb, True).feasible
 
     if seq_fits(problem):
         # The strategies asked for failed, but the cluster is big enough.
@@ -349,17 +348,25 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
     except (Infeasible, PlanError, ValueError):
         need = None
     if need is not None:
-        lo, hi = max(limit, static // P), need          # lo does not fit (else we would not be here)
-        while hi - lo > precision * hi:
+        reserve = problem.memory_reserve                # kept free on every GPU (hardware preset)
+        lo, hi = max(limit, reserve + static // P), need  # lo does not fit (else we would not be here)
+        while hi - lo > precision * (hi - reserve):     # (precision on what the plan itself uses)
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if seq_fits(with_memory(mid)) else (mid, hi)
         parts.append(f"on {P} GPUs a Seq-pipe plan fits in {format_bytes(hi)} per GPU (have "
-                     f"{format_bytes(limit)}): use --gpu-memory {format_bytes(hi * 1.005)} or more")
+                     f"{format_bytes(limit)}, of which {format_bytes(reserve)} stay free as the hardware's "
+                     f"reserve): use --gpu-memory {format_bytes(hi + max(0.005 * (hi - reserve), 10_000))} or more")
 
     def fits(p: int) -> bool:
         return seq_fits(replace(problem, cluster=problem.cluster.with_overrides(gpus=p)))
 
-    lo = max(P, -(-static // max(limit, 1)) - 1)       # lo GPUs do not fit
+    usable = limit - problem.memory_reserve
+    if usable <= 0:
+        parts.append(f"no number of GPUs of {format_bytes(limit)} fits: each keeps "
+                     f"{format_bytes(problem.memory_reserve)} free for the CUDA context, workspaces and "
+                     "fragmentation (the hardware's reserve); raise --gpu-memory first, then --gpus")
+        return "; ".join(parts)
+    lo = max(P, -(-static // usable) - 1)               # lo GPUs do not fit
     hi = min(lo + 1, max_gpus)
     while hi < max_gpus and not fits(hi):
         lo, hi = hi, min(hi * 2, max_gpus)
@@ -369,7 +376,7 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
             lo, hi = (lo, mid) if fits(mid) else (mid, hi)
         parts.append(f"with {format_bytes(limit)} per GPU a Seq-pipe plan fits on {hi} GPUs (--gpus {hi})")
     else:
-        parts.append(f"it does not fit on up to {max_gpus} GPUs of {format_bytes(limit)}: some single "
+        parts.append(f"it does not fit on up to {max_gpus} GPUs of {format_bytes(limit)} (--gpus): some single "
                      "operator needs more memory than one GPU has")
     return "; ".join(parts)
 

@@ -44,7 +44,7 @@ import numpy as np
 from .cluster import ClusterSpec
 from .hardware import HardwareSpec, load_hardware
 from .ir import OpGraph, atomic_write_text
-from .profile import Profile
+from .profile import Profile, held_activation_bytes
 from .runtime.allreduce import BUCKET_BYTES as ALLREDUCE_BUCKET_BYTES
 from .runtime.schedules import SCHEDULES, StageProgram, flow_control, flow_window, stage_program, stage_programs
 from .units import format_bytes
@@ -354,21 +354,6 @@ def ordered(plan: Plan, graph: OpGraph) -> Plan:
 
 
 # --------------------------------------------------------------------------- costs
-
-def _in_flight(schedule: str, depth: int, micro_batches: int, group0: bool) -> int:
-    """Micro-batches a stage at ``depth`` keeps in flight (its runtime program's figure)."""
-    return stage_program(schedule, -1, depth=depth, micro_batches=micro_batches, steps=1,
-                         group=0 if group0 else 1).in_flight
-
-
-def _extra_weight_versions(schedule: str, depth: int, group0: bool, micro_batches: int = 1,
-                           recompute: bool = False) -> int:
-    """Extra weight copies a stage at ``depth`` keeps (its runtime program's figure). Without
-    ``micro_batches`` it assumes an update per micro-batch and no recomputation: the most any
-    setting keeps."""
-    return stage_program(schedule, -1, depth=depth, micro_batches=micro_batches, steps=1, recompute=recompute,
-                         group=0 if group0 else 1).extra_weight_versions
-
 
 def plan_windows(problem: Problem, sg: nx.DiGraph, depth: dict[int, int], progs: dict[int, StageProgram],
                  windows: dict[tuple[int, int], int] | None = None) -> dict[tuple[int, int], tuple[int, bool]]:
@@ -693,7 +678,7 @@ def evaluate(problem: Problem, plan: Plan, *, windows: dict[tuple[int, int], int
         # step's other work like the transfers do.
         ar = problem.allreduce_ms(s.gpu, gb)
         period = compute + max(0.0, send_ms - compute) + max(0.0, recv_ms - compute) + max(0.0, ar / M - compute)
-        act_full = sum(prof.nodes[n].activation_bytes for n in nodes)
+        act_full = held_activation_bytes(prof, nodes)     # each saved value once, with its savers
         graph_inputs = sum(e.bytes for n in nodes for e in graph.in_edges(n)
                            if graph.node(e.src).kind == "input")
         act_in = recv_b + graph_inputs

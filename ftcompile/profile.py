@@ -14,9 +14,15 @@ Two sources stand behind one artifact, :class:`Profile`:
   profiles.
 
 Both record, per node, the bytes of activations kept for backward (from
-autograd's saved-tensor hooks, each tensor counted once however many consumers
-save it), the memory of the parameters it is first to use (weights, gradients,
-optimizer state for the chosen optimizer) and the bytes it sends to each consumer.
+autograd's saved-tensor hooks), the memory of the parameters it is first to use
+(weights, gradients, optimizer state for the chosen optimizer) and the bytes it
+sends to each consumer. A value one node makes and a later node saves (the input
+of a GELU, of a matmul) is kept where it is saved: the saver lists it in
+:attr:`NodeCost.saved_inputs`, and the first saver in graph order counts its
+bytes in :attr:`NodeCost.activation_bytes`, so that a stage boundary between
+producer and saver leaves the bytes with the saver's stage.
+:func:`held_activation_bytes` gives what a set of nodes (a stage) keeps, each
+saved value once, for any cut.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from .execute import run_instrs
 from .hardware import HardwareSpec
 from .ir import Node, OpGraph, TensorMeta, atomic_write_text, iter_refs
 
-PROFILE_VERSION = 2     # 2: gradients from the real dataflow, fused attention, no leftovers in measured runs
+PROFILE_VERSION = 3     # 2: gradients from the real dataflow, fused attention, no leftovers in measured runs;
+#                         3: a saved input's bytes are the saver's (first in graph order), saved inputs listed
 PROFILE_FORMAT = "ftcompile.profile"
 OPTIMIZERS = ("sgd", "momentum", "adam", "adafactor")
 
@@ -59,7 +66,12 @@ class NodeCost:
     flops_backward: float = 0.0
     bytes_forward: float = 0.0          # memory traffic of the forward kernels
     bytes_backward: float = 0.0
-    activation_bytes: int = 0           # kept from forward to backward
+    # Kept from forward to backward: the tensors the node makes and saves, plus the inputs it
+    # is the first (in graph order) to save. Additive over nodes; exact for a stage that holds
+    # every saver of each saved value (see held_activation_bytes for any stage).
+    activation_bytes: int = 0
+    saved_inputs: dict[str, int] = field(default_factory=dict)   # input value (made by an op) -> bytes, saved
+    first_saved_bytes: int = 0          # the part of activation_bytes that is saved inputs
     param_bytes: int = 0                # parameters this node is first to use
     grad_bytes: int = 0
     optimizer_bytes: int = 0
@@ -183,6 +195,24 @@ class Profile:
         if self.graph_hash != graph.content_hash():
             raise ProfileError(f"profile was made for graph {self.graph_hash}, not {graph.content_hash()}; "
                                "re-run `ftcompile profile` on this graph")
+
+
+def held_activation_bytes(profile: "Profile", nodes: Iterable[int]) -> int:
+    """The bytes ``nodes`` (a stage) keep from forward to backward for one micro-batch, when
+    they do not recompute: what each node makes and saves, and each input value some node
+    of the set saves, once, wherever its producer sits.
+
+    This is the sum of the nodes' ``activation_bytes`` when every saver of each saved
+    value is in the set (or none is); it differs where a cut separates the savers of a
+    value, or separates it from the saver its bytes were counted with.
+    """
+    own = 0
+    saved: dict[str, int] = {}
+    for n in nodes:
+        c = profile.nodes[n]
+        own += c.activation_bytes - c.first_saved_bytes
+        saved.update(c.saved_inputs)
+    return own + sum(saved.values())
 
 
 def profile_key(graph_hash: str, hardware: str, dtype: str, batch_size: int | None, optimizer: str,
@@ -565,19 +595,34 @@ def graph_dtype(graph: OpGraph) -> str:
     return max(counts, key=counts.get) if counts else "float32"
 
 
-def _fill_memory(graph: OpGraph, costs: dict[int, NodeCost], saved_by_consumers: dict[str, bool],
+def _fill_memory(graph: OpGraph, costs: dict[int, NodeCost], saved_by: dict[int, set[str]],
                  optimizer: str) -> dict[str, ParamCost]:
+    """Parameter memory, sent bytes, and the saved inputs of each node (``saved_by``: node id ->
+    names of the inputs it saves): bytes with the first saver in graph order, listed with every
+    saver. Graph inputs saved by a node stay with their input node: a plan counts the batches
+    of graph inputs a GPU holds as such, and a saved input is a view of them."""
     pcosts = param_costs(graph, optimizer)
     for nid, names in _first_users(graph).items():
         c = costs[nid]
         c.param_bytes = sum(pcosts[n].bytes for n in names)
         c.grad_bytes = sum(pcosts[n].grad_bytes for n in names)
         c.optimizer_bytes = sum(pcosts[n].optimizer_bytes for n in names)
-    for node in graph.nodes:
+    counted: set[str] = set()
+    for node in graph.nodes:                      # graph order is topological
         c = costs.setdefault(node.id, NodeCost())
-        for v, meta in node.outputs.items():
-            if saved_by_consumers.get(v):
+        for v in sorted(saved_by.get(node.id, ())):
+            src = graph.node(graph.producer(v))
+            meta = src.outputs[v]
+            if src.kind == "input":
+                if v not in counted:
+                    costs.setdefault(src.id, NodeCost()).activation_bytes += meta.bytes
+                    counted.add(v)
+                continue
+            c.saved_inputs[v] = meta.bytes
+            if v not in counted:
+                counted.add(v)
                 c.activation_bytes += meta.bytes
+                c.first_saved_bytes += meta.bytes
         per_dst: dict[int, int] = {}
         for e in graph.out_edges(node.id):
             per_dst[e.dst] = per_dst.get(e.dst, 0) + e.bytes
@@ -596,7 +641,7 @@ def analytic_profile(graph: OpGraph, hardware: HardwareSpec, *, optimizer: str =
     meta_params = {name: _make_leaf(p.meta, "meta", p.trainable) for name, p in graph.params.items()}
     cache: dict[str, tuple[NodeCost, frozenset, int]] = {}
     costs: dict[int, NodeCost] = {}
-    saved_by_consumers: dict[str, bool] = {}
+    saved_by: dict[int, set[str]] = {}
     op_nodes = [n for n in graph.nodes if n.kind == "op"]
     t0 = time.perf_counter()
     grads = gradient_values(graph)
@@ -625,12 +670,12 @@ def analytic_profile(graph: OpGraph, hardware: HardwareSpec, *, optimizer: str =
             hit = (cost, run.saved_inputs, run.saved_internal_bytes)
             cache[sig] = hit
         cost, saved_pos, internal = hit
-        costs[node.id] = NodeCost(**{**asdict(cost), "activation_bytes": internal, "output_bytes": {}})
-        for pos in saved_pos:
-            saved_by_consumers[ins[pos][0]] = True
+        costs[node.id] = NodeCost(**{**asdict(cost), "activation_bytes": internal, "output_bytes": {},
+                                     "saved_inputs": {}})
+        saved_by[node.id] = {ins[pos][0] for pos in saved_pos}
         if progress:
             progress(i + 1, len(op_nodes))
-    pcosts = _fill_memory(graph, costs, saved_by_consumers, optimizer)
+    pcosts = _fill_memory(graph, costs, saved_by, optimizer)
     return Profile(graph_hash=graph.content_hash(), method="analytic", hardware=hardware.to_json(),
                    dtype=dtype, batch_size=graph.source.get("options", {}).get("batch_size"),
                    optimizer=optimizer, nodes=costs, params=pcosts,
@@ -761,7 +806,7 @@ def _measured_profile(graph: OpGraph, params: Mapping[str, torch.Tensor], inputs
         last_use[e.value] = max(last_use.get(e.value, -1), e.dst)
 
     costs: dict[int, NodeCost] = {}
-    saved_by_consumers: dict[str, bool] = {}
+    saved_by: dict[int, set[str]] = {}
     op_nodes = [n for n in graph.nodes if n.kind == "op"]
     grads = gradient_values(graph)
     peak_device = 0
@@ -773,8 +818,7 @@ def _measured_profile(graph: OpGraph, params: Mapping[str, torch.Tensor], inputs
         cost, saved_pos, outputs = _measure_node(node, names, host, hparams, graph, grads, device, timer,
                                                  warmup, repeats)
         costs[node.id] = cost
-        for pos in saved_pos:
-            saved_by_consumers[names[pos]] = True
+        saved_by[node.id] = {names[pos] for pos in saved_pos}
         if device.type == "cuda":
             peak_device = max(peak_device, torch.cuda.max_memory_allocated(device))
         # Swap out: outputs back to host (they are host tensors already); free what no later node reads.
@@ -785,7 +829,7 @@ def _measured_profile(graph: OpGraph, params: Mapping[str, torch.Tensor], inputs
                 host.pop(n, None)
         if progress:
             progress(i + 1, len(op_nodes))
-    pcosts = _fill_memory(graph, costs, saved_by_consumers, optimizer)
+    pcosts = _fill_memory(graph, costs, saved_by, optimizer)
     dev_name = measured_hardware_name(device)
     return Profile(graph_hash=graph.content_hash(), method="measured",
                    hardware={"name": dev_name, "device": str(device)}, dtype=graph_dtype(graph),
@@ -918,5 +962,5 @@ def store(path_dir: str | os.PathLike, profile: Profile) -> str:
 __all__ = [
     "NodeCost", "ParamCost", "Profile", "ProfileError", "OPTIMIZERS", "analytic_profile", "measured_profile",
     "graph_input_values", "host_params", "optimizer_state_bytes", "param_costs", "profile_key", "cached", "store",
-    "graph_dtype", "measured_hardware_name", "check_cache_dir",
+    "graph_dtype", "measured_hardware_name", "check_cache_dir", "held_activation_bytes",
 ]

@@ -723,16 +723,17 @@ def _trace(model: torch.nn.Module, args: tuple, kwargs: dict, basic_blocks: Sequ
     note("export")
     try:
         ep = _export(model, args, kwargs, quiet=quiet)
-    except DataDependentError:
-        raise
     except TraceError as export_error:
+        # The fallback keeps functions wrapped with torch.fx.wrap (a data-dependent input check)
+        # as opaque nodes, so a model export refuses for a branch on data may still trace.
         note("symbolic_trace")
         from .trace_fx import trace_fx
 
         try:
             graph = trace_fx(model, args, kwargs, basic_blocks=basic_blocks)
         except TraceError as fx_error:
-            raise TraceError(f"{export_error}\n(torch.fx.symbolic_trace fallback failed too: {fx_error})") from None
+            cls = DataDependentError if isinstance(export_error, DataDependentError) else TraceError
+            raise cls(f"{export_error}\n(torch.fx.symbolic_trace fallback failed too: {fx_error})") from None
         graph.source = {**(source or {}), **graph.source, "tracer": "torch.fx.symbolic_trace",
                         "export_error": str(export_error).splitlines()[0][:300]}
         graph.validate()

@@ -94,8 +94,14 @@ def assert_verified(path: Path, **kw):
 
 # --------------------------------------------------------------------------- correctness
 
-@pytest.mark.parametrize("strategy", ["mixed", "seq", "auto"])
-@pytest.mark.parametrize("name", TINY)
+# In every run: one plan per kind of model and strategy; `make test-slow` runs every pair.
+QUICK_VERIFY = {("gpt2-tiny", "mixed"), ("t5-tiny", "seq"), ("encdec", "mixed"), ("vit-tiny", "seq"),
+                ("mlp", "auto"), ("skipnet", "mixed")}
+
+
+@pytest.mark.parametrize("name, strategy", [
+    pytest.param(n, s, marks=() if (n, s) in QUICK_VERIFY else (pytest.mark.slow,))
+    for n in TINY for s in ("mixed", "seq", "auto")])
 def test_every_tiny_model_verifies(tmp_path, name, strategy):
     path = package_for(tmp_path, name, strategy)
     report = assert_verified(path)

@@ -69,7 +69,10 @@ def _rank(rank: int, world: int, port: int, pkg: str, schedule: str, windows: di
     recs = engine.run(iter(load_dataset("synthetic", package.manifest, micro_batches=M, seed=0)), steps)
     engine.finish()
     transport.close()
-    out.put((rank, max(r["memory_bytes"] for r in recs)))
+    top = max(recs, key=lambda r: r["memory_bytes"])
+    if os.environ.get("FTC_MEMDIAG"):
+        print("PEAK", rank, top["memory_bytes"], top.get("memory_peak_during"), flush=True)
+    out.put((rank, top["memory_bytes"]))
 
 
 @pytest.fixture(scope="module")

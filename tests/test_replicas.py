@@ -114,11 +114,15 @@ def test_two_replicas_of_two_stages_equal_one_process_on_the_doubled_batch(seq2,
 
 
 @pytest.mark.slow
-def test_async_replicas_match_the_reference_with_averaged_gradients(seq2):
+@pytest.mark.parametrize("schedule", ["async", "pipedream", "2bw", "2gw"])
+def test_asynchronous_replicas_match_the_reference_with_averaged_gradients(seq2, schedule):
+    """Asynchronous schedules with replicas: every update averages the replicas' gradients of the
+    same micro-batches (the schedule's weight versions unchanged), as the single-process reference
+    of the schedule does on the R x M micro-batches."""
     from ftcompile.runtime.data import load_dataset
     from ftcompile.runtime.reference import reference_train
 
-    cfg = TrainConfig(schedule="async", micro_batches=2, steps=3, optimizer="momentum", lr=0.05, seed=5)
+    cfg = TrainConfig(schedule=schedule, micro_batches=2, steps=3, optimizer="momentum", lr=0.05, seed=5)
     res = run_replicas(seq2, cfg, replicas=2, world=4)
     pkg = load_package(seq2)
     ref = reference_train(pkg, load_dataset("synthetic", pkg.manifest, micro_batches=4, seed=cfg.seed), cfg,

@@ -11,7 +11,7 @@ from ftcompile.execute import run_instrs
 from ftcompile.hardware import PRESETS
 from ftcompile.models import ModelOptions, build_model
 from ftcompile.profile import analytic_profile, graph_input_values, host_params, measured_profile
-from ftcompile.trace import TraceError, trace
+from ftcompile.trace import DataDependentError, TraceError, trace
 from ftcompile.trace_fx import index, trace_fx
 
 VOCAB = 50
@@ -150,7 +150,7 @@ def test_export_rejects_but_fallback_traces():
     g.validate()
     assert g.source["tracer"] == "torch.fx.symbolic_trace"
     assert g.source["model"] == "checked-lm"
-    assert "torch.export could not trace" in g.source["export_error"]
+    assert "branches on the value of a tensor" in g.source["export_error"]     # why export refused
     ops = [n.op for n in g.op_nodes()]
     assert ops[0].endswith("check_token_ids")           # the wrapped function is one node
     assert "torch.nn.functional.linear" in ops and "torch.nn.functional.layer_norm" in ops
@@ -402,5 +402,8 @@ def test_both_tracers_failing_reports_both():
     with pytest.raises(TraceError) as ei:
         trace(Gated(), (torch.randn(2, 4),))
     msg = str(ei.value)
-    assert "torch.export could not trace" in msg and "symbolic_trace fallback failed too" in msg
+    # export refuses the branch on data (and says how to rewrite it), the fallback fails too
+    assert isinstance(ei.value, DataDependentError)
+    assert "branches on the value of a tensor" in msg and "torch.where" in msg
+    assert "symbolic_trace fallback failed too" in msg
     assert "gate (Gate)" in msg

@@ -386,7 +386,8 @@ def test_data_dependent_shape_is_refused_with_the_operation_and_module():
 
 @pytest.mark.parametrize("target, words", [
     ("plain_models.py:masked", ["aten.index", "MaskedMean"]),
-    ("hf_models.py:m2m100_layerdrop", ["branches on the value of a tensor", "layerdrop"]),
+    pytest.param("hf_models.py:m2m100_layerdrop", ["branches on the value of a tensor", "layerdrop"],
+                 marks=pytest.mark.slow),
 ])
 def test_cli_refuses_data_dependent_models_with_exit_2(target, words, tmp_path):
     r = subprocess.run([sys.executable, "-m", "ftcompile", "compile", str(HERE / "archs" / target), "--gpus", "2",

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from ..plan import Plan, Problem, Stage, _extra_weight_versions, _in_flight, evaluate
+from ..plan import Plan, Problem, Stage, evaluate
 from ..units import format_bytes
 from .base import Infeasible
 
@@ -69,6 +69,9 @@ class _Data:
     vcons: list[list[int]]
     made: list[list[int]]         # node -> values it makes
     reads: list[list[int]]        # node -> values it reads (each once)
+    margin: int = 0               # bytes kept free beyond the estimate (raised when evaluate disagrees)
+    pupd: list = None             # per parameter: its optimizer step's share U / M
+    ptied: dict = None            # tied parameters (read by several nodes): their gradient sum per extra holder
 
 
 def _build_data(problem: Problem) -> _Data:
@@ -119,11 +122,49 @@ def _build_data(problem: Problem) -> _Data:
         if v not in reads[b]:
             reads[b].add(v)
             vcons[v].append(b)
+    from ..plan import _shared_sum_ms
+
+    M = problem.micro_batches
+    pupd = [problem.update_ms([nm]) / M for nm in pnames]
+    nreaders: dict[int, int] = {}
+    for ps in params:
+        for q in ps:
+            nreaders[q] = nreaders.get(q, 0) + 1
+    names = list(pnames)
+    ptied = {q: _shared_sum_ms(problem, [names[q]], {names[q]: 2}) / M for q, c in nreaders.items()
+             if c > 1 and prof.params[names[q]].grad_bytes}
+    ptied = {q: c for q, c in ptied.items() if c > 0}
     return _Data(ids, work, rec, act, ginp, params, ptotal, pbytes, pred, succ, edge_bytes,
-                 vprod, vbytes, vfloat, vcons, made, [sorted(r) for r in reads])
+                 vprod, vbytes, vfloat, vcons, made, [sorted(r) for r in reads], pupd=pupd, ptied=ptied)
 
 
 # --------------------------------------------------------------------------- incremental costs
+
+class _Chain:
+    """Memory of block ``b`` of a chain of ``P`` blocks (block b on GPU b, depth ``P - 1 - b``), as
+    the refinement and the greedy fill estimate it from the runtime's programs
+    (:class:`~ftcompile.partition.base.MemoryModel`): parameters with their weight versions,
+    the micro-batches in flight, receive buffers at the widest window a producer can give, the
+    activations a recomputation rebuilds, and the reserve. Working sets, send buffers and data
+    are left out, so this is an estimate: :func:`partition_acyclic` checks every plan with
+    :func:`~ftcompile.plan.evaluate` and, when none fits, runs again keeping free what the
+    estimate missed (``_Data.margin``)."""
+
+    def __init__(self, problem: Problem, data: "_Data", P: int):
+        from .base import MemoryModel
+
+        mm = MemoryModel.of(problem)
+        self.k = [mm.in_flight_max(P - 1 - b) for b in range(P)]
+        self.extra = [mm.extra_versions_max(P - 1 - b) for b in range(P)]
+        self.window = [mm.window_max(P - 1 - b, P - 1) for b in range(P)]
+        self.recomp = [problem.recomputes(b == P - 1) for b in range(P)]
+        self.limit = mm.limit - mm.reserve - data.margin
+
+    def memory(self, b: int, pm, recv, act, ginp):
+        if self.recomp[b]:
+            return pm + self.k[b] * (recv + ginp) + self.window[b] * recv + act
+        return pm + self.k[b] * act + self.window[b] * recv
+
 
 class _State:
     """Costs of an assignment of op nodes to ``P`` blocks (block b on GPU b, depth P-1-b).
@@ -136,14 +177,15 @@ class _State:
         self.d, self.P, self.block = data, P, list(block)
         cl = problem.cluster
         self.bw = [[cl.bandwidth(a, b) if a != b else 1.0 for b in range(P)] for a in range(P)]
-        self.limit = cl.gpu_memory
-        half = (P + 1) // 2
-        self.k = [_in_flight(problem.schedule, P - 1 - b, problem.micro_batches, b < half) for b in range(P)]
-        self.extra = [_extra_weight_versions(problem.schedule, P - 1 - b, b < half) for b in range(P)]
-        self.recomp = [problem.recomputes(b == P - 1) for b in range(P)]
+        self.chain = _Chain(problem, data, P)
+        self.limit = self.chain.limit
+        self.extra = self.chain.extra
+        self.recomp = self.chain.recomp
         z = lambda: [0.0] * P  # noqa: E731
         self.work, self.rec, self.act, self.ginp = z(), z(), z(), z()
         self.send, self.recvf, self.recvb, self.pmem = z(), z(), z(), z()
+        self.upd = z()
+        self.holders: dict[int, int] = {}           # tied parameter -> blocks holding it
         self.count = [0] * P
         self.eps = 1e-2 * sum(data.work) / max(1, len(data.work))
         self.pref: list[dict[int, int]] = [dict() for _ in range(P)]
@@ -170,10 +212,16 @@ class _State:
             if r == 0:
                 del ref[p]
                 self.pmem[b] -= d.ptotal[p] + d.pbytes[p] * self.extra[b]
+                self.upd[b] -= d.pupd[p]
+                if p in d.ptied:
+                    self.holders[p] -= 1
             else:
                 ref[p] = r
                 if r == 1 and sign > 0:
                     self.pmem[b] += d.ptotal[p] + d.pbytes[p] * self.extra[b]
+                    self.upd[b] += d.pupd[p]
+                    if p in d.ptied:
+                        self.holders[p] = self.holders.get(p, 0) + 1
 
     def _value(self, v: int, sign: int) -> None:
         d = self.d
@@ -212,13 +260,14 @@ class _State:
 
     # costs
     def period(self, b: int) -> float:
-        c = self.work[b] + (self.rec[b] if self.recomp[b] else 0.0)
+        c = self.work[b] + self.upd[b] + (self.rec[b] if self.recomp[b] else 0.0)
+        if self.d.ptied:
+            ref = self.pref[b]
+            c += sum(cq * (self.holders[q] - 1) for q, cq in self.d.ptied.items() if q in ref)
         return c + max(0.0, self.send[b] - c) + max(0.0, self.recvf[b] - c)
 
     def memory(self, b: int) -> float:
-        if self.recomp[b]:
-            return self.pmem[b] + self.k[b] * (self.recvb[b] + self.ginp[b]) + self.act[b]
-        return self.pmem[b] + self.k[b] * self.act[b]
+        return self.chain.memory(b, self.pmem[b], self.recvb[b], self.act[b], self.ginp[b])
 
     def score(self) -> tuple[float, float, float]:
         """(memory overflow, largest period, sum of squared periods), to minimise in this order.
@@ -401,11 +450,9 @@ class _Filler:
 
     def __init__(self, problem: Problem, data: _Data, P: int):
         self.problem, self.d, self.P = problem, data, P
-        half = (P + 1) // 2
-        sched, M = problem.schedule, problem.micro_batches
-        self.k = [_in_flight(sched, P - 1 - b, M, b < half) for b in range(P)]
-        self.extra = [_extra_weight_versions(sched, P - 1 - b, b < half) for b in range(P)]
-        self.recomp = [problem.recomputes(b == P - 1) for b in range(P)]
+        self.chain = _Chain(problem, data, P)
+        self.extra = self.chain.extra
+        self.recomp = self.chain.recomp
 
     def _units(self, units: list[list[int]]) -> list[tuple]:
         """Per unit: work, recomputation, activations, graph-input bytes, params, values read, members."""
@@ -420,7 +467,7 @@ class _Filler:
 
     def fill(self, units: list[tuple], T: float, respect_memory: bool) -> list[int] | None:
         """Blocks of units (from :meth:`_units`) for cap ``T``; None when they do not fit."""
-        d, P, limit = self.d, self.P, self.problem.cluster.gpu_memory
+        d, P, limit = self.d, self.P, self.chain.limit
         vprod, vbytes, ptotal, pbytes = d.vprod, d.vbytes, d.ptotal, d.pbytes
         blocks = [0] * len(units)
         b = 0
@@ -430,10 +477,7 @@ class _Filler:
         vals: set[int] = set()          # values this block reads from earlier blocks
         extra = self.extra[0]
 
-        def memory(b, pm, recv, act, ginp) -> float:
-            if self.recomp[b]:
-                return pm + self.k[b] * (recv + ginp) + act
-            return pm + self.k[b] * act
+        memory = self.chain.memory
 
         for u, (w, r, a, gi, ps, reads, ms) in enumerate(units):
             if here and b < P - 1:
@@ -652,8 +696,30 @@ def partition_acyclic(problem: Problem, *, seeds: int = 3, max_stages: int | Non
     if need > P * problem.cluster.gpu_memory:
         raise Infeasible(f"parameters, gradients and optimizer state need {format_bytes(need)}, more than "
                          f"{P} GPUs x {format_bytes(problem.cluster.gpu_memory)}")
+    from ..runtime.schedules import ScheduleError
+
+    try:
+        _Chain(problem, data, P)
+    except ScheduleError as exc:
+        raise Infeasible(f"the {problem.schedule} schedule cannot run {P} stages: {exc}") from None
     best: tuple | None = None
     reasons = []
+    for attempt in range(3):
+        best, over = _run_seeds(problem, data, P, seeds, reasons)
+        if best is not None or over <= 0:
+            break
+        # The refinement's estimate missed ``over`` bytes somewhere: keep that much free and rerun.
+        data.margin += over
+    if best is None:
+        raise Infeasible(f"acyclic partitioning found no plan that fits memory: {reasons[0]}")
+    best[1].info["memory_margin"] = data.margin
+    return best[1]
+
+
+def _run_seeds(problem: Problem, data: "_Data", P: int, seeds: int, reasons: list) -> tuple[tuple | None, int]:
+    """Every seed's run; the best feasible plan (or None) and the least overshoot seen."""
+    best: tuple | None = None
+    over = -1
     for seed in range(max(1, seeds)):
         initial, refined = _run_seed(problem, data, P, seed)
         c0 = evaluate(problem, initial)
@@ -666,12 +732,12 @@ def partition_acyclic(problem: Problem, *, seeds: int = 3, max_stages: int | Non
                 pick, cost = plan, c
         if not cost.feasible:
             reasons.append(cost.reason)
+            excess = max(g.memory_bytes - g.memory_limit for g in cost.gpus)
+            over = excess if over < 0 else min(over, excess)
             continue
         pick.info.update(objective_ms=cost.objective_ms,
                          initial_objective_ms=c0.objective_ms if c0.feasible else None,
                          initial_feasible=c0.feasible, refined=pick is not initial)
         if best is None or cost.objective_ms < best[0]:
             best = (cost.objective_ms, pick)
-    if best is None:
-        raise Infeasible(f"acyclic partitioning found no plan that fits memory: {reasons[0]}")
-    return best[1]
+    return best, over

@@ -6,18 +6,22 @@ takes (through :func:`run_strategy`):
 * ``max_stages`` -- at most this many pipeline stages in all (FTPipe §5.3 found 16
   stages best for T5-3B under asynchronous training: more stages, more staleness).
 
-:class:`MemoryModel` is the one place where partitioners estimate memory. It mirrors
-:func:`ftcompile.plan.evaluate` term for term, so that when the cost model counts
-more (issue 11: buffers, reserves) only this class changes.
+:class:`MemoryModel` is the one place where partitioners estimate memory: exact
+figures of :func:`ftcompile.plan.evaluate` for known stages, and proven upper and lower
+bounds for a stage priced before the rest of its stage graph exists.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import Callable, Iterable
+import inspect
+import math
+from typing import Callable
 
-from ..plan import Plan, Problem, _extra_weight_versions, _in_flight
+import numpy as np
+
+from ..plan import (ALLREDUCE_BUCKET_BYTES, Plan, Problem, Stage, _stage_params, plan_windows, stage_depths,
+                    stage_graph, working_sets)
 
 #: strategy name -> "module:function" (imported on first use, so a missing optional
 #: dependency such as pymetis only disables its own strategy).
@@ -57,15 +61,25 @@ def run_strategy(name: str, problem: Problem, **options) -> Plan:
     ``options`` go to the strategy's function; ``max_stages=None`` is dropped, and a
     plan with more stages than ``max_stages`` is refused (:class:`Infeasible`).
     """
-    from ..plan import check_plan, ordered
+    from ..plan import check_plan, evaluate, ordered
 
     if options.get("max_stages") is None:
         options.pop("max_stages", None)
     elif int(options["max_stages"]) < 1:
         raise ValueError(f"max_stages must be at least 1, got {options['max_stages']}")
-    plan = get_strategy(name)(problem, **options)
-    plan = ordered(plan, problem.graph)
-    check_plan(problem.graph, plan)
+    from ..runtime.schedules import ScheduleError
+
+    fn = get_strategy(name)
+    if problem.schedule in ("2bw", "2gw") and "max_stages" in inspect.signature(fn).parameters:
+        # two weight versions hold only for a pipeline no deeper than M: at most M + 1 stages
+        options["max_stages"] = min(options.get("max_stages") or (1 << 30), problem.micro_batches + 1)
+    try:
+        plan = fn(problem, **options)
+        plan = ordered(plan, problem.graph)
+        check_plan(problem.graph, plan)
+        evaluate(problem, plan)            # (a schedule that cannot run the plan says so here)
+    except ScheduleError as exc:
+        raise Infeasible(f"{name}: {exc}") from None
     cap = options.get("max_stages")
     if cap is not None and len(plan.stages) > cap:
         raise Infeasible(f"{name} made {len(plan.stages)} stages, more than --max-stages {cap}")
@@ -77,89 +91,301 @@ def stage_cap(problem: Problem, max_stages: int | None) -> int:
     return max(1, int(max_stages)) if max_stages is not None else 1 << 30
 
 
+# --------------------------------------------------------------------------- choosing by simulation
+
+def best_simulated(problem: Problem, finals: list[tuple[float, Plan]], top: int) -> Plan:
+    """Among the ``top`` distinct plans of lowest objective, the one whose simulated run is best.
+
+    The objective (FTPipe Eq. 1, the largest GPU load) ignores the waits between stages that
+    the schedule's dependencies impose, most of all when a GPU runs several stages; only the
+    simulator (:func:`ftcompile.simulate.simulate`) sees them, and it also replays the memory
+    the runtime holds. So each candidate is simulated, and the one whose simulated run fits
+    memory with the shortest simulated period wins (ties: lower objective). The winner's
+    ``info`` gets ``simulated_period_ms`` and ``simulated_memory_fits``; each simulated
+    candidate's figures go to ``info["simulated_candidates"]``.
+    """
+    from ..simulate import simulate
+
+    finals = sorted(finals, key=lambda c: c[0])
+    picked, seen = [], set()
+    for obj, plan in finals:
+        key = tuple(sorted((s.gpu, tuple(sorted(s.nodes))) for s in plan.stages))
+        if key not in seen:
+            seen.add(key)
+            picked.append((obj, plan))
+        if len(picked) == top:
+            break
+    scored = []
+    for obj, plan in picked:
+        sim = simulate(problem, plan)
+        fits = bool(getattr(sim, "memory_feasible", True))
+        plan.info["simulated_period_ms"] = round(sim.period_ms, 6)
+        plan.info["simulated_memory_fits"] = fits
+        scored.append((not fits, sim.period_ms, obj, plan))
+    best = min(scored, key=lambda c: c[:3])[3]
+    best.info["simulated_candidates"] = [{"objective_ms": round(o, 6), "simulated_period_ms": round(p, 6),
+                                          "simulated_memory_fits": not nf, "stages": len(pl.stages)}
+                                         for nf, p, o, pl in sorted(scored, key=lambda c: c[2])]
+    return best
+
+
 # --------------------------------------------------------------------------- memory
 
-@dataclass(frozen=True)
 class MemoryModel:
-    """Per-GPU memory as :func:`ftcompile.plan.evaluate` counts it, in pieces partitioners can sum.
+    """Per-GPU memory as :func:`ftcompile.plan.evaluate` counts it, for partitioners.
 
-    A GPU holds, for the parameters its stages read (each tensor once):
-    weights + gradients + optimizer state (``ParamCost.total``), plus the extra
-    weight versions the schedule keeps (:meth:`extra_versions` times the weight
-    bytes, the most any stage on the GPU needs); per stage, the activations of the
-    micro-batches in flight (:meth:`held`); and once per GPU the largest
-    recomputation buffer among its recomputing stages (:meth:`transient`).
+    Two kinds of figures:
 
-    Every method works on plain numbers and on numpy arrays alike (the Seq-pipe DP
-    evaluates whole rows of candidate stages at once).
+    * **exact**, for a plan whose stages are known: :meth:`gpus` (and :meth:`gpus_of` for
+      stages that are not yet a :class:`~ftcompile.plan.Plan`) returns every GPU's
+      ``GpuCost.memory_bytes`` of :func:`~ftcompile.plan.evaluate`, term for term: each
+      stage's own parameters, gradients and optimizer state (a stage keeps its own copy of
+      a shared tensor), the weight versions and micro-batches in flight of its runtime
+      program, the receive buffers its flow-control windows allow (once per value and
+      GPU), the gradients waiting for its backward, outputs waiting to be sent, the graph
+      inputs of the steps in flight, the largest task transient of its stages
+      (:func:`~ftcompile.plan.working_sets`) and the hardware reserve. The Mixed-pipe
+      refiner checks its moves with it.
+    * **bounds**, for a DP that prices a candidate stage before the rest of the stage graph
+      exists: :meth:`stage_upper` is a proven upper bound of the GPU that holds just this
+      stage at depth ``d`` in a pipeline no deeper than ``deepest`` (every window at its
+      widest for a producer deeper than ``d``, both 2GW groups, transients bounded by
+      :meth:`working_set_bounds`), so a split the DP accepts with it fits under
+      ``evaluate``; :meth:`stage_lower` is a proven lower bound (windows of one, no send
+      buffers, the transient a recomputation needs at least), so a DP that prunes with it
+      keeps every split that fits and its optimum is a valid bound.
+
+    Scalars and numpy arrays are accepted alike by the bounds (the Seq-pipe DP evaluates
+    whole rows of candidate stages at once).
     """
 
-    schedule: str
-    micro_batches: int
-    limit: int
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.schedule = problem.schedule
+        self.micro_batches = problem.micro_batches
+        self.limit = int(problem.cluster.gpu_memory)
+        self.reserve = int(problem.memory_reserve)
+        self._progs: dict[tuple[int, int], object] = {}
+        self._ws: dict[frozenset, tuple[int, int]] = {}
 
     @staticmethod
     def of(problem: Problem) -> "MemoryModel":
-        return MemoryModel(problem.schedule, problem.micro_batches, problem.cluster.gpu_memory)
+        return MemoryModel(problem)
+
+    # ----------------------------------------------------------- the runtime's programs
+    def program(self, depth: int, group0: bool = True):
+        key = (int(depth), 0 if group0 else 1)
+        got = self._progs.get(key)
+        if got is None:
+            got = self._progs[key] = self.problem.program(key[0], key[1])
+        return got
 
     def in_flight(self, depth: int, group0: bool = True) -> int:
         """Micro-batches a stage of ``depth`` holds (2GW: ``group0`` says which group it is in)."""
-        return _in_flight(self.schedule, depth, self.micro_batches, group0)
+        return self.program(depth, group0).in_flight
 
     def extra_versions(self, depth: int, group0: bool = True) -> int:
         """Weight versions beyond the first a stage of ``depth`` keeps (PipeDream, 2BW, 2GW)."""
-        return _extra_weight_versions(self.schedule, depth, group0)
+        return self.program(depth, group0).extra_weight_versions
 
-    def held(self, depth: int, recomputes, act_full, act_in, group0: bool = True):
-        """Activations a stage keeps for its micro-batches in flight.
+    def in_flight_max(self, depth: int) -> int:
+        return max(self.in_flight(depth, g) for g in (True, False))
 
-        ``act_full``: the activations one micro-batch keeps for backward; ``act_in``:
-        the stage's inputs for one micro-batch (values received, once each, plus the
-        graph inputs it reads, once per edge). A recomputing stage keeps only its inputs.
-        """
-        k = self.in_flight(depth, group0)
-        if isinstance(recomputes, bool):
-            return k * (act_in if recomputes else act_full)
-        import numpy as np
+    def extra_versions_max(self, depth: int) -> int:
+        return max(self.extra_versions(depth, g) for g in (True, False))
 
-        return k * np.where(recomputes, act_in, act_full)
+    def window_max(self, depth: int, deepest: int) -> int:
+        """The widest flow-control window a stage of ``depth`` can get from a producer in a
+        pipeline no deeper than ``deepest`` (:func:`~ftcompile.runtime.schedules.flow_window`;
+        1 when no producer can be deeper)."""
+        from ..runtime.schedules import flow_window
 
-    @staticmethod
-    def transient(recomputes, act_full, recompute_ms):
-        """The recomputation buffer: one micro-batch's full activations, for a stage that
-        recomputes and has something to recompute (``recompute_ms > 0``), else 0."""
-        if isinstance(recomputes, bool) and not hasattr(recompute_ms, "shape"):
-            return act_full if recomputes and recompute_ms > 0 else 0
-        import numpy as np
+        return max([flow_window(self.program(p, g), depth) for p in range(depth + 1, deepest + 1)
+                    for g in (True, False)], default=1)
 
-        return np.where(np.logical_and(recomputes, np.asarray(recompute_ms) > 0), act_full, 0)
-
-    def stage_alone(self, params_total, weight_bytes, depth: int, recomputes, act_full, act_in,
-                    recompute_ms, group0: bool = True):
-        """Memory of a GPU that holds just this stage (``params_total``: weights, gradients and
-        optimizer state of the parameters it reads; ``weight_bytes``: their weights alone;
-        ``recompute_ms``: the stage's recomputation time, which decides whether it needs a
-        recomputation buffer)."""
-        extra = self.extra_versions(depth, group0)
-        return (params_total + (weight_bytes * extra if extra else 0)
-                + self.held(depth, recomputes, act_full, act_in, group0)
-                + self.transient(recomputes, act_full, recompute_ms))
-
-    def gpu(self, params_total: int, version_bytes: int, held: Iterable[int], transients: Iterable[int]) -> int:
-        """A GPU's total from its parts: parameters (once each), extra weight versions, the held
-        activations of each stage and the largest recomputation buffer."""
-        return int(params_total + version_bytes + sum(held) + max(transients, default=0))
+    def data_steps(self, in_flight: int) -> int:
+        """Micro-batches of graph inputs a GPU keeps for its stages' ``in_flight`` (evaluate's data term)."""
+        M = self.micro_batches
+        return (math.ceil(in_flight / M) + 1) * M
 
     def fits(self, nbytes) -> bool:
         return nbytes <= self.limit
 
+    # ----------------------------------------------------------- exact, for known stages
+    def working_sets(self, nodes) -> tuple[int, int]:
+        key = frozenset(nodes)
+        got = self._ws.get(key)
+        if got is None:
+            got = self._ws[key] = working_sets(self.problem, key)
+        return got
+
+    def gpus(self, plan: Plan) -> list[int]:
+        """Every GPU's memory under ``plan``, as :func:`~ftcompile.plan.evaluate` counts it."""
+        return self.gpus_of({s.id: (s.gpu, list(s.nodes)) for s in plan.stages}, plan.num_gpus)
+
+    def gpus_of(self, stages: dict[int, tuple[int, list[int]]], num_gpus: int) -> list[int]:
+        """:meth:`gpus` for stages given as ``id -> (gpu, nodes)`` (their stage graph must be acyclic)."""
+        pr = self.problem
+        graph, prof, grads = pr.graph, pr.profile, pr.grad_values
+        plan = Plan("memory", num_gpus, [Stage(i, g, ns) for i, (g, ns) in stages.items()])
+        sg = stage_graph(graph, plan)
+        depth = stage_depths(sg)
+        progs = pr.programs(depth)
+        flow = plan_windows(pr, sg, depth, progs)
+        gpu_of = {i: g for i, (g, _ns) in stages.items()}
+        holders: dict[str, int] = {}
+        for _g, ns in stages.values():
+            for prm in {q for n in ns for q in graph.node(n).params}:
+                holders[prm] = holders.get(prm, 0) + 1
+        total = [0] * num_gpus
+        used = [False] * num_gpus
+        transient = [0] * num_gpus
+        ahead = [0] * num_gpus
+        inputs: list[dict[str, int]] = [{} for _ in range(num_gpus)]
+        for sid, (g, ns) in stages.items():
+            prog = progs[sid]
+            pb, gb, ob, tb, names = _stage_params(pr, ns)
+            act_full = sum(prof.nodes[n].activation_bytes for n in ns)
+            recv = sum({v: b for u in sg.predecessors(sid) for v, b in sg.edges[u, sid]["values"].items()}.values())
+            ginp = 0
+            for n in ns:
+                for e in graph.in_edges(n):
+                    if graph.node(e.src).kind == "input":
+                        ginp += e.bytes
+                        inputs[g][e.value] = e.bytes
+            back = sum({v: b for t in sg.successors(sid) for v, b in sg.edges[sid, t]["values"].items()
+                        if v in grads}.values())
+            k = prog.in_flight
+            ws_f, ws_b = self.working_sets(ns)
+            t_bwd = (act_full + max(ws_f, ws_b)) if prog.recompute else ws_b
+            if prog.extra_weight_versions:
+                t_bwd += tb
+            t_fwd = ws_f + (tb if (pr.weight_prediction and pr.schedule == "async" and prog.recompute) else 0)
+            t_upd = sum(prof.params[n].bytes * holders[n] for n in names
+                        if holders[n] > 1 and prof.params[n].grad_bytes)
+            if pr.replicas > 1:
+                t_upd += min(gb, ALLREDUCE_BUCKET_BYTES)
+            total[g] += (pb + gb + ob + prog.extra_weight_versions * tb
+                         + k * ((recv + ginp) if prog.recompute else act_full) + k * back)
+            transient[g] = max(transient[g], t_bwd, t_fwd, t_upd)
+            ahead[g] = max(ahead[g], k)
+            used[g] = True
+        # receive buffers: per value and reading GPU, the widest window among its readers there
+        waiting: dict[tuple[str, int], tuple[int, int]] = {}
+        for p, c, data in sg.edges(data=True):
+            w = flow[(p, c)][0] if (p, c) in flow else 1
+            for v, b in data["values"].items():
+                key = (v, gpu_of[c])
+                waiting[key] = (max(waiting.get(key, (0, 0))[0], w), b)
+        for (v, g), (w, b) in waiting.items():
+            total[g] += w * b
+        # send buffers: a value leaving its GPU that no reader on that GPU waits for
+        where = plan.stage_of()
+        for v, g_dst in {(v, gpu_of[c]) for _p, c, data in sg.edges(data=True) for v in data["values"]}:
+            g_src = gpu_of[where[graph.producer(v)]]
+            if g_src != g_dst and (v, g_src) not in waiting:
+                total[g_src] += graph.node(graph.producer(v)).outputs[v].bytes
+        for g in range(num_gpus):
+            if used[g]:
+                total[g] += (self.data_steps(ahead[g]) * sum(inputs[g].values()) + transient[g] + self.reserve)
+        return total
+
+    # ----------------------------------------------------------- bounds, for DPs
+    def stage_upper(self, *, depth: int, deepest: int, params_total, trainable, recomputes, act_full,
+                    recv, inputs, grads_back, send, ws_fwd, ws_bwd, shared_extra=0):
+        """A proven upper bound of a GPU holding only this stage, at ``depth`` in a pipeline at most
+        ``deepest`` deep, whatever the rest of the stage graph.
+
+        ``params_total``: weights + gradients + optimizer state of the parameters it reads;
+        ``trainable``: the trainable weights among them; ``act_full``: one micro-batch's
+        activations; ``recv``: bytes of the values it receives (each once); ``inputs``: graph
+        input bytes it reads (per edge, as evaluate counts them); ``grads_back``: bytes of the
+        values it sends that carry a gradient (or more); ``send``: bytes of the values it sends
+        (each once); ``ws_fwd``/``ws_bwd``: upper bounds of :func:`~ftcompile.plan.working_sets`;
+        ``shared_extra``: an upper bound of the update's shared-gradient transient.
+        """
+        k = self.in_flight_max(depth)
+        x = self.extra_versions_max(depth)
+        w = self.window_max(depth, deepest)
+        held = k * self._where(recomputes, recv + inputs, act_full)
+        t_bwd = self._where(recomputes, act_full + self._max(ws_fwd, ws_bwd), ws_bwd) + (trainable if x else 0)
+        t_fwd = ws_fwd + (trainable if self.problem.weight_prediction and self.schedule == "async" else 0)
+        t_upd = shared_extra + (min_bucket(params_total) if self.problem.replicas > 1 else 0)
+        return (params_total + x * trainable + held + w * recv + k * grads_back + send
+                + self.data_steps(k) * inputs + self._max(self._max(t_bwd, t_fwd), t_upd) + self.reserve)
+
+    def stage_lower(self, *, depth: int, params_total, trainable, recomputes, act_full, recv, inputs,
+                    group0: bool | None = None):
+        """A proven lower bound of a GPU holding this stage at ``depth``: what it keeps whatever its
+        neighbours (every value received waits in a window of at least one; no send buffer,
+        data or working set counted) and, recomputing, the activations its backward rebuilds."""
+        gs = (True, False) if group0 is None else (group0,)
+        k = min(self.in_flight(depth, g) for g in gs)
+        x = min(self.extra_versions(depth, g) for g in gs)
+        held = k * self._where(recomputes, recv + inputs, act_full)
+        rebuilt = self._where(recomputes, act_full, 0)
+        return params_total + x * trainable + held + recv + rebuilt + self.reserve
+
     def lower_bound(self, params_total, act_full, recompute_ms, recomputes: bool):
         """The least memory any stage holding these nodes needs, whatever its depth and inputs:
-        its parameters and one micro-batch's activations (kept, or rebuilt by recomputation
-        when it has any to redo). Monotone in the set of nodes."""
+        its parameters, one micro-batch's activations (kept, or rebuilt by recomputation when it
+        has any to redo) and the reserve. Monotone in the set of nodes."""
         if recomputes:
-            return params_total + (act_full if recompute_ms > 0 else 0)
-        return params_total + min(self.in_flight(0, g) for g in (False, True)) * act_full
+            return params_total + act_full + self.reserve
+        return params_total + min(self.in_flight(0, g) for g in (False, True)) * act_full + self.reserve
+
+    @staticmethod
+    def _where(cond, a, b):
+        if isinstance(cond, (bool, np.bool_)):
+            return a if cond else b
+        return np.where(cond, a, b)
+
+    @staticmethod
+    def _max(a, b):
+        if np.isscalar(a) and np.isscalar(b):
+            return max(a, b)
+        return np.maximum(a, b)
+
+
+def min_bucket(grad_bytes):
+    """The all-reduce's flat bucket: at most its size, at most the gradients (an upper bound with
+    ``params_total`` standing for the gradients)."""
+    if np.isscalar(grad_bytes):
+        return min(grad_bytes, ALLREDUCE_BUCKET_BYTES)
+    return np.minimum(grad_bytes, ALLREDUCE_BUCKET_BYTES)
+
+
+def working_set_bounds(problem: Problem, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Per position of ``ids`` (op nodes in a topological order): upper bounds of what
+    :func:`~ftcompile.plan.working_sets` adds at that node for any stage that is a *contiguous
+    range* of ``ids`` holding it, forward and backward.
+
+    A value alive at a node of a range (made at or before it in the range, or received, and
+    read at or after it, or sent out of the range, whose readers all come after the range)
+    is made before that position and read at or after it in the whole order (a graph output
+    counts as read at the end). So the bytes of
+    all such values, plus the node's own activations, bound the range's working set there;
+    a range's working set is at most the largest of these over its positions.
+    """
+    graph, prof, grads = problem.graph, problem.profile, problem.grad_values
+    pos = {n: i for i, n in enumerate(ids)}
+    N = len(ids)
+    df = np.zeros(N + 1, dtype=np.int64)
+    db = np.zeros(N + 1, dtype=np.int64)
+    span: dict[str, list] = {}
+    for e in graph.edges:
+        src = pos.get(e.src, 0)          # graph inputs: alive from the start
+        dst = pos.get(e.dst, N - 1)      # graph outputs: alive to the end
+        lo, hi, b = span.get(e.value, (src, dst, e.bytes))
+        span[e.value] = (min(lo, src), max(hi, dst), max(b, e.bytes))
+    for v, (lo, hi, b) in span.items():
+        df[lo] += b
+        df[hi + 1] -= b
+        if v in grads:
+            db[lo] += b
+            db[hi + 1] -= b
+    own = np.array([prof.nodes[n].activation_bytes for n in ids], dtype=np.int64)
+    return np.cumsum(df)[:N] + own, np.cumsum(db)[:N] + own
 
 
 # --------------------------------------------------------------------------- staleness

@@ -27,7 +27,13 @@ for two things the DP cannot see from ``U`` alone:
   reading stage;
 * the stage's true depth (its longest path to a sink of the stage graph): the
   DP charges memory for depth ``k``, the most it can be. It is exact when every
-  stage feeds the next (the usual case: the trunk runs through every stage).
+  stage feeds the next (the usual case: the trunk runs through every stage);
+* the buffers and transients that depend on the stages' neighbours (flow-control
+  windows, send buffers, working sets): memory is checked with
+  :meth:`~ftcompile.partition.base.MemoryModel.stage_lower`, a proven lower bound of
+  what evaluate charges, so no split that fits is pruned; every split the DP returns
+  is then checked by evaluate, which refuses those that do not fit;
+* the gradient sums of tied tensors (a lower bound again: left out).
 
 So a second value, a *bound*, is carried through the same states: it charges
 memory at the least depth a stage can have (0 if it feeds no later stage, else
@@ -95,6 +101,7 @@ class Units:
     kact: list[int] = None
     kginp: list[int] = None
     kparams: list[tuple[int, ...]] = None
+    pnames: list[str] = None         # parameter names, per index
     kreaders: list[list[int]] = None  # per value: units holding a reader that is not a side node
                                       # ([] when a side node makes it: the bound ignores it)
     cache: dict = field(default_factory=dict, repr=False)    # the upsets, once listed
@@ -185,6 +192,7 @@ def build_units(problem: Problem, groups: list[list[int]] | None = None, side: s
     units = Units([list(g) for g in groups], comp, rec, act, ginp, uparams,
                   [int(x) for x in seq.param_total], [int(x) for x in seq.param_bytes], succ, pred, anc,
                   vprod, vreaders, vbytes, vfloat, made, reads, loss, attached)
+    units.pnames = list(seq.param_names)
     if side:
         units.kcomp, units.krec, units.kact, units.kginp = kcomp, krec, kact, kginp
         units.kparams = [tuple(sorted(p)) for p in kparams]
@@ -439,14 +447,23 @@ def convex_split(problem: Problem, *, units: Units | None = None, max_stages: in
     total_comp, total_kcomp = sum(U.comp), sum(U.kcomp)
     total_kwork = total_kcomp + (sum(U.krec) if rec_mid else 0.0)
     tol = 1e-9 * max(sum(U.comp) + sum(U.rec), 1e-300)
-    kin = [mm.in_flight(d, True) for d in range(K + 1)]
-    xver = [mm.extra_versions(d, True) for d in range(K + 1)]
-    kin_lb = [min(mm.in_flight(d, g) for g in (False, True)) for d in range(K + 1)]
-    xver_lb = [min(mm.extra_versions(d, g) for g in (False, True)) for d in range(K + 1)]
+    from ..runtime.schedules import ScheduleError
+
+    while K > 1:                         # 2bw/2gw: no pipeline deeper than M
+        try:
+            mm.in_flight(K - 1)
+            break
+        except ScheduleError:
+            if stages is not None:
+                return None
+            K -= 1
 
     comp, rec, act, ginp, uparams = U.comp, U.rec, U.act, U.ginp, U.params
     kcomp, krec, kact, kginp, kparams = U.kcomp, U.krec, U.kact, U.kginp, U.kparams
     ptotal, pbytes = U.ptotal, U.pbytes
+    # each parameter's optimizer step, its share U / M of every micro-batch (tied tensors' gradient
+    # sums left out: the DP's price is then at most evaluate's, and its bound stays valid)
+    pupd = [problem.update_ms([nm]) / problem.micro_batches for nm in U.pnames] if U.pnames else [0.0] * len(ptotal)
     succ, pred = U.succ, U.pred
     vprod, vbytes, vfloat, readers_of = U.vprod, U.vbytes, U.vfloat, U.vreaders
     made, reads = U.made, U.reads
@@ -475,7 +492,8 @@ def convex_split(problem: Problem, *, units: Units | None = None, max_stages: in
     def relax(Ubits: int, ks: list[int], X: int, m: tuple) -> None:
         """Stage X (metrics m, see :func:`metrics`) in front of U: values for U + X."""
         counters[0] += 1
-        c, r, a, gi, ptot, pwb, recv, recvf, snd, feeds, kc, kr, ka, kg, kpt, kpw, krv, krvf, ksnd, kfeeds = m
+        (c, r, a, gi, ptot, pwb, recv, recvf, snd, feeds, kc, kr, ka, kg, kpt, kpw, krv, krvf, ksnd, kfeeds,
+         upd, kupd) = m
         new = Ubits | X
         has_loss = loss is not None and (X >> loss) & 1
         loss_placed = rec_mid and loss is not None and ((new >> loss) & 1)
@@ -488,11 +506,9 @@ def convex_split(problem: Problem, *, units: Units | None = None, max_stages: in
         # the bound: least depth (0 if the stage feeds no later one), kept costs, max(C, S, R)
         d_lb = 1 if kfeeds else 0
         rc_lb = rec_last if (d_lb == 0 and (loss is None or has_loss)) else rec_mid
-        per_lb = max(kc + (kr if rc_lb else 0.0), ksnd * ms_per_byte, krvf * ms_per_byte)
-        x_lb = xver_lb[d_lb]
-        fits_lb = (kpt + (kpw * x_lb if x_lb else 0) + kin_lb[d_lb] * ((krv + kg) if rc_lb else ka)
-                   + (ka if rc_lb and kr > 0 else 0)) <= limit
-        act_in = recv + gi
+        per_lb = max(kc + kupd + (kr if rc_lb else 0.0), ksnd * ms_per_byte, krvf * ms_per_byte)
+        fits_lb = mm.stage_lower(depth=d_lb, params_total=kpt, trainable=kpw, recomputes=rc_lb, act_full=ka,
+                                 recv=krv, inputs=kg) <= limit
         vals, bnds, vals2 = val[Ubits], bnd[Ubits], val2[Ubits]
         nv = val.get(new)
         # "fanout": a value read by several units of U is sent to up to that many stages
@@ -515,10 +531,10 @@ def convex_split(problem: Problem, *, units: Units | None = None, max_stages: in
             if ok_v:
                 # the plan's price: depth k; the last stage (k == 0) may skip recomputation
                 rc = rec_last if (k == 0 and (loss is None or has_loss)) else rec_mid
-                C = c + (r if rc else 0.0)
+                C = c + upd + (r if rc else 0.0)
                 per = C + max(0.0, send_ms - C) + max(0.0, recv_ms - C)
-                x = xver[k]
-                mem = ptot + (pwb * x if x else 0) + kin[k] * (act_in if rc else a) + (a if rc and r > 0 else 0)
+                mem = mm.stage_lower(depth=k, params_total=ptot, trainable=pwb, recomputes=rc, act_full=a,
+                                     recv=recv, inputs=gi)
                 if mem <= limit:
                     cand = max(vals[k], per)
                     if multi and k >= 2:
@@ -551,8 +567,8 @@ def convex_split(problem: Problem, *, units: Units | None = None, max_stages: in
 
     sum_rec = sum(U.rec)
 
-    def param_sums(ps: set[int]) -> tuple[int, int]:
-        return sum(ptotal[q] for q in ps), sum(pbytes[q] for q in ps)
+    def param_sums(ps: set[int]) -> tuple[int, int, float]:
+        return sum(ptotal[q] for q in ps), sum(pbytes[q] for q in ps), sum(pupd[q] for q in ps)
 
     def metrics(Ubits: int, X: int) -> tuple:
         """Compute, memory and traffic of stage X in front of the covered set U, from scratch."""
@@ -602,12 +618,13 @@ def convex_split(problem: Problem, *, units: Units | None = None, max_stages: in
                             ksnd += vbytes[v]
                             kfeeds = 1
                             break
-        ptot, pwb = param_sums(params)
+        ptot, pwb, upd = param_sums(params)
         if not side:
             return (c, r, a, gi, ptot, pwb, recv, recvf, snd, feeds, c, r, a, gi, ptot, pwb,
-                    recv, recvf, snd, feeds)
-        kpt, kpw = param_sums(kps)
-        return (c, r, a, gi, ptot, pwb, recv, recvf, snd, feeds, kc, kr, ka, kg, kpt, kpw, krv, krvf, ksnd, kfeeds)
+                    recv, recvf, snd, feeds, upd, upd)
+        kpt, kpw, kupd = param_sums(kps)
+        return (c, r, a, gi, ptot, pwb, recv, recvf, snd, feeds, kc, kr, ka, kg, kpt, kpw, krv, krvf, ksnd, kfeeds,
+                upd, kupd)
 
     def live_ks(Ubits: int) -> list[int]:
         vals, bnds, vals2 = val[Ubits], bnd[Ubits], val2[Ubits]
@@ -665,7 +682,7 @@ def convex_split(problem: Problem, *, units: Units | None = None, max_stages: in
         ksends_to_u: dict[int, bool] = {}
         cands0 = [u for u in range(n) if not (Ubits >> u) & 1 and (succ[u] & ~Ubits) == 0]
         # st: c r a gi ptot pwb recv recvf snd feeds | kc kr ka kg kpt kpw krecv krecvf ksnd kfeeds
-        st = [0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0]
+        st = [0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0]   # + upd kupd
         pref: dict[int, int] = {}
         kpref: dict[int, int] = {}
         rcount: dict[int, int] = {}
@@ -703,12 +720,14 @@ def convex_split(problem: Problem, *, units: Units | None = None, max_stages: in
                     if cq == 0:
                         st[4] += ptotal[q]
                         st[5] += pbytes[q]
+                        st[20] += pupd[q]
                     pref[q] = cq + 1
                 for q in kparams[u]:
                     cq = kpref.get(q, 0)
                     if cq == 0:
                         st[14] += ptotal[q]
                         st[15] += pbytes[q]
+                        st[21] += pupd[q]
                     kpref[q] = cq + 1
                 for v in reads[u]:                      # read from outside: producers come later
                     cv = rcount.get(v, 0)
@@ -744,7 +763,7 @@ def convex_split(problem: Problem, *, units: Units | None = None, max_stages: in
                     Xn = X | (1 << u)
                     done = nkc + (nkr if wkey else 0.0)
                     if rest - done <= most_left * T_ub or Ubits | Xn == full:
-                        relax(Ubits, ks, Xn, tuple(st) if side else tuple(st[:16]) + tuple(st[6:10]))
+                        relax(Ubits, ks, Xn, tuple(st) if side else tuple(st[:16]) + tuple(st[6:10]) + (st[20], st[20]))
                         if counters[0] > max_transitions:
                             raise _Abort("transitions")
                     covered = Ubits | Xn

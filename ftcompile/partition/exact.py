@@ -316,12 +316,51 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
                 else:
                     h.addConstr(x[b][g] - h.qsum([x[a][g - 1] for a in range(b)]) <= 0)
 
+    # y[q][g]: GPU g holds parameter q (some block on g reads it): its memory, and its optimizer
+    # step's share U / M of every micro-batch.
+    readers: dict[int, list[int]] = {}
+    for b, qs in enumerate(blocks.params):
+        for q in qs:
+            readers.setdefault(q, []).append(b)
+    upd_ms = seq.param_update_ms if seq.param_update_ms is not None else np.zeros(len(seq.param_total))
+    y: dict[tuple[int, int], object] = {}
+    for q, bs in readers.items():
+        if blocks.param_total[q] == 0 and not upd_ms[q] > 0:
+            continue
+        for g in range(P):
+            y[q, g] = v = h.addVariable(lb=0.0, ub=1.0)
+            for b in bs:
+                h.addConstr(v - x[b][g] >= 0)
+    M = problem.micro_batches
+    # Tied tensors: a GPU holding one that another GPU also holds sums that holder's gradient part
+    # before its update (w[q, g, k] >= y[q, g] + y[q, k] - 1); stages sharing one GPU are not seen
+    # here, so this is a lower bound, exact when each GPU runs one stage.
+    from ..plan import _shared_sum_ms
+
+    tied_terms: list[list] = [[] for _ in range(P)]
+    if P > 1 and seq.param_names:
+        for q, bs in readers.items():
+            name = seq.param_names[q]
+            if len(bs) < 2 or not problem.profile.params[name].grad_bytes:
+                continue
+            c = _shared_sum_ms(problem, [name], {name: 2}) / M
+            if c <= 0:
+                continue
+            for g in range(P):
+                for k in range(P):
+                    if k != g:
+                        w = h.addVariable(lb=0.0, ub=1.0)
+                        h.addConstr(w - y[q, g] - y[q, k] >= -1)
+                        tied_terms[g].append(c * w)
+
     edge_pairs = sorted({(p, c) for p, cs, _nbytes, _fl in blocks.values for c in cs})
     # Compute per GPU; recomputation is skipped by the last stage, which holds the loss.
     rec = blocks.recompute_ms if rec_mid else np.zeros(B)
     last_stage_work = []           # compute of the last stage's share of blocks, over all GPUs
     for g in range(P):
-        load = h.qsum([float(blocks.compute_ms[b] + rec[b]) * x[b][g] for b in range(B)])
+        load = h.qsum([float(blocks.compute_ms[b] + rec[b]) * x[b][g] for b in range(B)]
+                      + [float(upd_ms[q] / M) * y[q, g] for q in readers if (q, g) in y and upd_ms[q] > 0]
+                      + tied_terms[g])
         if rec_mid and not rec_last:
             saved = h.addVariable(lb=0.0)
             h.addConstr(saved - h.qsum([float(rec[b]) * x[b][g] for b in range(B)]) <= 0)
@@ -378,19 +417,13 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     k_min = min(MemoryModel.of(problem).in_flight(0, g0) for g0 in (False, True))
     act_coef = 1 if rec_mid else k_min
     act_ok = [not rec_mid or blocks.recompute_ms[b] > 0 for b in range(B)]
-    readers: dict[int, list[int]] = {}
-    for b, qs in enumerate(blocks.params):
-        for q in qs:
-            readers.setdefault(q, []).append(b)
+    limit = limit - problem.memory_reserve
     for g in range(P):
         terms = []
-        for q, bs in readers.items():
+        for q in readers:
             if blocks.param_total[q] == 0:
                 continue
-            y = h.addVariable(lb=0.0, ub=1.0)
-            for b in bs:
-                h.addConstr(y - x[b][g] >= 0)
-            terms.append(float(blocks.param_total[q]) * y)
+            terms.append(float(blocks.param_total[q]) * y[q, g])
         if space == "seq":
             # One stage per GPU: it holds (or rebuilds) the activations of all its blocks; those
             # of blocks with nothing to recompute count only if the stage has other work to redo.

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..plan import Plan, Problem, Stage, evaluate
+from ..plan import Plan, Problem, Stage, _shared_sum_ms, evaluate
 from ..units import format_bytes
 from .base import Infeasible, MemoryModel
 from .coarsen import Quotient, coarsen, grow_around_centers, split_contiguous
@@ -205,6 +205,14 @@ class _Refiner:
         self.nout = {n: sorted({e.dst for e in g.out_edges(n) if e.dst in self.stage_of}) for n in self.stage_of}
         self._in_cache: dict[int, int] = {}
         self._pm_cache: dict[int, int] = {}
+        self._mm = MemoryModel.of(p)
+        self._mem: list[int] | None = None          # every GPU's memory in the current state
+        self._upd: dict[int, float] = {}            # per stage: its optimizer step's share U / M
+        readers: dict[str, set[int]] = {}
+        for n in self.stage_of:
+            for prm in g.node(n).params:
+                readers.setdefault(prm, set()).add(n)
+        self._tied = {prm: r for prm, r in readers.items() if len(r) > 1}   # may be held by several stages
         self._refresh_structure()
 
     # ------------------------------------------------------------- structure
@@ -225,7 +233,15 @@ class _Refiner:
         return self.problem.recomputes(s == self.last)
 
     def stage_load(self, s: int) -> float:
-        return self.sbase[s] + (self.srec[s] if self.recomputes(s) else 0.0)
+        upd = self._upd.get(s)
+        if upd is None:
+            graph = self.problem.graph
+            names = {prm for n in self.members[s] for prm in graph.node(n).params}
+            holders = {prm: len({self.stage_of[n] for n in self._tied[prm]}) for prm in names if prm in self._tied}
+            upd = self.problem.update_ms(names) + _shared_sum_ms(self.problem, [q for q in names if q in holders],
+                                                                 holders)
+            upd = self._upd[s] = upd / self.problem.micro_batches
+        return self.sbase[s] + upd + (self.srec[s] if self.recomputes(s) else 0.0)
 
     def gpu_loads(self) -> list[float]:
         load = [0.0] * self.problem.num_gpus
@@ -260,24 +276,12 @@ class _Refiner:
         return got
 
     def gpu_memory(self, gpu: int) -> int:
-        """Memory of ``gpu`` as :func:`ftcompile.plan.evaluate` counts it (2GW: every stage as group 0)."""
-        p = self.problem
-        prof, graph = p.profile, p.graph
-        mm = MemoryModel.of(p)
-        stages = [s for s in self.members if self.gpu_of[s] == gpu]
-        held, transients = [], []
-        extra: dict[str, int] = {}
-        for s in stages:
-            rc = p.recomputes(s == self.last)
-            held.append(mm.held(self.depth[s], rc, self.sact[s], self._stage_inputs(s)))
-            transients.append(mm.transient(rc, self.sact[s], self.srec[s]))
-            xv = mm.extra_versions(self.depth[s])
-            if xv:
-                for n in self.members[s]:
-                    for prm in graph.node(n).params:
-                        extra[prm] = max(extra.get(prm, 0), xv)
-        versions = sum(prof.params[prm].bytes * x for prm, x in extra.items())
-        return mm.gpu(self._param_memory(gpu), versions, held, transients)
+        """Memory of ``gpu`` exactly as :func:`ftcompile.plan.evaluate` counts it
+        (:meth:`MemoryModel.gpus_of` over the current stages, once per state)."""
+        if self._mem is None:
+            self._mem = self._mm.gpus_of({s: (self.gpu_of[s], sorted(m)) for s, m in self.members.items() if m},
+                                         self.problem.num_gpus)
+        return self._mem[gpu]
 
     # ------------------------------------------------------------- moves
     def _apply(self, n: int, t: int) -> bool:
@@ -314,6 +318,12 @@ class _Refiner:
         self.sact[t] += self.act[n]
         self._in_cache.pop(s, None)
         self._in_cache.pop(t, None)
+        if any(prm in self._tied for prm in graph.node(n).params):
+            self._upd.clear()   # a tied tensor's holders may change: every stage holding it
+        else:
+            self._upd.pop(s, None)
+            self._upd.pop(t, None)
+        self._mem = None
         gs, gt = self.gpu_of[s], self.gpu_of[t]
         if gs != gt:
             self._pm_cache.pop(gs, None)
@@ -620,30 +630,10 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
 
 
 def _best_simulated(problem: Problem, finals: list[tuple[float, Plan]], top: int) -> Plan:
-    """Among the plans of lowest objective, the one that simulates fastest.
+    """:func:`~ftcompile.partition.base.best_simulated` (kept under this name for callers)."""
+    from .base import best_simulated
 
-    Eq. 1 sums a GPU's stage periods as if its stages never waited on one another;
-    with several stages per GPU the dependencies between them can leave the GPU idle,
-    which only the simulator sees. So the few best plans by objective are simulated
-    under the problem's schedule and the shortest simulated period wins.
-    """
-    from ..simulate import simulate
-
-    finals = sorted(finals, key=lambda c: c[0])
-    picked, seen = [], set()
-    for obj, plan in finals:
-        key = tuple(sorted((s.gpu, tuple(sorted(s.nodes))) for s in plan.stages))
-        if key not in seen:
-            seen.add(key)
-            picked.append((obj, plan))
-        if len(picked) == top:
-            break
-    scored = []
-    for obj, plan in picked:
-        period = simulate(problem, plan).period_ms
-        plan.info["simulated_period_ms"] = round(period, 6)
-        scored.append((period, obj, plan))
-    return min(scored, key=lambda c: (c[0], c[1]))[2]
+    return best_simulated(problem, finals, top)
 
 
 def _assign_any(problem: Problem, q: Quotient) -> dict[int, int]:

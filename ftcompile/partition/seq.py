@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..ir import OpGraph
 from ..plan import Plan, Problem, Stage, evaluate
 from ..units import format_bytes
-from .base import Infeasible, MemoryModel
+from .base import Infeasible, MemoryModel, working_set_bounds
 
 #: Module classes that are one "layer" (basic block) of the usual model families.
 LAYER_CLASSES = frozenset({
@@ -64,6 +64,8 @@ class OpSequence:
     param_total: np.ndarray        # weights + grads + optimizer state, per param index
     param_bytes: np.ndarray        # weights only (extra weight versions)
     loss_pos: int | None
+    param_names: list[str] = field(default_factory=list)   # per param index
+    param_update_ms: np.ndarray | None = None                # the optimizer step of each param (additive)
 
     @property
     def n(self) -> int:
@@ -97,7 +99,8 @@ def op_sequence(problem: Problem) -> OpSequence:
     ptot = np.array([prof.params[p].total for p in names], dtype=np.int64)
     pb = np.array([prof.params[p].bytes for p in names], dtype=np.int64)
     loss = next((pos[n.id] for n in ops if n.is_loss), None)
-    return OpSequence([n.id for n in ops], comp, rec, act, inb, values, node_params, ptot, pb, loss)
+    upd = np.array([problem.update_ms([p]) for p in names], dtype=float)
+    return OpSequence([n.id for n in ops], comp, rec, act, inb, values, node_params, ptot, pb, loss, names, upd)
 
 
 def _plan_from_cuts(strategy: str, problem: Problem, seq: OpSequence, starts: list[int], info: dict) -> Plan:
@@ -110,7 +113,8 @@ def _plan_from_cuts(strategy: str, problem: Problem, seq: OpSequence, starts: li
 # --------------------------------------------------------------------------- optimal (DP)
 
 def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: int | None = None,
-                  time_limit: float = 20.0, max_upsets: int = 200_000, attach_share: float = 0.02) -> Plan:
+                  time_limit: float = 20.0, max_upsets: int = 200_000, attach_share: float = 0.02,
+                  simulate_top: int = 4) -> Plan:
     """The best Seq-pipe: convex stages of the DAG, one per GPU (a chain of ideals).
 
     Two searches, the second started from the first:
@@ -125,7 +129,11 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
        nodes are attached to their only neighbour and the DP runs on what is left;
        its result and bound then hold for the splits that keep them attached.
 
-    The plan with the lowest :func:`~ftcompile.plan.evaluate` objective wins.
+    Every candidate is priced by :func:`~ftcompile.plan.evaluate`; the ``simulate_top``
+    best by objective are simulated and the fastest simulated run that fits memory wins
+    (:func:`~ftcompile.partition.base.best_simulated`; ``simulate_top=0``: the lowest
+    objective). ``info["best_objective_ms"]`` is the lowest objective found, which the
+    bound and gap are also measured against.
     ``info`` says what was proven: ``space`` (the splits the bound covers),
     ``optimal`` (the plan meets the bound), ``bound_ms`` and ``gap`` (absent when
     no search finished within ``time_limit`` seconds or ``max_upsets`` upsets).
@@ -170,6 +178,7 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
     for attach in (False, True):
         left = time_limit - (time.perf_counter() - t0)
         if left <= 0:
+            searches.append({"result": "stopped", "stopped": "time limit"})
             break
         groups, side = attach_side_nodes(problem, attach_share) if attach else (None, None)
         if attach and len(groups) == N:
@@ -204,7 +213,7 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
         S = stages or min(problem.num_gpus, max_stages or problem.num_gpus, N)
         params = format_bytes(int(seq.param_total.sum()))
         acts = format_bytes(int(seq.activation_bytes.sum()))
-        k_in = MemoryModel.of(problem).in_flight(S - 1)
+        k_in = MemoryModel.of(problem).in_flight_max(min(S - 1, problem.micro_batches))
         proven_none = any(x.get("result") == "no split fits" for x in searches)
         lead = "no" if proven_none else "found no"
         why = "" if proven_none else (
@@ -225,13 +234,26 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
         rplan = plan_from_stages("seq", problem, moved, {})
         rcost = evaluate(problem, rplan)
         if rcost.feasible and rcost.objective_ms < obj * (1 - 1e-12):
+            options.append((rcost.objective_ms, len(rplan.stages), rplan, rcost, dp_obj, source + "+refined"))
             obj, plan, cost, source = rcost.objective_ms, rplan, rcost, source + "+refined"
+    best_obj = obj
+    if simulate_top:
+        # The objective ignores the waits the schedule's dependencies impose: the few best plans
+        # are simulated and the fastest simulated run that fits wins.
+        from .base import best_simulated
+
+        by_plan = {id(r[2]): r for r in options}
+        chosen = best_simulated(problem, [(r[0], r[2]) for r in options], simulate_top)
+        obj, S, plan, cost, dp_obj, source = by_plan[id(chosen)]
     by_stages: dict[str, float | None] = {}
     for r in found:
         key, v = str(r[1]), (r[0] if r[0] < _INF else None)
         if key not in by_stages or (v is not None and (by_stages[key] is None or v < by_stages[key])):
             by_stages[key] = v
+    sim_info = {k: plan.info[k] for k in ("simulated_period_ms", "simulated_memory_fits", "simulated_candidates")
+                if k in plan.info}
     info = {
+        **sim_info, "best_objective_ms": best_obj,
         "stages": S, "dp_objective_ms": dp_obj, "objective_ms": obj, "source": source,
         "send_model": "once" if source == "convex" else found_model(found, plan),
         "objective_by_stages": by_stages, "nodes": N, "searches": searches,
@@ -240,10 +262,12 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
     info["space"] = "convex splits (chains of ideals), one stage per GPU"
     if proven is not None:
         # The bound deletes the side nodes the search kept attached: it holds for every convex split.
-        bound = min(proven["bound_ms"], obj)
+        bound = min(proven["bound_ms"], best_obj)
         info["bound_ms"] = bound
         info["bound_covers"] = "every convex split"
+        # the gap of the plan returned (chosen by simulation), and of the best objective found
         info["gap"] = (obj - bound) / obj if obj > 0 else 0.0
+        info["best_objective_gap"] = (best_obj - bound) / best_obj if best_obj > 0 else 0.0
         info["optimal"] = info["gap"] <= 1e-9
         info["search"] = ("exhaustive" if proven["complete"] else "stopped at the time limit") + (
             f", {proven['attached']} side nodes attached" if proven["attached"] else "")
@@ -334,7 +358,12 @@ def order_split(problem: Problem, seq: OpSequence, *, max_stages: int | None = N
     read by several later stages sent once, a lower bound, or once per later stage
     that may read it, an upper bound; both exact for values with one reader).
     Stage ``k`` of ``S`` is taken to have depth ``S - 1 - k`` (the most it can
-    have), so the memory test is conservative. The sweep keeps the bytes crossing
+    have). Memory is checked twice (:data:`MEMORY_MODELS`): with
+    :meth:`~ftcompile.partition.base.MemoryModel.stage_upper`, a proven upper bound of
+    what evaluate charges the stage's GPU (so these splits fit), and with
+    :meth:`~ftcompile.partition.base.MemoryModel.stage_lower`, a proven lower bound (so
+    no split that fits is pruned, and a split it finds that evaluate accepts is the best
+    split of the order). The sweep keeps the bytes crossing
     each cut, received by each range and the distinct parameters each range reads
     as incremental int64 arrays: ``O(N^2 P^2)`` vectorised work (about 4 s for a
     4,900-node graph on 8 GPUs).
@@ -356,13 +385,14 @@ def order_split(problem: Problem, seq: OpSequence, *, max_stages: int | None = N
         counts = sorted(ladder)
     best, arg = _seq_dp(problem, seq, counts)
     results, seen = [], set()
-    for model, S in best:
-        if best[model, S] == _INF:
+    for key in best:
+        model, S = key[0], key[-1]
+        if best[key] == _INF:
             continue
         starts = [0] * S
         j = N
         for k in range(S - 1, -1, -1):
-            i = int(arg[model, S][k][j]) if k > 0 else 0
+            i = int(arg[key][k][j]) if k > 0 else 0
             starts[k] = i
             j = i
         if tuple(starts) in seen:
@@ -370,9 +400,13 @@ def order_split(problem: Problem, seq: OpSequence, *, max_stages: int | None = N
         seen.add(tuple(starts))
         plan = _plan_from_cuts("seq", problem, seq, starts, {})
         cost = evaluate(problem, plan)
-        results.append((cost.objective_ms if cost.feasible else _INF, S, plan, cost, best[model, S], model))
+        results.append((cost.objective_ms if cost.feasible else _INF, S, plan, cost, best[key], model))
     return results
 
+
+#: How the DP checks memory: a proven upper bound (what it accepts fits) or a proven lower bound
+#: (what fits is never pruned).
+MEMORY_MODELS = ("upper", "lower")
 
 #: How the DP prices a value read by several later stages: sent once (a lower bound on what
 #: evaluate counts), or once per later stage that may read it (an upper bound).
@@ -388,9 +422,21 @@ def _seq_dp(problem: Problem, seq: OpSequence, counts: list[int]):
     of stage ``k`` is sent ``min(r, S - 1 - k)`` times, ``r`` its readers after
     the cut.
     """
+    from ..runtime.schedules import ScheduleError
+
     N = seq.n
     mm = MemoryModel.of(problem)
     cluster = problem.cluster
+
+    def possible(S):
+        try:
+            mm.in_flight(S - 1)
+            return True
+        except ScheduleError:               # 2bw/2gw: a pipeline deeper than M
+            return False
+    counts = [S for S in counts if possible(S)]
+    if not counts:
+        return {}, {}
     cmp = np.concatenate([[0.0], np.cumsum(seq.compute_ms)])
     crc = np.concatenate([[0.0], np.cumsum(seq.recompute_ms)])
     cact = np.concatenate([[0], np.cumsum(seq.activation_bytes)])
@@ -422,10 +468,39 @@ def _seq_dp(problem: Problem, seq: OpSequence, counts: list[int]):
     bw_recv = [cluster.bandwidth(k - 1, k) if k > 0 else 1.0 for k in range(max(counts))]
     limit = mm.limit
 
-    keys = [(m, S) for m in SEND_MODELS for S in counts]
-    best_tab = {key: [np.full(N + 1, _INF) for _ in range(key[1])] for key in keys}
-    arg = {key: [np.full(N + 1, -1, dtype=np.int64) for _ in range(key[1])] for key in keys}
-    best: dict[tuple[str, int], float] = {}
+    # (send model, memory model, S): the upper memory bound under both send models (plans
+    # that fit), the lower one with values sent once (the order's optimum is no lower).
+    keys = [(m, mem, S) for m, mem in (("once", "upper"), ("fanout", "upper"), ("once", "lower")) for S in counts]
+    best_tab = {key: [np.full(N + 1, _INF) for _ in range(key[2])] for key in keys}
+    arg = {key: [np.full(N + 1, -1, dtype=np.int64) for _ in range(key[2])] for key in keys}
+    best: dict[tuple[str, str, int], float] = {}
+    wsf, wsb = working_set_bounds(problem, seq.ids)
+    graph, prof = problem.graph, problem.profile
+    # the update's shared-gradient transient, at most each tied tensor times the stages reading it
+    readers: dict[str, set[int]] = {}
+    for n in seq.ids:
+        for prm in graph.node(n).params:
+            readers.setdefault(prm, set()).add(n)
+    shared_cap = {S: sum(prof.params[prm].bytes * min(S, len(r)) for prm, r in readers.items()
+                         if len(r) > 1 and prof.params[prm].grad_bytes) for S in counts}
+    upd_w = np.zeros(N)                          # by last reading position < j: update ms / M
+    upd_ms = (seq.param_update_ms if seq.param_update_ms is not None else np.zeros(len(seq.param_total))) \
+        / problem.micro_batches
+    # Tied tensors: a stage holding some but not all of a tensor's readers sums the other holders'
+    # gradient parts before its update; charged as if every other reader were in another stage
+    # (exact for a tensor read by two nodes, an upper bound otherwise).
+    from ..plan import _shared_sum_ms
+
+    tied = []
+    npos = {n: i for i, n in enumerate(seq.ids)}
+    for prm, r in readers.items():
+        if len(r) > 1 and prof.params[prm].grad_bytes:
+            rp = sorted(npos[n] for n in r)
+            tied.append((rp, {S: _shared_sum_ms(problem, [prm], {prm: min(S, len(r))}) / problem.micro_batches
+                              for S in counts}))
+    trainable_w = np.zeros(N, dtype=np.int64)   # by last reading position < j: trainable weight bytes
+    trainable = np.array([prof.params[nm].bytes if prof.params[nm].grad_bytes else 0
+                          for nm in seq.param_names], dtype=np.int64)
 
     for j in range(1, N + 1):
         q = j - 1                              # the node that joins ranges ending at j
@@ -450,8 +525,12 @@ def _seq_dp(problem: Problem, seq: OpSequence, counts: list[int]):
             if old >= 0:
                 par_w[old] -= seq.param_total[pi]
                 parb_w[old] -= seq.param_bytes[pi]
+                trainable_w[old] -= trainable[pi]
+                upd_w[old] -= upd_ms[pi]
             par_w[q] += seq.param_total[pi]
             parb_w[q] += seq.param_bytes[pi]
+            trainable_w[q] += trainable[pi]
+            upd_w[q] += upd_ms[pi]
             last_p[pi] = q
 
         # Vectors over the range start i in [0, j).
@@ -464,45 +543,68 @@ def _seq_dp(problem: Problem, seq: OpSequence, counts: list[int]):
         recv_b = np.cumsum(recv_d[:j])
         recvf_b = np.cumsum(recvf_d[:j])
         params = np.cumsum(par_w[:j][::-1])[::-1]
-        weights = np.cumsum(parb_w[:j][::-1])[::-1]
-        comp = cmp[j] - cmp[:j]
+        weights = np.cumsum(trainable_w[:j][::-1])[::-1]
+        # the optimizer step's share U / M
+        comp = cmp[j] - cmp[:j] + np.cumsum(upd_w[:j][::-1])[::-1]
         rcmp = crc[j] - crc[:j]
         act_full = cact[j] - cact[:j]
-        act_in = recv_b + (cinb[j] - cinb[:j])
+        inputs = cinb[j] - cinb[:j]
+        ws_f = np.maximum.accumulate(wsf[:j][::-1])[::-1]
+        ws_b = np.maximum.accumulate(wsb[:j][::-1])[::-1]
+        sent = send_b(1) if j < N else np.zeros(j, dtype=np.int64)
 
-        def period(rec, k, m):
+        tied_now = []
+        if tied:
+            starts = np.arange(j)
+            for rp, cost in tied:
+                below = [r for r in rp if r < j]
+                if not below:
+                    continue
+                some = starts <= below[-1]
+                every = (starts <= rp[0]) & (rp[-1] < j)
+                tied_now.append((some & ~every, cost))
+
+        def period(rec, k, m, S):
             c = comp + rcmp * rec
+            for mask, cost in tied_now:
+                c = c + mask * cost[S]
             s = send_b(m) * (1e3 / bw_send[k]) if j < N else 0.0
             r = recvf_b * (1e3 / bw_recv[k])
             return c + np.maximum(0.0, s - c) + np.maximum(0.0, r - c)
 
-        def fits(rec, depth, group0):
+        def fits(rec, depth, S, mem):
             # rec: whether each candidate stage recomputes (a bool, or one per range start)
-            return mm.stage_alone(params, weights, depth, rec, act_full, act_in, rcmp, group0) <= limit
+            kw = dict(depth=depth, params_total=params, trainable=weights, recomputes=rec, act_full=act_full,
+                      recv=recv_b, inputs=inputs)
+            if mem == "lower":
+                return mm.stage_lower(**kw) <= limit
+            return mm.stage_upper(**kw, deepest=S - 1, grads_back=sent, send=sent, ws_fwd=ws_f, ws_bwd=ws_b,
+                                  shared_extra=shared_cap[S]) <= limit
 
         per_cache: dict = {}
         fit_cache: dict = {}
-        for model, S in keys:
+        for model, mem, S in keys:
             for k in range(min(S, j)):
                 last = k == S - 1
                 if last and j != N:
                     continue
-                depth, group0 = S - 1 - k, k < (S + 1) // 2
+                depth = S - 1 - k
                 m = 1 if model == "once" else max(1, depth)
                 if last:
                     rec = np.array([rec_lastloss if (seq.loss_pos is None or i <= seq.loss_pos) else rec_mid
                                     for i in range(j)]) if rec_lastloss != rec_mid else rec_mid
-                    per = period(rec, k, m)
-                    ok = fits(rec, depth, group0)
+                    per = period(rec, k, m, S)
+                    ok = fits(rec, depth, S, mem)
                 else:
-                    pkey = (bw_send[k], bw_recv[k], m)
+                    pkey = (bw_send[k], bw_recv[k], m, S if tied_now else 0)
                     if pkey not in per_cache:
-                        per_cache[pkey] = period(rec_mid, k, m)
-                    fkey = (mm.in_flight(depth, group0), mm.extra_versions(depth, group0))
+                        per_cache[pkey] = period(rec_mid, k, m, S)
+                    fkey = (depth, S, mem)
                     if fkey not in fit_cache:
-                        fit_cache[fkey] = fits(rec_mid, depth, group0)
+                        fit_cache[fkey] = fits(rec_mid, depth, S, mem)
                     per, ok = per_cache[pkey], fit_cache[fkey]
-                tab, at = best_tab[model, S], arg[model, S]
+                key = (model, mem, S)
+                tab, at = best_tab[key], arg[key]
                 if k == 0:
                     tab[0][j] = per[0] if ok[0] else _INF
                     at[0][j] = 0
@@ -512,7 +614,7 @@ def _seq_dp(problem: Problem, seq: OpSequence, counts: list[int]):
                     tab[k][j] = cand[i]
                     at[k][j] = i
                 if last:
-                    best[model, S] = float(tab[k][N])
+                    best[key] = float(tab[k][N])
     return best, arg
 
 

@@ -138,6 +138,33 @@ def lstm_dropout():
     return model, (torch.randint(0, 50, (4, 12), generator=_gen(5)), torch.randint(0, 5, (4,), generator=_gen(6)))
 
 
+# --------------------------------------------------------------------------- noise drawn in forward
+
+class RandomMasking(nn.Module):
+    """MAE-style: per example, noise from ``torch.rand`` ranks the patches and a random half is kept
+    (ViTMAE draws its masking noise the same way inside forward)."""
+
+    def __init__(self, patches: int = 8, d: int = 16, classes: int = 5):
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.mix = nn.Linear(d, d)
+        self.head = nn.Linear(d, classes)
+        self.keep = patches // 2
+
+    def forward(self, x, target):
+        h = self.embed(x)
+        noise = torch.rand(h.shape[0], h.shape[1], device=h.device)
+        keep = torch.argsort(noise, dim=1)[:, :self.keep]
+        h = torch.gather(h, 1, keep.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
+        logits = self.head(torch.tanh(self.mix(h)).mean(1))
+        return F.cross_entropy(logits, target), logits
+
+
+def random_masking():
+    model = RandomMasking().train()
+    return model, (torch.randn(4, 8, 16, generator=_gen(8)), torch.randint(0, 5, (4,), generator=_gen(9)))
+
+
 # --------------------------------------------------------------------------- refused
 
 class MaskedMean(nn.Module):
