@@ -81,6 +81,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="restart every rank up to K times after a failure; with --checkpoint-dir the restarted "
                         "ranks resume from the run's latest checkpoint (default 0)")
+    p.add_argument("--freeze", default=None, metavar="SPEC",
+                   help="elastic freeze training (PipeTransformer): alpha=1/3,every=K freezes layers by Eq. 1 "
+                        "every K steps, re-planning P and R as they freeze; at=STEP:LAYERS[@PxR]+... is a manual "
+                        "schedule; see README 'Freeze training'")
     p.set_defaults(func=cmd_run)
 
 
@@ -211,6 +215,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .runtime.worker import describe_rank
     from .runtime.options import NothingToDo, new_run_id, worker_argv
 
+    if getattr(args, "freeze", None):
+        from .freeze import FreezeError
+        from .freeze_run import parse_freeze, run_freeze
+
+        try:
+            return run_freeze(args, parse_freeze(args.freeze))
+        except FreezeError as exc:
+            raise base.UsageError(str(exc)) from None
     try:
         package, res, (nproc, replicas) = _preflight(args)
     except NothingToDo as exc:

@@ -254,7 +254,7 @@ class RankEngine:
     def __init__(self, package: Package, cfg: TrainConfig, *, rank: int = 0, world_size: int = 1,
                  transport=None, device: str | torch.device = "cpu", ranks: dict[int, int] | None = None,
                  dtype: torch.dtype | None = None, windows: dict[tuple[int, int], int] | None = None,
-                 layout: RankLayout | None = None, averaging=None):
+                 layout: RankLayout | None = None, averaging=None, grad_hook=None):
         if cfg.nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE)}, got {cfg.nonfinite!r}")
         self.package, self.m, self.cfg = package, package.manifest, cfg
@@ -273,6 +273,8 @@ class RankEngine:
         # ``averaging.ready(stage, step)`` names what U(step) still waits for (None: nothing),
         # ``averaging.after_step(stage, step, params)`` runs right after the step.
         self.averaging = averaging
+        # Freeze training: ``grad_hook(stage, step, params)`` sees the gradients each step takes.
+        self.grad_hook = grad_hook
         self.meter = MemoryMeter() if cfg.measure_memory else None
         self.value_names = sorted(self.m.values)
         self.value_index = {v: i for i, v in enumerate(self.value_names)}
@@ -657,6 +659,8 @@ class RankEngine:
         args, outs, weights = st.saved.pop(k)
         seed = self._seed(k)
         t0 = time.perf_counter()
+        if outs is None and not (self._opt[st.id][0] or any(self._needs_grad(v) for v in spec.outputs)):
+            outs = ()       # frozen stage (freeze training): no gradient to compute, skip the recomputation
         if outs is None:
             weights = self._weights(st, version, across_update=False)
             args = [self._leaf(v, x) for v, x in zip(spec.inputs, args)]
@@ -837,6 +841,8 @@ class RankEngine:
         if needs_version(st.program, st.version, st.forward_left(), st.oldest_pending()) \
                 and st.version not in st.stash:
             st.stash[st.version] = self._copy(st)
+        if self.grad_hook is not None:
+            self.grad_hook(st.id, self.step_offset + j, params)
         if not skip:
             opt.step()
         if self.averaging is not None:

@@ -118,12 +118,20 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "afresh (to change to an optimizer that cannot use the checkpoint's state)")
     g.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="progress bar on the loss rank's stderr (auto: when it is a terminal)")
+    # Freeze training: what `ftcompile run --freeze` asks each phase's ranks to measure.
+    g = p.add_argument_group("freeze training (set by `ftcompile run --freeze`)")
+    g.add_argument("--grad-norms-at", default=None, metavar="STEPS",
+                   help="comma-separated steps at which to measure every layer's gradient norm")
+    g.add_argument("--grad-norms-layers", default=None, metavar="PREFIXES",
+                   help="comma-separated module paths of the layers whose gradient norms to measure")
+    g.add_argument("--grad-norms-file", default=None, metavar="PATH",
+                   help="each rank writes its sums of squared gradients per layer to PATH.rankN.json")
 
 
 _VALUED = ("schedule", "micro_batches", "steps", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
            "warmup_steps", "clip_grad_norm", "data", "seed", "device", "transport", "timeout", "heartbeat_timeout",
            "log_dir", "checkpoint_dir", "checkpoint_every", "progress", "advance", "on_nonfinite", "replicas",
-           "rank_order", "parallel_pipelines", "elastic_alpha")
+           "rank_order", "parallel_pipelines", "elastic_alpha", "grad_norms_at", "grad_norms_layers", "grad_norms_file")
 _FLAGS = ("recompute", "weight_prediction", "no_dropout", "resume", "overwrite_checkpoints", "reset_optimizer",
           "measure_memory")
 
@@ -261,7 +269,8 @@ def resolve(args, manifest, *, restart_run_id: str | None = None, replicas: int 
     warnings = check(args)
     notes: list[str] = []
     ck = None
-    package = manifest.generator.get("graph_hash")
+    # The phases of a freeze run are packages of one model (frozen graphs record the base graph's hash).
+    package = manifest.generator.get("base_graph_hash") or manifest.generator.get("graph_hash")
     if (not args.resume and restart_run_id and args.checkpoint_dir and os.environ.get("TORCHELASTIC_RESTART_COUNT",
                                                                                         "0") != "0"):
         found = latest(args.checkpoint_dir)

@@ -269,7 +269,7 @@ class RankRun:
         self.rank = self.launch.rank
         self.report = report or Reporter(self.rank, self.launch.launcher == "ftcompile")
         self.args = args
-        self.transport = self.control = self.heartbeat = self.engine = None
+        self.transport = self.control = self.heartbeat = self.engine = self.norms = self.layout = None
         self.locks: list = []
         self.log = self.bar = None
 
@@ -371,9 +371,12 @@ class RankRun:
         self.phase("loading its stages")
         failure, ck = None, self.res.checkpoint
         try:
+            from .freeze import grad_norms_hook
+
+            self.norms = grad_norms_hook(self.args, self.m, self.layout)
             self.engine = RankEngine(self.package, self.cfg, rank=self.rank, world_size=self.launch.world_size,
                                      transport=self.transport, device=self.device, layout=self.layout,
-                                     averaging=self.averaging)
+                                     averaging=self.averaging, grad_hook=self.norms)
             if ck is not None:
                 self.phase(f"loading the checkpoint of step {ck.step}")
                 names = [n for mod in self.engine.modules.values() for n in mod.state_dict()]
@@ -399,8 +402,11 @@ class RankRun:
                             (f" ({self.replicas} replicas)" if self.replicas > 1 else ""))
 
     def _on_step(self, rec: dict) -> None:
+        from .freeze import phase_record
+
         rec = {"run": self.run_id, "schedule": self.cfg.schedule, "micro_batches": self.cfg.micro_batches,
-               "world_size": self.launch.world_size, "replicas": self.replicas, **rec}
+               "world_size": self.launch.world_size, "replicas": self.replicas,
+               **phase_record(self.m, self.layout, self.cfg, self.args), **rec}
         if self.averaging is not None:
             rec["parallel_pipelines"] = self.replicas
         loss = rec.get("loss")
@@ -417,7 +423,8 @@ class RankRun:
 
     def _save(self, step: int, previous: int | None) -> None:
         args, m = self.args, self.m
-        meta = {"run_id": self.run_id, "package": m.generator.get("graph_hash"), "model": m.model.get("name"),
+        meta = {"run_id": self.run_id, "package": m.generator.get("base_graph_hash") or m.generator.get("graph_hash"),
+                "model": m.model.get("name"),
                 "world_size": self.launch.world_size, "replicas": self.replicas, "rank_order": self.layout.order,
                 "config": recorded_config(args)}
         self.phase(f"in the checkpoint of step {step}")
@@ -463,6 +470,8 @@ class RankRun:
         self.phase("finishing")
         engine.finish()
         self.seconds = time.perf_counter() - t0
+        if self.norms is not None and args.grad_norms_file:
+            self.norms.write(f"{args.grad_norms_file}.rank{self.rank}.json")
 
     def close(self) -> None:
         if self.heartbeat is not None:

@@ -1,0 +1,233 @@
+"""Predicted speed-up of elastic freeze training (PipeTransformer) with the simulator and analytic costs.
+
+For each model: trace it at the micro-batch size, then for every phase of an alpha = 1/3 freeze
+schedule plan and simulate four systems, each adding one mechanism, against the no-freeze
+pipeline x DDP baseline on the same cluster:
+
+* **baseline**: no freezing; the best (P, R) layout our compiler finds with our partitioners
+  (also shown: the paper's baseline layout, one 8-GPU GPipe pipeline, P=8 R=1);
+* **freeze only**: the baseline's plan kept, frozen layers priced as what they are (forward
+  only, weights only: no backward, gradient, optimizer state or all-reduce);
+* **+AutoPipe**: the frozen graph re-partitioned, P halved while it fits and gains, R kept
+  (freed GPUs idle);
+* **+AutoDP**: as +AutoPipe, with R = G / P replicas on the freed GPUs;
+* **+AutoCache**: as +AutoDP, the prefix frozen before the phase read from a host cache (its
+  boundary activations over the host link) instead of recomputed, where reading is faster.
+
+Assumptions (printed with the figures): training is split into ``--intervals`` equal parts (in
+samples) with a freeze check between parts; the gradient norms are taken to fall towards the
+output, so Eq. 1's alpha bound decides (the fastest freezing alpha allows); each phase is one
+pass over the data (so the cache is advanced through the newly frozen layers once per phase and
+read afterwards); transitions (re-planning, restart, checkpoint load) are not counted here (the
+CPU end-to-end run measures them); the global batch is fixed (``--batch``), split into
+micro-batches of the traced size.
+
+    python benchmarks/freeze.py                       # ViT-B/16 and BERT-large on 8 x V100
+    python benchmarks/freeze.py --models vit-base --intervals 10 --strategy seq
+    python benchmarks/freeze.py --cpu-run             # plus the 4-process CPU end-to-end runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PAPER = {"vit-base": 2.83, "bert-large": 2.10}
+# model -> (global batch, micro-batch size, extra model options)
+SETTINGS = {"vit-base": (400, 50, {}), "bert-large": (64, 8, {"seq_len": 384})}
+
+
+def schedule_of(L: int, alpha: float, intervals: int) -> list[int]:
+    """Frozen layers in each interval: Eq. 1 with the alpha bound deciding (norms smallest deepest)."""
+    from ftcompile.runtime.freeze import frozen_layers
+
+    out, f = [0], 0
+    for _ in range(intervals - 1):
+        f = frozen_layers(f, [float(L - i) for i in range(f, L)], alpha)
+        out.append(f)
+    return out
+
+
+def simulate_fixed(problem, plan) -> float:
+    from ftcompile.plan import evaluate
+    from ftcompile.simulate import simulate
+
+    cost = evaluate(problem, plan)
+    if not cost.feasible:
+        return 0.0
+    return simulate(problem, plan).throughput_samples_per_s
+
+
+def predict(name: str, cluster_name: str, alpha: float, intervals: int, strategy: str) -> dict:
+    from ftcompile.cluster import load_cluster
+    from ftcompile.freeze import cached_profile, find_layers, freeze_graph, frozen_region, plan_phase
+    from ftcompile.hardware import load_hardware
+    from ftcompile.models import ModelOptions, build_model
+    from ftcompile.plan import Plan, Problem
+    from ftcompile.profile import analytic_profile
+    from ftcompile.replicas import ReplicaLayout, replicated_problem
+    from ftcompile.trace import trace
+
+    batch, micro, extra = SETTINGS[name]
+    t0 = time.perf_counter()
+    built = build_model(name, ModelOptions(batch_size=micro, device="meta", **extra))
+    graph = trace(built.model, built.args, built.kwargs, source={"model": built.name,
+                                                                 "options": asdict(built.options)})
+    cluster = load_cluster(cluster_name)
+    hw = load_hardware(cluster.hardware)
+    G, Mg = cluster.physical_gpus, batch // micro
+    layers = find_layers(graph)
+    L = len(layers)
+    sched = schedule_of(L, alpha, intervals)
+    common = dict(global_micro_batches=Mg, schedule="gpipe", optimizer="adam", strategies=strategy, hardware=hw)
+    best = plan_phase(graph, layers, 0, cluster, **common)
+    paper = plan_phase(graph, layers, 0, cluster, pipeline_gpus=G, **common)
+    regions = {n: frozen_region(graph, layers, n) for n in set(sched)}
+    profiles = {}
+    for n, region in regions.items():
+        fg = freeze_graph(graph, region)
+        profiles[n] = (fg, analytic_profile(fg, hw, optimizer="adam"))
+
+    def breakdown(base) -> dict:
+        """Throughput per interval of each system, starting from the no-freeze layout ``base``."""
+        per: dict[str, list[float]] = {k: [] for k in ("freeze_only", "autopipe", "autodp", "autocache")}
+        rows, memo = [], {}
+        for i, n in enumerate(sched):
+            prev = sched[i - 1] if i else 0
+            if n == 0:          # before the first freeze every system runs the baseline
+                memo[(0, 0)] = {"frozen": 0, "cached_prefix": 0, "freeze_only": base.samples_per_s,
+                                "autopipe": base.samples_per_s, "autopipe_P": base.pipeline_gpus,
+                                "autodp": base.samples_per_s, "autodp_PR": (base.pipeline_gpus, base.replicas),
+                                "autocache": base.samples_per_s, "cache_used": False}
+                if not rows:
+                    rows.append(memo[(0, 0)])
+            if (prev, n) not in memo:
+                fg, prof = profiles[n]
+                pb = replicated_problem(Problem(fg, prof, cluster, schedule="gpipe", micro_batches=base.micro_batches),
+                                        cluster, ReplicaLayout(base.pipeline_gpus, base.replicas))
+                only = simulate_fixed(pb, Plan.from_json(base.doc["plan"]))
+                ap = plan_phase(graph, layers, n, cluster, replicas=base.replicas, start_pipeline=base.pipeline_gpus,
+                                **common)
+                dp = plan_phase(graph, layers, n, cluster, start_pipeline=base.pipeline_gpus, **common)
+                cached, used = dp.samples_per_s, False
+                if prev > 0:
+                    used = cached_profile(fg, prof, regions[n], regions[prev], host_bandwidth=hw.host_bandwidth)[1]
+                    if used:
+                        def with_cache(g, _n=n, _prev=prev):
+                            return cached_profile(g, profiles[_n][1], regions[_n], regions[_prev],
+                                                  host_bandwidth=hw.host_bandwidth)[0]
+
+                        cached = plan_phase(graph, layers, n, cluster, start_pipeline=base.pipeline_gpus,
+                                            profile_fn=with_cache, **common).samples_per_s
+                memo[(prev, n)] = {"frozen": n, "cached_prefix": prev if used else 0, "freeze_only": only,
+                                   "autopipe": ap.samples_per_s, "autopipe_P": ap.pipeline_gpus,
+                                   "autodp": dp.samples_per_s, "autodp_PR": (dp.pipeline_gpus, dp.replicas),
+                                   "autocache": cached, "cache_used": used}
+                rows.append(memo[(prev, n)])
+            for k in per:
+                per[k].append(memo[(prev, n)][k])
+        # equal samples per interval: time ~ sum of 1 / throughput
+        base_t = len(sched) / base.samples_per_s
+        return {"layout": {"P": base.pipeline_gpus, "R": base.replicas, "M": base.micro_batches,
+                           "samples_per_s": base.samples_per_s},
+                "phases": rows, **{f"speedup_{k}": base_t / sum(1.0 / x for x in v) for k, v in per.items()}}
+
+    return {"model": name, "cluster": cluster_name, "layers": L, "alpha": alpha, "schedule": sched,
+            "batch": batch, "micro_batch": micro, "best_layout": breakdown(best), "paper_layout": breakdown(paper),
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def report(r: dict) -> str:
+    lines = [f"{r['model']} on {r['cluster']}: {r['layers']} layers, alpha={r['alpha']:.3g}, frozen per interval "
+             f"{r['schedule']}, global batch {r['batch']} ({r['micro_batch']} per micro-batch), gpipe, adam"]
+    for key, label in (("best_layout", "best no-freeze layout"), ("paper_layout", "the paper's baseline layout")):
+        b = r[key]
+        lay = b["layout"]
+        lines.append(f"  from {label}: P={lay['P']} R={lay['R']} M={lay['M']}, {lay['samples_per_s']:.1f} samples/s "
+                     "(simulated)")
+        lines.append("    frozen (cached) | freeze only | +AutoPipe (P) | +AutoDP (PxR) | +AutoCache   [samples/s]")
+        for p in b["phases"]:
+            lines.append(f"    {p['frozen']:6d} ({p['cached_prefix']:2d})     | {p['freeze_only']:11.1f} | "
+                         f"{p['autopipe']:9.1f} ({p['autopipe_P']}) | {p['autodp']:9.1f} ({p['autodp_PR'][0]}x"
+                         f"{p['autodp_PR'][1]}) | {p['autocache']:9.1f}")
+        lines.append("    speed-up over the run: " + ", ".join(
+            f"{k} {b[f'speedup_{k}']:.2f}x" for k in ("freeze_only", "autopipe", "autodp", "autocache")))
+    if r["model"] in PAPER:
+        lines.append(f"  paper (PipeTransformer, 8 GPUs, alpha=1/3, measured): {PAPER[r['model']]:.2f}x")
+    return "\n".join(lines)
+
+
+def cpu_run(model: str, pretrained: str, work: Path, steps: int, every: int) -> str:
+    """Compile ``model`` from a 6-layer local checkpoint for 4 CPU workers and freeze-train it on 4 ranks."""
+    import subprocess
+
+    pkg = work / f"{Path(pretrained).name}-pkg"
+    py = [sys.executable, "-m", "ftcompile"]
+    subprocess.run(py + ["compile", model, "--pretrained", pretrained, "--cluster", "2xcpu", "--gpus", "4",
+                         "--schedule", "1f1b", "--strategy", "seq", "--replicas", "1", "--optimizer", "momentum",
+                         "-o", str(pkg), "-q"],
+                   check=True)
+    log = work / f"{Path(pretrained).name}-run"
+    r = subprocess.run(py + ["run", str(pkg), "--nproc", "4", "--steps", str(steps), "--optimizer", "momentum",
+                             "--lr", "0.01", "--schedule", "1f1b", "--log-dir", str(log), "--overwrite-checkpoints",
+                             "--freeze", f"alpha=1/3,every={every},strategy=seq"], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(r.stderr[-3000:])
+    lines = [json.loads(x) for x in (log / "freeze.jsonl").read_text().splitlines()]
+    out = [f"{model} (6 layers, {pretrained}): {steps} steps, Eq. 1 every {every} steps, 4 ranks over gloo"]
+    for x in lines:
+        if "phase" in x and not x.get("decision"):
+            out.append(f"  phase {x['phase']}: steps {x['steps'][0]}-{x['steps'][1] - 1}, {x['frozen_layers']} frozen, "
+                       f"P={x['P']} R={x['R']} M={x['M']}: {x['samples_per_s']} samples/s measured (training "
+                       f"steps), transition/start-up {x['transition_s']:.1f} s")
+    for x in lines:
+        if x.get("decision"):
+            out.append(f"  step {x['step']}: {x['frozen_before']} -> {x['frozen_after']} frozen ({x['rule']})")
+    return "\n".join(out)
+
+
+def make_checkpoints(work: Path) -> dict[str, str]:
+    """6-layer BERT and ViT checkpoints with random weights (from configs; nothing downloaded)."""
+    import torch
+    import transformers as T
+
+    torch.manual_seed(0)
+    b = T.BertConfig(num_hidden_layers=6, hidden_size=128, num_attention_heads=2, intermediate_size=512)
+    T.BertForQuestionAnswering(b).save_pretrained(work / "bert6")
+    v = T.ViTConfig(num_hidden_layers=6, hidden_size=192, num_attention_heads=3, intermediate_size=768,
+                    image_size=32, patch_size=8, num_labels=1000, problem_type="single_label_classification")
+    T.ViTForImageClassification(v).save_pretrained(work / "vit6")
+    return {"bert-tiny": str(work / "bert6"), "vit-tiny": str(work / "vit6")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="vit-base,bert-large")
+    p.add_argument("--cluster", default="8xv100-32gb")
+    p.add_argument("--alpha", type=float, default=1 / 3)
+    p.add_argument("--intervals", type=int, default=10)
+    p.add_argument("--strategy", default="seq")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--cpu-run", action="store_true", help="also run the 4-process CPU end-to-end freeze runs")
+    p.add_argument("--work", default=None, help="folder for the CPU runs (default: a temporary one)")
+    args = p.parse_args()
+    for name in [m for m in args.models.split(",") if m]:
+        r = predict(name, args.cluster, args.alpha, args.intervals, args.strategy)
+        print(json.dumps(r) if args.json else report(r), flush=True)
+    if args.cpu_run:
+        import tempfile
+
+        work = Path(args.work or tempfile.mkdtemp(prefix="ftcompile-freeze-"))
+        work.mkdir(parents=True, exist_ok=True)
+        for model, ckpt in make_checkpoints(work).items():
+            print(cpu_run(model, ckpt, work, steps=10, every=2), flush=True)
+
+
+if __name__ == "__main__":
+    main()

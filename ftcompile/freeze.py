@@ -1,0 +1,360 @@
+"""Elastic freeze training (PipeTransformer): which layers freeze, and the graph and plan of a phase.
+
+Fine-tuning a Transformer, the layers near the input converge first. PipeTransformer (ICML 2021)
+freezes a growing prefix of the model's layers while training and spends what that saves:
+
+* **The freeze algorithm** (:func:`frozen_layers`, the paper's Eq. 1). At each check ``T`` the
+  frozen prefix grows to ``min(L_f + alpha (L - L_f), argmin_l ||g_l||)`` layers: at most an
+  ``alpha`` fraction of the active layers, and no further than the active layer whose gradient
+  norm is the smallest (the one that converged most).
+* **Frozen layers** (:func:`freeze_graph`). The *layers* are the model's repeated blocks
+  (:func:`find_layers`: basic-block classes or module-path prefixes, in call order). Freezing
+  ``n`` layers freezes the *frozen region*: every node that runs before the first node of layer
+  ``n`` (the embeddings and layers ``0 .. n-1``); its parameters stop requiring gradients unless
+  a node after the region also reads them (a tied embedding stays trainable), and its dropout is
+  switched off (so a frozen prefix computes a deterministic function, and a cached activation is
+  exact). Everything downstream follows from ``requires_grad``: the graph's gradient values
+  (:func:`ftcompile.profile.gradient_values`), so a node fed only by frozen parameters and
+  inputs is priced forward-only with no saved activations, no gradient and no optimizer state
+  by the analytic profile, and its generated stage runs without autograd.
+* **AutoPipe and AutoDP** (:func:`replan`): at a freeze event the frozen graph is re-profiled and
+  re-partitioned by our own partitioners for every pipeline length ``P`` halving from the
+  current one, ``R = G / P`` replicas each, and the micro-batch count re-picked for each ``P``;
+  the simulated throughput decides, and ``P`` shrinks only while the plan fits and gains.
+
+The controller that runs phases (saving at a step boundary, generating the next phase's package,
+restarting the ranks with the new layout and loading by parameter name) is
+:mod:`ftcompile.freeze_run`; the runtime side (gradient norms per layer, the activation cache) is
+:mod:`ftcompile.runtime.freeze`, which never imports this module.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import Sequence
+
+from .ir import OpGraph
+from .runtime.freeze import FreezeError, frozen_layers as _rt_frozen_layers
+
+#: Dropout-like instructions whose ``train`` argument (position 2) switches them off.
+_DROPOUT_TRAIN_ARG = {"aten.dropout.default": ("train", 2), "aten.native_dropout.default": ("train", 2),
+                      "aten.feature_dropout.default": ("train", 2),
+                      "aten.alpha_dropout.default": ("train", 2),
+                      "aten.feature_alpha_dropout.default": ("train", 2),
+                      "torch.nn.functional.dropout": ("training", 2),
+                      "torch.nn.functional.dropout1d": ("training", 2),
+                      "torch.nn.functional.dropout2d": ("training", 2),
+                      "torch.nn.functional.dropout3d": ("training", 2),
+                      "torch.nn.functional.alpha_dropout": ("training", 2),
+                      "torch.nn.functional.feature_alpha_dropout": ("training", 2)}
+
+
+# --------------------------------------------------------------------------- Eq. 1
+
+#: Eq. 1 lives on the runtime side, so the ranks and the controller share one definition.
+frozen_layers = _rt_frozen_layers
+
+
+def parse_alpha(text: str) -> float:
+    """``"1/3"`` or ``"0.33"`` -> a float in (0, 1)."""
+    try:
+        a = float(Fraction(text.strip()))
+    except (ValueError, ZeroDivisionError):
+        raise FreezeError(f"alpha={text!r} is not a number; give a fraction such as 1/3 or 0.25") from None
+    if not 0 < a < 1:
+        raise FreezeError(f"alpha={text} must lie strictly between 0 and 1 (the paper uses 1/3)")
+    return a
+
+
+# --------------------------------------------------------------------------- layers
+
+def find_layers(graph: OpGraph, blocks: Sequence[str] | None = None) -> list[str]:
+    """The module paths of the model's layers, in the order the model calls them.
+
+    ``blocks`` names the layers: module class names (``BertLayer``, matched against every
+    scope's class, qualified or not) or module-path prefixes (``encoder.layer``: each numbered
+    child ``encoder.layer.N`` is a layer). By default the graph's basic blocks when it was traced
+    with ``--basic-blocks``, else the module class with the most numbered instances
+    (``...layer.0``, ``...layer.1``).
+    """
+    order: dict[str, str] = {}                 # path -> class, first-call order
+    for node in graph.nodes:
+        for path, cls in node.scopes:
+            order.setdefault(path, cls)
+    if not blocks:
+        blocks = list(graph.basic_blocks)
+    if blocks:
+        found = []
+        for path, cls in order.items():
+            short = cls.rsplit(".", 1)[-1]
+            for b in blocks:
+                if short == b or cls == b or re.fullmatch(re.escape(b.rstrip(".")) + r"\.\d+", path):
+                    found.append(path)
+                    break
+        # a block nested in another block (a layer's sub-layer) is not a layer of its own
+        found = [p for p in found if not any(p != q and p.startswith(q + ".") for q in found)]
+        if not found:
+            raise FreezeError(f"no module of {graph.source.get('model', 'the model')} matches "
+                              f"{', '.join(blocks)}; name the repeated block class (e.g. BertLayer) or its "
+                              "module path prefix (e.g. encoder.layer)")
+        return found
+    by_class: dict[str, list[str]] = {}
+    for path, cls in order.items():
+        if re.search(r"\.\d+$", path):
+            by_class.setdefault(cls, []).append(path)
+    if not by_class:
+        raise FreezeError(f"{graph.source.get('model', 'the model')} has no numbered repeated modules; "
+                          "name its layers with --layers (block classes or module path prefixes)")
+    best = max(by_class.values(), key=lambda ps: (len(ps), -min(p.count(".") for p in ps)))
+    return best
+
+
+def _in_layer(node_scopes: list, prefix: str) -> bool:
+    return any(p == prefix or p.startswith(prefix + ".") for p, _ in node_scopes)
+
+
+@dataclass(frozen=True)
+class FrozenRegion:
+    """What freezing ``layers`` leading layers freezes in a graph."""
+
+    layers: int
+    nodes: frozenset[int]           # node ids of the frozen region
+    params: frozenset[str]          # canonical names of the parameters that stop training
+    kept: frozenset[str]            # parameters read in the region that keep training (read after it too)
+    boundary: tuple[str, ...]       # values leaving the region (what AutoCache stores)
+
+
+def frozen_region(graph: OpGraph, layer_paths: Sequence[str], n: int) -> FrozenRegion:
+    """The nodes before the first node of layer ``n`` (graph order), and the parameters only they read."""
+    L = len(layer_paths)
+    if not 0 <= n <= L:
+        raise FreezeError(f"cannot freeze {n} of {L} layers; give a count between 0 and {L}")
+    if n == 0:
+        return FrozenRegion(0, frozenset(), frozenset(), frozenset(), ())
+    ops = [node for node in graph.nodes if node.kind == "op"]
+    if n < L:
+        first = next((node.id for node in ops if _in_layer(node.scopes, layer_paths[n])), None)
+        if first is None:
+            raise FreezeError(f"layer {layer_paths[n]} runs no operator in the graph")
+    else:       # every layer: the region ends after the last node of the last layer
+        last = [i for i, node in enumerate(ops) if _in_layer(node.scopes, layer_paths[-1])]
+        first = ops[last[-1] + 1].id if last and last[-1] + 1 < len(ops) else None
+        if first is None:
+            raise FreezeError(f"freezing all {L} layers leaves nothing after them to train")
+    ids = [node.id for node in graph.nodes]
+    pos = {nid: i for i, nid in enumerate(ids)}
+    region = {node.id for node in graph.nodes if node.kind == "op" and pos[node.id] < pos[first]}
+    read_in = {p for node in graph.nodes if node.id in region for p in node.params}
+    read_after = {p for node in graph.nodes if node.id not in region for p in node.params}
+    params = {p for p in read_in - read_after if graph.params[p].kind == "parameter"}
+    kept = {p for p in read_in & read_after if graph.params[p].kind == "parameter"}
+    boundary = sorted({e.value for e in graph.edges if e.src in region and e.dst not in region})
+    return FrozenRegion(n, frozenset(region), frozenset(params), frozenset(kept), tuple(boundary))
+
+
+def freeze_graph(graph: OpGraph, region: FrozenRegion) -> OpGraph:
+    """A copy of ``graph`` whose frozen region trains no parameter and drops nothing out.
+
+    The copy's ``source["freeze"]`` records the frozen layers and the original graph's hash
+    (``base_graph_hash``), under which checkpoints of every phase of one run are one model's.
+    """
+    g = OpGraph.from_json(graph.to_json())
+    for name in region.params:
+        g.params[name].requires_grad = False
+    for node in g.nodes:
+        if node.id not in region.nodes:
+            continue
+        node.instrs = [_no_dropout(ins) for ins in node.instrs]
+    base = graph.source.get("freeze", {}).get("base_graph_hash") or graph.content_hash()
+    g.source = {**graph.source, "freeze": {"layers": region.layers, "base_graph_hash": base,
+                                           "frozen_params": sorted(region.params)}}
+    g._index()
+    return g
+
+
+def _no_dropout(ins):
+    """The instruction as an eval-mode module runs it: dropout ops keep their place in the order of
+    random calls (an eval-mode module still calls ``F.dropout(training=False)``) but do nothing;
+    attention gets ``dropout_p = 0`` (what eval-mode attention passes, not a random call at all)."""
+    from .codegen import _ATTENTION_DROPOUT, _ATTENTION_OPS
+
+    if ins.target in _ATTENTION_OPS:
+        pos, args, kwargs = _ATTENTION_OPS[ins.target], list(ins.args), dict(ins.kwargs)
+        if len(args) > pos:
+            args[pos] = 0.0
+        elif _ATTENTION_DROPOUT in kwargs:
+            kwargs[_ATTENTION_DROPOUT] = 0.0
+        return replace(ins, args=args, kwargs=kwargs)
+    spec = _DROPOUT_TRAIN_ARG.get(ins.target)
+    if spec is None:
+        return ins
+    kw, pos = spec
+    args, kwargs = list(ins.args), dict(ins.kwargs)
+    if len(args) > pos:
+        args[pos] = False
+    else:
+        kwargs[kw] = False
+    return replace(ins, args=args, kwargs=kwargs)
+
+
+# --------------------------------------------------------------------------- AutoPipe + AutoDP
+
+@dataclass
+class PhasePlan:
+    """The layout of one training phase and why it was chosen."""
+
+    frozen: int                     # layers frozen
+    pipeline_gpus: int              # P
+    replicas: int                   # R
+    micro_batches: int              # M per replica (R x M micro-batches per step, fixed over the run)
+    samples_per_s: float            # simulated, all replicas together
+    step_ms: float
+    strategy: str | None
+    tried: list[dict]               # every (P, R, M) priced: feasible, throughput, reason
+    graph: OpGraph | None = None    # the frozen graph
+    doc: dict | None = None         # its plan document (plan.json)
+
+    def row(self) -> dict:
+        return {"frozen_layers": self.frozen, "P": self.pipeline_gpus, "R": self.replicas, "M": self.micro_batches,
+                "predicted_samples_per_s": round(self.samples_per_s, 6), "predicted_step_ms": round(self.step_ms, 6),
+                "strategy": self.strategy, "tried": self.tried}
+
+
+def pipeline_lengths(gpus: int, start: int, global_micro_batches: int) -> list[int]:
+    """AutoPipe's candidates: ``start``, ``start / 2``, ... while ``P`` divides the GPUs and the
+    ``R = G / P`` replicas divide the step's micro-batches."""
+    out, P = [], start
+    while P >= 1:
+        R = gpus // P
+        if gpus % P == 0 and global_micro_batches % R == 0:
+            out.append(P)
+        if P % 2:
+            break
+        P //= 2
+    return out
+
+
+def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster, *, global_micro_batches: int,
+               schedule: str, optimizer: str = "adam", start_pipeline: int | None = None,
+               pipeline_gpus: int | None = None, strategies="auto", jobs: int | None = 1, hardware=None,
+               recompute=None, profile_fn=None, replicas: int | None = None) -> PhasePlan:
+    """AutoPipe and AutoDP: the best ``(P, R = G / P, M = global / R)`` for ``frozen`` frozen layers.
+
+    The frozen graph (:func:`freeze_graph`) is profiled (``profile_fn(graph)``, default: analytic on
+    ``hardware`` or the cluster's) and partitioned by our strategies for each pipeline length from
+    ``start_pipeline`` (default: all the cluster's GPUs), halving while the halved pipeline's plan
+    fits and the simulator predicts a higher throughput over all replicas (the all-reduce of the
+    trainable weights included). ``pipeline_gpus`` forces one length (a manual schedule);
+    ``replicas`` keeps ``R`` fixed (AutoPipe without AutoDP: the GPUs a shorter pipeline frees stay
+    idle, and ``M`` stays ``global / R``).
+    """
+    from .compile import compile_plan, plan_document
+    from .plan import Problem
+    from .replicas import ReplicaLayout, replicated_problem
+
+    G = cluster.physical_gpus
+    fg = freeze_graph(graph, frozen_region(graph, layer_paths, frozen))
+    if profile_fn is None:
+        from .hardware import load_hardware
+        from .profile import analytic_profile
+
+        hw = hardware or load_hardware(cluster.hardware)
+        prof = analytic_profile(fg, hw, optimizer=optimizer)
+    else:
+        prof = profile_fn(fg)
+    if pipeline_gpus is not None:
+        if G % pipeline_gpus or global_micro_batches % (G // pipeline_gpus):
+            raise FreezeError(f"a {pipeline_gpus}-GPU pipeline on {G} GPUs needs {G // max(pipeline_gpus, 1)} "
+                              f"replicas dividing both the GPUs and the step's {global_micro_batches} micro-batches;"
+                              f" choose P among {pipeline_lengths(G, G, global_micro_batches)}")
+        candidates = [pipeline_gpus]
+    else:
+        candidates = pipeline_lengths(G, start_pipeline or G, global_micro_batches)
+        if replicas is not None:        # every halving of the pipeline, R fixed
+            P, candidates = start_pipeline or G // replicas, []
+            while P >= 1:
+                candidates.append(P)
+                if P % 2:
+                    break
+                P //= 2
+    tried: list[dict] = []
+    best = None
+    for P in candidates:
+        R = G // P if replicas is None else replicas
+        if P * R > G:
+            continue
+        M = global_micro_batches // R
+        base = Problem(fg, prof, cluster, schedule=schedule, micro_batches=M, recompute=recompute)
+        pb = replicated_problem(base, cluster, ReplicaLayout(P, R))
+        result = compile_plan(pb, strategies, jobs=jobs)
+        row = {"P": P, "R": R, "M": M, "feasible": result.chosen is not None}
+        if result.chosen is None:
+            row["reason"] = "; ".join(f"{r.name}: {r.reason}" for r in result.results[:3])
+            tried.append(row)
+            break       # a shorter pipeline holds more per GPU: it will not fit either
+        chosen = result.best()
+        sim = chosen.sim or {}
+        thr = float(sim.get("throughput_samples_per_s", 0.0))
+        row.update(samples_per_s=round(thr, 6), strategy=chosen.name)
+        tried.append(row)
+        if best is not None and thr <= best.samples_per_s:
+            continue    # no gain here; a shorter pipeline with more replicas may still gain
+        doc = plan_document(result, model=fg.source)
+        best = PhasePlan(frozen, P, R, M, thr, float(sim.get("minibatch_ms", 0.0)), chosen.name, tried, fg, doc)
+    if best is None:
+        raise FreezeError(f"no pipeline of {candidates} GPUs fits the model with {frozen} frozen layers: "
+                          + "; ".join(r.get("reason", "") for r in tried))
+    best.tried = tried
+    return best
+
+
+def write_phase_package(phase: PhasePlan, built, layer_paths: Sequence[str], out_dir, *,
+                        rank_order: str = "pipeline-major") -> str:
+    """Generate the package of ``phase`` into ``out_dir``: its stages, and in its manifest the layout
+    ``(P, R)``, the frozen layers and the base graph's hash (so the run's checkpoints load into it)."""
+    from .codegen import example_input_ranges, generate, write_package
+    from .weights import weight_source
+
+    g = phase.graph
+    pkg = generate(g, phase.doc, weight_source(built.model, g), input_ranges=example_input_ranges(built))
+    m = pkg.manifest
+    m.replicas, m.rank_order = phase.replicas, rank_order
+    m.generator["base_graph_hash"] = g.source["freeze"]["base_graph_hash"]
+    m.model["freeze"] = {"layers": phase.frozen, "of": len(layer_paths), "paths": list(layer_paths)}
+    write_package(pkg, phase.doc, out_dir)
+    return str(out_dir)
+
+
+# --------------------------------------------------------------------------- AutoCache (pricing)
+
+def cached_profile(graph: OpGraph, prof, region: FrozenRegion, previous: FrozenRegion | None, *,
+                   host_bandwidth: float):
+    """AutoCache's price: ``prof`` (of the frozen graph) with the cached prefix read, not recomputed.
+
+    The nodes of ``previous`` (the prefix frozen before this phase, whose output is cached per
+    sample) cost nothing; reading the cache costs the cached boundary's bytes per micro-batch over
+    the host link (``host_bandwidth`` bytes/s), charged to the nodes that produce it. The newly
+    frozen nodes (in ``region``, not in ``previous``) keep their forward: they advance the cache.
+    The read replaces the recomputation only where it is faster (AutoCache's profiler rule);
+    returns ``(profile, cached)``.
+    """
+    from dataclasses import replace as dc_replace
+
+    if previous is None or not previous.nodes:
+        return prof, False
+    read_ms = sum(graph.node(graph.producer(v)).outputs[v].bytes for v in previous.boundary) / host_bandwidth * 1e3
+    forward_ms = sum(prof.nodes[n].forward_ms for n in previous.nodes if n in prof.nodes)
+    if read_ms >= forward_ms:
+        return prof, False
+    producers = {graph.producer(v) for v in previous.boundary}
+    nodes = dict(prof.nodes)
+    share = read_ms / max(len(producers), 1)
+    for n in previous.nodes:
+        if n in nodes:
+            c = nodes[n]
+            t = share if n in producers else 0.0
+            nodes[n] = dc_replace(c, forward_ms=t, recompute_ms=t, flops_forward=0.0, bytes_forward=0.0)
+    return dc_replace(prof, nodes=nodes), True
