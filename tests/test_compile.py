@@ -219,3 +219,31 @@ def test_mixed_beats_seq_on_unbalanced_t5_and_ties_on_gpt2():
     assert t5["mixed"] > 1.1 * t5["seq"]
     gpt = simulated("gpt2-medium", batch_size=1, seq_len=1024)
     assert abs(gpt["mixed"] - gpt["seq"]) / gpt["seq"] < 0.05
+
+
+def _ftc(*args, timeout=600):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "ftcompile", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_json_stdout_holds_only_json_even_when_highs_runs(tmp_path):
+    """HiGHS prints its banner from C, on file descriptor 1: a subprocess sees what capsys cannot."""
+    r = _ftc("compile", "t5-tiny", "--gpus", "2", "--replicas", "1", "--strategy", "exact", "--time-limit", "5",
+             "--json", "-o", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c"))
+    assert r.returncode == 0, r.stderr
+    assert "HiGHS" not in r.stdout
+    doc = json.loads(r.stdout)
+    assert doc["chosen"] == "exact"
+
+
+def test_ten_thousand_gpus_finish_with_a_warning_and_a_capped_picture(tmp_path):
+    """`--gpus 10000` once drew a matplotlib patch per GPU for minutes (the timeout only guards a hang)."""
+    r = _ftc("compile", "gpt2-tiny", "--gpus", "10000", "--replicas", "1", "--strategy", "uniform", "--json",
+             "-o", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c"))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert any("10000 GPUs but only" in w for w in doc["warnings"]), doc["warnings"]
+    assert (tmp_path / "o" / "gpus.png").stat().st_size > 1000

@@ -97,6 +97,16 @@ def test_every_strategy_under_other_schedules(schedule):
     """Memory is tighter under some schedules (PipeDream's weight versions, GPipe's M micro-batches):
     a strategy may then find nothing and say why, but what it returns keeps the contract."""
     pb = problem("t5-tiny", 3, 0.75, schedule=schedule)
+    # A witness: the op order cut in three equal ranges. Where weight versions or in-flight
+    # micro-batches make it need more than 0.75 of one GPU's share, the limit is what it needs,
+    # so a plan that fits exists and some strategy must find one.
+    ids = [n.id for n in pb.graph.op_nodes()]
+    b = [0, len(ids) // 3, 2 * len(ids) // 3, len(ids)]
+    witness = evaluate(replace(pb, cluster=pb.cluster.with_overrides(gpu_memory=10**15)),
+                       Plan("even", 3, [Stage(k, k, ids[b[k]:b[k + 1]]) for k in range(3)]))
+    need = max(g.memory_bytes for g in witness.gpus)
+    if need > pb.cluster.gpu_memory:
+        pb = replace(pb, cluster=pb.cluster.with_overrides(gpu_memory=need))
     found = 0
     for strategy in sorted(STRATEGIES):
         try:
