@@ -20,6 +20,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..profile import held_activation_bytes
 from ..plan import (ALLREDUCE_BUCKET_BYTES, Plan, Problem, Stage, _stage_params, plan_windows, stage_depths,
                     stage_graph, working_sets)
 
@@ -245,7 +246,7 @@ class MemoryModel:
         for sid, (g, ns) in stages.items():
             prog = progs[sid]
             pb, gb, ob, tb, names = _stage_params(pr, ns)
-            act_full = sum(prof.nodes[n].activation_bytes for n in ns)
+            act_full = held_activation_bytes(prof, ns)     # as evaluate: each saved value once per stage
             recv = sum({v: b for u in sg.predecessors(sid) for v, b in sg.edges[u, sid]["values"].items()}.values())
             ginp = 0
             for n in ns:
