@@ -49,7 +49,7 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m slow
 
 example: $(STAMP)
-	$(BIN)/ftcompile compile gpt2-tiny --attention eager --cluster 2xcpu --gpus 3 --replicas 1 --strategy mixed -q -o examples/gpt2-tiny-mixed
+	$(BIN)/ftcompile compile gpt2-tiny --attention eager --cluster 2xcpu --gpus 4 --replicas 1 --strategy mixed -q -o examples/gpt2-tiny-mixed
 	$(BIN)/ftcompile verify examples/gpt2-tiny-mixed
 
 clean:

@@ -132,7 +132,7 @@ def test_non_adjacent_stages_per_gpu_and_tied_weights_across_gpus(tmp_path, name
 
 def test_mixed_strategy_gives_non_adjacent_stages_somewhere(tmp_path):
     # eager attention: its heavier attention nodes are what makes Mixed-pipe pair stages here
-    path = package_for(tmp_path, "gpt2-tiny", "mixed", gpus=3, attention="eager")
+    path = package_for(tmp_path, "gpt2-tiny", "mixed", gpus=4, attention="eager")
     m = load_package(path).manifest
     per_gpu = [sorted(s.id for s in m.stages_on(g)) for g in range(m.num_gpus)]
     assert any(len(ids) > 1 and any(b - a > 1 for a, b in zip(ids, ids[1:])) for ids in per_gpu), per_gpu
