@@ -128,15 +128,13 @@ def add_parsers(sub) -> None:
 # --------------------------------------------------------------------------- compile
 
 def _replicas_arg(text: str) -> int | None:
+    """``--replicas``: ``auto`` (None: every count dividing the GPUs) or a positive integer."""
     if text == "auto":
         return None
     try:
-        r = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--replicas takes a whole number or 'auto', not {text!r}") from None
-    if r < 1:
-        raise argparse.ArgumentTypeError(f"--replicas must be at least 1, got {r}")
-    return r
+        return base._positive_int(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, or 'auto'") from None
 
 
 def _seconds(text: str) -> float:

@@ -117,10 +117,11 @@ def layouts(cluster: ClusterSpec, replicas: int | None = None) -> list[ReplicaLa
     return out
 
 
-def traffic(problem, plan, layout: ReplicaLayout, cluster: ClusterSpec) -> dict:
+def traffic(problem, plan, layout: ReplicaLayout, cluster: ClusterSpec, cost=None) -> dict:
     """Bytes moved per step (every replica's M micro-batches) on the whole cluster, and how many of
     them cross hosts: activations and their gradients between pipeline GPUs, and each ring
-    all-reduce (a ring of R carries ``2 (R - 1) / R`` of the gradients on each of its R links)."""
+    all-reduce (a ring of R carries ``2 (R - 1) / R`` of the gradients on each of its R links).
+    ``cost``: the plan's :func:`~ftcompile.plan.evaluate`, when the caller has it."""
     from .plan import evaluate, stage_graph
 
     def host(physical: int) -> int:
@@ -141,7 +142,7 @@ def traffic(problem, plan, layout: ReplicaLayout, cluster: ClusterSpec) -> dict:
             if host(layout.physical(r, ga)) != host(layout.physical(r, gb)):
                 out["pipeline_cross_host_bytes"] += moved
     if layout.replicas > 1:
-        cost = evaluate(problem, plan)
+        cost = cost or evaluate(problem, plan)
         for g in range(layout.pipeline_gpus):
             n = sum(sc.grad_bytes for sc in cost.stages if sc.gpu == g)
             ring = layout.ring(g)
@@ -234,7 +235,7 @@ def compile_replicated(base, strategies="auto", *, replicas: int | None = None, 
             opt.step_ms = sim.get("minibatch_ms", 0.0)
             opt.allreduce_ms = max((sum(sc.allreduce_ms for sc in best.cost.stages if sc.gpu == g)
                                     for g in range(lay.pipeline_gpus)), default=0.0)
-            opt.traffic = traffic(pb, best.plan, lay, cluster)
+            opt.traffic = traffic(pb, best.plan, lay, cluster, best.cost)
         options.append(opt)
         if progress:
             progress(opt)
