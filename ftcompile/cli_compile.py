@@ -245,7 +245,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         from .compile import resolve_strategies
 
         total = len(resolve_strategies(args.strategy, problem))
-        warnings = _size_warnings(graph, cluster.num_gpus, args.max_stages)
+        warnings = _size_warnings(graph, cluster.num_gpus, args.max_stages, args.replicas)
         for w in warnings:
             ui.note(f"warning: {w}")
         from .replicas import compile_replicated
@@ -259,8 +259,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
                                          f"bound" if r.feasible else f"no plan ({r.reason})") + f" [{r.seconds:.1f} s]")
 
             def option_done(o):
-                ui.note(f"{o.layout.pipeline_gpus} GPUs x {o.layout.replicas} replicas ({o.layout.order}): "
-                        + (f"{o.throughput:.3f} samples/s" if o.feasible else f"no plan ({o.reason})"))
+                what = (f"{o.throughput:.3f} samples/s" + (" (screened)" if o.planned == "screened" else "")
+                        if o.feasible else f"skipped ({o.reason})" if o.planned == "bounded" else f"no plan ({o.reason})")
+                ui.note(f"{o.layout.pipeline_gpus} GPUs x {o.layout.replicas} replicas ({o.layout.order}): {what}")
 
             options, chosen = compile_replicated(problem, args.strategy, replicas=args.replicas, jobs=args.jobs,
                                                  progress=option_done, strategy_progress=progress,
@@ -349,15 +350,25 @@ def _check_loss(graph, model: str) -> None:
             "e.g. return `loss` or `(loss, logits)` from forward, or pass labels to a HuggingFace model")
 
 
-def _size_warnings(graph, gpus: int, max_stages: int | None) -> list[str]:
-    """Warnings for a cluster far larger than the graph can use."""
-    ops = sum(1 for _ in graph.op_nodes())
-    out = []
-    if gpus > ops:
-        from .compile import DEGENERATE_SEARCH_GPUS
+def _size_warnings(graph, gpus: int, max_stages: int | None, replicas: int | None = 1) -> list[str]:
+    """Warnings for a cluster far larger than the graph can use (``replicas``: None for auto)."""
+    from .compile import DEGENERATE_SEARCH_GPUS
+    from .replicas import SEARCHED_LAYOUTS, SEARCHING_STRATEGIES
 
-        searched = min(ops, max(max_stages or 0, DEGENERATE_SEARCH_GPUS))
-        out.append(f"{gpus} GPUs but only {ops} op nodes: at most {ops} GPUs can hold a stage; the strategies "
+    ops = sum(1 for _ in graph.op_nodes())
+    searched = min(ops, max(max_stages or 0, DEGENERATE_SEARCH_GPUS))
+    out = []
+    if replicas is None and gpus > ops:
+        out.append(f"{gpus} GPUs but only {ops} op nodes: a pipeline can hold a stage on at most {ops} GPUs, so "
+                   f"the layouts (pipeline GPUs x replicas) are planned shortest pipeline first without the "
+                   f"searching strategies ({', '.join(SEARCHING_STRATEGIES)}), a layout that provably cannot beat "
+                   f"the best so far is skipped, and the searching strategies run on the {SEARCHED_LAYOUTS} best; "
+                   f"pipelines longer than {searched} GPUs are searched on {searched} of them (use fewer GPUs, or "
+                   f"--replicas R to plan one layout in full)")
+    elif replicas is not None and gpus // replicas > ops:
+        P = gpus // replicas
+        per = f" per pipeline ({gpus} / {replicas} replicas)" if replicas > 1 else ""
+        out.append(f"{P} GPUs{per} but only {ops} op nodes: at most {ops} GPUs can hold a stage; the strategies "
                    f"search plans on {searched} of them (trace at operator granularity, or use fewer GPUs)")
     elif max_stages is not None and gpus > max_stages:
         out.append(f"{gpus} GPUs but at most {max_stages} stages (--max-stages): a Seq-pipe uses at most "
@@ -411,8 +422,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         par = setting(problem, plan, problem.micro_batches, int(args.parallel_pipelines), problem.advance)
     out = args.output or os.path.join(folder, f"timeline-{schedule}.png")
     draw_timeline(result, out)
-    data = result.to_json()
-    data.pop("events", None)
+    data = result.to_json(events=False)
     data["picture"] = out
     if par is not None:      # the timeline is one pipeline's; the figures below are all N's (ftcompile.avgpipe)
         data.update(parallel_pipelines=par.parallel, avgpipe_step_ms=par.step_ms,

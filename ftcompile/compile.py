@@ -149,6 +149,23 @@ def resolve_strategies(names: list[str] | tuple[str, ...] | str, problem: Proble
     return list(dict.fromkeys(out))
 
 
+def search_problem(problem: Problem, max_stages: int | None = None) -> tuple[Problem, int]:
+    """The problem the strategies search on, and its number of GPUs.
+
+    More GPUs than op nodes never help (every stage holds a node). Such a cluster is searched
+    on at most min(op nodes, :data:`DEGENERATE_SEARCH_GPUS`) of its GPUs (hundreds of stages
+    would take the search and the simulation hours, and pile up staleness); plans are priced
+    and simulated on the whole cluster. Any other problem is searched as it is.
+    """
+    ops = sum(1 for _ in problem.graph.op_nodes())
+    if problem.num_gpus > ops > 0:
+        from dataclasses import replace
+
+        searched = min(ops, max(max_stages or 0, DEGENERATE_SEARCH_GPUS))
+        return replace(problem, cluster=problem.cluster.with_overrides(gpus=searched)), searched
+    return problem, problem.num_gpus
+
+
 def _run_one(name: str, problem: Problem, simulate_plan: bool, options: dict | None = None,
              search: Problem | None = None) -> StrategyResult:
     """Run strategy ``name`` on ``search`` (default: ``problem``; a smaller cluster when the
@@ -167,8 +184,7 @@ def _run_one(name: str, problem: Problem, simulate_plan: bool, options: dict | N
         if simulate_plan:
             from .simulate import simulate
 
-            sim = simulate(problem, plan).to_json()
-            sim.pop("events", None)
+            sim = simulate(problem, plan).to_json(events=False)
             if not sim["memory_feasible"]:
                 worst = max(range(plan.num_gpus), key=lambda g: sim["gpu_peak_memory"][g] - sim["gpu_memory_limit"])
                 from .units import format_bytes
@@ -209,18 +225,7 @@ def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs
     bound = lower_bound(problem)     # before the workers start: the problem carries it to them
     jobs = jobs if jobs is not None else min(len(names), os.cpu_count() or 1)
     options = {n: strategy_options(n, max_stages=max_stages, time_limit=time_limit) for n in names}
-    # More GPUs than op nodes never help (every stage holds a node). Such a cluster is searched
-    # on at most min(op nodes, DEGENERATE_SEARCH_GPUS) of its GPUs (hundreds of stages would
-    # take the search and the simulation hours, and pile up staleness); plans are priced and
-    # simulated on the whole cluster.
-    ops = sum(1 for _ in problem.graph.op_nodes())
-    search = problem
-    searched = problem.num_gpus
-    if problem.num_gpus > ops > 0:
-        from dataclasses import replace
-
-        searched = min(ops, max(max_stages or 0, DEGENERATE_SEARCH_GPUS))
-        search = replace(problem, cluster=problem.cluster.with_overrides(gpus=searched))
+    search, searched = search_problem(problem, max_stages)
     results: dict[str, StrategyResult] = {}
     if jobs > 1 and len(names) > 1:
         ctx = multiprocessing.get_context("fork")
@@ -469,7 +474,16 @@ def replicas_section(options, chosen: int | None, whole_cluster) -> dict:
     """plan.json's ``replicas``: every (P, R) layout considered, the chosen one and why."""
     from .replicas import why
 
+    from .replicas import SEARCHED_LAYOUTS, SEARCHING_STRATEGIES
+
     c = options[chosen] if chosen is not None else None
+    screened = ""
+    if any(o.planned in ("screened", "bounded") for o in options):
+        screened = (f"; with more GPUs than op nodes, the layouts were planned shortest pipeline first without the "
+                    f"searching strategies ({', '.join(SEARCHING_STRATEGIES)}; 'screened'), a layout whose "
+                    f"throughput bound (the busiest GPU's least work per step, or its all-reduce lane) is below "
+                    f"the best found before it was not planned ('bounded'), and the {SEARCHED_LAYOUTS} best "
+                    f"layout(s) were then planned with every strategy asked for")
     return {"cluster": whole_cluster.to_json(), "gpus": whole_cluster.physical_gpus,
             "options": [o.row() for o in options], "chosen": chosen,
             "replicas": c.layout.replicas if c else None, "pipeline_gpus": c.layout.pipeline_gpus if c else None,
@@ -477,7 +491,7 @@ def replicas_section(options, chosen: int | None, whole_cluster) -> dict:
             "note": "throughput: samples/s of all replicas together in the simulated steady state (R x M "
                     "micro-batches per step, gradient all-reduce over a ring of R priced on the slowest link "
                     "of the ring); options whose pipeline cannot hold the model's weights, gradients and "
-                    "optimizer state are refused without partitioning"}
+                    "optimizer state are refused without partitioning" + screened}
 
 
 def problem_from_doc(doc: dict, graph, prof, *, schedule: str | None = None,
@@ -505,11 +519,19 @@ def _replicas_lines(rep: dict) -> list[str]:
             f"{o['strategy'] or '-'} | {o['throughput']:.3f} | {o['step_ms']:.3f} | {o['allreduce_ms']:.3f} | "
             f"{_fmt_bytes(o['pipeline_bytes_per_step'])} ({_fmt_bytes(o['pipeline_cross_host_bytes_per_step'])}) / "
             f"{_fmt_bytes(o['allreduce_bytes_per_step'])} ({_fmt_bytes(o['allreduce_cross_host_bytes_per_step'])}) | "
-            f"{_fmt_bytes(o['max_gpu_memory_bytes'])} | {o['seconds']:.1f} | |" if f else
-            f"| {o['pipeline_gpus']} | {o['replicas']} | {o['order']} | no | - | - | - | - | - | - | "
+            f"{_fmt_bytes(o['max_gpu_memory_bytes'])} | {o['seconds']:.1f} | {_planned_note(o)} |" if f else
+            f"| {o['pipeline_gpus']} | {o['replicas']} | {o['order']} | "
+            f"{'-' if o.get('planned') == 'bounded' else 'no'} | - | - | - | - | - | - | "
             f"{o['seconds']:.1f} | {o['reason']} |")
     lines += ["", f"Chosen: {rep['why']}.", "", f"*{rep['note']}*"]
     return lines
+
+
+def _planned_note(o: dict) -> str:
+    """What a feasible layout's row was planned with, when not every strategy asked for."""
+    if o.get("planned") == "screened":
+        return f"screened with {', '.join(o.get('strategies_run') or [])} only"
+    return ""
 
 
 def _fmt_bytes(b: float | None) -> str:
@@ -528,8 +550,8 @@ def report_text(doc: dict) -> str:
     limits = doc.get("limits") or {}
     lay = doc.get("layout") or {}
     if lay.get("replicas", 1) > 1 or lay.get("gpu_ids"):
-        lines.append(f"one pipeline of {P_of(c)} GPUs (GPUs {lay.get('gpu_ids') or list(range(P_of(c)))} of the "
-                     f"cluster; replica 0), {lay.get('replicas', 1)} replica(s); the tables below are per "
+        lines.append(f"one pipeline of {P_of(c)} GPUs (GPUs {gpu_ranges(lay.get('gpu_ids') or range(P_of(c)))} of "
+                     f"the cluster; replica 0), {lay.get('replicas', 1)} replica(s); the tables below are per "
                      f"pipeline")
     lines.append(f"cluster {c['name']}: {c['nodes']} x {c['gpus_per_node']} GPUs, "
                  f"{c['gpu_memory'] / 1e9:.1f} GB each, {c['intra_node_bandwidth'] / 1e9:.1f} GB/s; "
@@ -577,10 +599,17 @@ def report_text(doc: dict) -> str:
             lines.append("")
         lines.append("| GPU | stages | load ms | compute ms | comm ms | utilisation | memory | of limit |")
         lines.append("|---|---|---|---|---|---|---|---|")
+        idle = [g for g in doc["gpus"] if not g["stages"]]
         for g in doc["gpus"]:
-            lines.append(f"| {g['gpu']} | {','.join(map(str, g['stages']))} | {g['load_ms']:.3f} | "
-                         f"{g['compute_ms']:.3f} | {g['comm_ms']:.3f} | {g['utilisation']:.1%} | "
-                         f"{_fmt_bytes(g['memory_bytes'])} | {g['memory_bytes'] / g['memory_limit']:.0%} |")
+            if g["stages"] or len(idle) <= IDLE_GPU_ROWS:
+                lines.append(f"| {g['gpu']} | {','.join(map(str, g['stages']))} | {g['load_ms']:.3f} | "
+                             f"{g['compute_ms']:.3f} | {g['comm_ms']:.3f} | {g['utilisation']:.1%} | "
+                             f"{_fmt_bytes(g['memory_bytes'])} | {g['memory_bytes'] / g['memory_limit']:.0%} |")
+        if len(idle) > IDLE_GPU_ROWS:     # one row for the GPUs without a stage (plan.json lists each)
+            worst = max(idle, key=lambda g: g["memory_bytes"])
+            lines.append(f"| {gpu_ranges(g['gpu'] for g in idle)} ({len(idle)} GPUs) | - | 0.000 | 0.000 | 0.000 | "
+                         f"0.0% | {_fmt_bytes(worst['memory_bytes'])} | "
+                         f"{worst['memory_bytes'] / worst['memory_limit']:.0%} |")
         lines.append("")
         lines.append("| stage | GPU | depth | nodes | period ms | memory | sends | receives |")
         lines.append("|---|---|---|---|---|---|---|---|")
@@ -595,6 +624,22 @@ def report_text(doc: dict) -> str:
     if doc.get("replicas"):
         lines += _replicas_lines(doc["replicas"])
     return "\n".join(lines) + "\n"
+
+
+#: The report lists GPUs without a stage one per row up to this many; more share one row.
+IDLE_GPU_ROWS = 16
+
+
+def gpu_ranges(gpus) -> str:
+    """GPU numbers as ascending runs: ``0-3, 6, 8-9``."""
+    ids = sorted(int(g) for g in gpus)
+    runs: list[list[int]] = []
+    for g in ids:
+        if runs and g == runs[-1][1] + 1:
+            runs[-1][1] = g
+        else:
+            runs.append([g, g])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def P_of(cluster_json: dict) -> int:

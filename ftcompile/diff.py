@@ -10,6 +10,10 @@ from __future__ import annotations
 from collections import Counter
 
 
+#: ``diff_text`` lists GPUs without a stage in either plan one per line up to this many.
+IDLE_GPU_LINES = 16
+
+
 def _placement(doc: dict) -> dict[int, tuple[int, int]]:
     out = {}
     for s in (doc.get("plan") or {}).get("stages", []):
@@ -85,12 +89,21 @@ def diff_text(d: dict, label_a: str = "A", label_b: str = "B") -> str:
     lines.append("")
     lines.append(f"{'GPU':>4}{'load ms ' + label_a:>16}{'load ms ' + label_b:>16}"
                  f"{'mem GB ' + label_a:>14}{'mem GB ' + label_b:>14}{'stages':>10}")
+    # GPUs without a stage on either side are listed in one line when there are many (10,000 GPUs).
+    empty = [g["gpu"] for g in d["gpus"] if not any(g["stages"])]
+    fold = len(empty) > IDLE_GPU_LINES
     for g in d["gpus"]:
+        if fold and not any(g["stages"]):
+            continue
         la, lb = g["load_ms"]
         ma, mb = g["memory_bytes"]
         lines.append(f"{g['gpu']:>4}{f(la, '.3f'):>16}{f(lb, '.3f'):>16}"
                      f"{f(None if ma is None else ma / 1e9, '.2f'):>14}{f(None if mb is None else mb / 1e9, '.2f'):>14}"
                      f"{str(g['stages'][0]) + '/' + str(g['stages'][1]):>10}")
+    if fold:
+        from .compile import gpu_ranges
+
+        lines.append(f"     {len(empty)} GPUs without a stage in either plan: {gpu_ranges(empty)}")
     lines.append("")
     if "note" in d:
         lines.append(d["note"])

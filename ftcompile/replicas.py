@@ -103,17 +103,32 @@ def layouts(cluster: ClusterSpec, replicas: int | None = None) -> list[ReplicaLa
         for order in ORDERS:
             lay = ReplicaLayout(P, R, order)
             # two orders that give the same links are one option
-            key = (tuple(cluster.node_of(g) if cluster.gpu_ids is None else None for g in
-                         (lay.physical(0, x) for x in range(P))),
-                   tuple(lay.ring_bandwidths(cluster)),
-                   tuple(cluster.physical_bandwidth(lay.physical(0, a), lay.physical(0, b))
-                         for a in range(P) for b in range(P)))
-            if R == 1 or P == 1:
-                key = ("trivial",)
+            key = ("trivial",) if R == 1 or P == 1 else _links_key(cluster, lay)
             if key in seen:
                 continue
             seen.add(key)
             out.append(lay)
+    return out
+
+
+def _links_key(cluster: ClusterSpec, lay: ReplicaLayout) -> tuple:
+    """What decides the links a layout uses, in O(G): equal keys, equal links.
+
+    The hosts of replica 0's GPUs (for a whole cluster), the slowest link of every
+    all-reduce ring, and which of the pipeline's GPUs share a host (the host labels
+    renumbered in order of first use; nothing when a host's links are as fast as the
+    network's), which decides every link between two GPUs of the pipeline without
+    listing the P x P of them.
+    """
+    first = [lay.physical(0, x) for x in range(lay.pipeline_gpus)]
+    hosts = [g // cluster.gpus_per_node for g in first]
+    if cluster.intra_node_bandwidth == cluster.inter_node_bandwidth:
+        sharing = None
+    else:
+        names: dict[int, int] = {}
+        sharing = tuple(names.setdefault(h, len(names)) for h in hosts)
+    return (tuple(hosts) if cluster.gpu_ids is None else None, lay.ring_bandwidths(cluster), sharing)
+
     return out
 
 
@@ -156,6 +171,13 @@ def traffic(problem, plan, layout: ReplicaLayout, cluster: ClusterSpec, cost=Non
 
 # --------------------------------------------------------------------------- planning
 
+#: Strategies that search until their time limit (``--time-limit``). With more GPUs than the graph
+#: has op nodes, the layouts are first planned without them (:func:`compile_replicated`).
+SEARCHING_STRATEGIES = ("mixed", "seq", "exact")
+#: ... and the searching strategies then run on this many of the best layouts.
+SEARCHED_LAYOUTS = 1
+
+
 @dataclass
 class ReplicaOption:
     """One way to use the cluster: a layout, the best plan for its pipeline, and what it gives."""
@@ -170,6 +192,11 @@ class ReplicaOption:
     traffic: dict = field(default_factory=dict)    # traffic(): bytes per step, all replicas, and across hosts
     seconds: float = 0.0
     problem: object | None = None         # the pipeline's Problem
+    # How the layout was planned: "all" (every strategy asked for), "screened" (those that do not
+    # search, see SEARCHING_STRATEGIES), "bounded" (not planned: its throughput bound is below a
+    # layout planned before) or "refused" (its pipeline cannot hold the model's static memory).
+    planned: str = "all"
+    bound: float | None = None            # throughput_bound() of the layout, where it was computed
 
     def row(self) -> dict:
         best = self.result.best() if self.feasible and self.result is not None else None
@@ -181,6 +208,9 @@ class ReplicaOption:
                 "allreduce_ms": round(self.allreduce_ms, 6) if self.feasible else None,
                 **{f"{k}_per_step": v for k, v in self.traffic.items()},
                 "max_gpu_memory_bytes": best.cost.max_memory_bytes if best else None,
+                "planned": self.planned,
+                "strategies_run": [r.name for r in self.result.results] if self.result is not None else [],
+                "throughput_bound": round(self.bound, 6) if self.bound is not None else None,
                 "seconds": round(self.seconds, 3)}
 
 
@@ -192,6 +222,77 @@ def replicated_problem(base, cluster: ClusterSpec, layout: ReplicaLayout):
                    ring_bandwidth=layout.ring_bandwidths(cluster))
 
 
+def throughput_bound(problem, max_stages: int | None = None) -> float:
+    """A proven upper bound on the throughput (samples/s of all replicas) that the simulation
+    (:func:`ftcompile.simulate.simulate`) measures for any plan :func:`~ftcompile.compile.compile_plan`
+    can return for ``problem`` (one pipeline of a layout, :func:`replicated_problem`).
+
+    The simulated time of a step is never below a GPU's work per step, M micro-batches, which is
+    at least M times the larger of
+
+    * the lower bound of the objective (:func:`~ftcompile.plan.lower_bound`) over the GPUs the
+      strategies search on (:func:`~ftcompile.compile.search_problem`: a plan never uses more),
+    * the forward and backward of the heaviest op node (some GPU runs it);
+
+    nor below the all-reduce lane of the GPU holding the most gradients (its all-reduces run
+    one at a time, once per step): at best the trainable gradients spread evenly over those GPUs,
+    each ring on the fastest ring link. Throughput is replicas x M x the micro-batch size per step.
+    """
+    from .compile import search_problem
+    from .plan import lower_bound
+    from .simulate import micro_batch_size
+
+    search, used = search_problem(problem, max_stages)
+    prof, M = problem.profile, problem.micro_batches
+    ops = list(problem.graph.op_nodes())
+    heaviest = max((prof.nodes[n.id].forward_ms + prof.nodes[n.id].backward_ms for n in ops), default=0.0)
+    step = M * max(lower_bound(search), heaviest)
+    if problem.replicas > 1:
+        grads = sum(prof.params[p].grad_bytes for p in {p for n in ops for p in n.params})
+        bw = max(problem.ring_bandwidth) if problem.ring_bandwidth else problem.cluster.inter_node_bandwidth
+        step = max(step, allreduce_ms(grads / max(1, used), problem.replicas, bw))
+    if step <= 0:
+        return float("inf")
+    return problem.replicas * M * micro_batch_size(problem) / (step / 1e3)
+
+
+def _static_refusal(base, cluster: ClusterSpec, lay: ReplicaLayout, pb) -> str | None:
+    """Why a layout's pipeline cannot hold the model's weights, gradients and optimizer state, or None."""
+    static = sum(p.total for p in base.profile.params.values())
+    room = lay.pipeline_gpus * max(0, cluster.gpu_memory - pb.memory_reserve)
+    if static > room:
+        return (f"weights, gradients and optimizer state ({static / 1e9:.2f} GB) exceed {lay.pipeline_gpus} "
+                f"GPU(s) of {cluster.gpu_memory / 1e9:.2f} GB less the reserve")
+    return None
+
+
+def _plan_layout(pb, lay: ReplicaLayout, cluster: ClusterSpec, strategies, *, jobs, strategy_progress,
+                 compile_options) -> ReplicaOption:
+    """Plan one layout's pipeline with ``strategies`` and measure it over all replicas."""
+    import time
+
+    from .compile import compile_plan
+
+    t0 = time.perf_counter()
+    # One GPU has one plan (everything on it): no strategy can do better than another.
+    names = "uniform" if lay.pipeline_gpus == 1 else strategies
+    result = compile_plan(pb, names, jobs=jobs, progress=strategy_progress, **compile_options)
+    opt = ReplicaOption(lay, result.chosen is not None, result=result, problem=pb)
+    if result.chosen is None:
+        opt.reason = "no strategy found a pipeline plan that fits: " + "; ".join(
+            f"{r.name}: {r.reason}" for r in result.results[:3])
+    else:
+        best = result.best()
+        sim = best.sim or {}
+        opt.throughput = sim.get("throughput_samples_per_s", 0.0)
+        opt.step_ms = sim.get("minibatch_ms", 0.0)
+        opt.allreduce_ms = max((sum(sc.allreduce_ms for sc in best.cost.stages if sc.gpu == g)
+                                for g in best.plan.gpus()), default=0.0)
+        opt.traffic = traffic(pb, best.plan, lay, cluster, best.cost)
+    opt.seconds = time.perf_counter() - t0
+    return opt
+
+
 def compile_replicated(base, strategies="auto", *, replicas: int | None = None, jobs: int | None = None,
                        progress=None, strategy_progress=None, **compile_options) -> tuple[list[ReplicaOption], int | None]:
     """Plan every layout of ``base.cluster`` (every pipeline length dividing its GPU count, or the one
@@ -200,48 +301,92 @@ def compile_replicated(base, strategies="auto", *, replicas: int | None = None, 
 
     A layout whose pipeline cannot hold the model's weights, gradients and optimizer state is
     refused without partitioning.
+
+    With more GPUs than the graph has op nodes (and ``replicas`` not forced), a cluster has many
+    layouts and most of their GPUs cannot all hold stages, so planning each with every strategy
+    would take the searching strategies' time limit many times over. There
+    (:func:`_compile_screened`) the layouts are planned shortest pipeline first with the
+    strategies that do not search (:data:`SEARCHING_STRATEGIES`), a layout whose
+    :func:`throughput_bound` is below the best throughput found so far is not planned, and the
+    :data:`SEARCHED_LAYOUTS` best layouts are then planned with every strategy asked for. Each
+    option's ``planned`` says which of these it got.
     """
-    import time
-
-    from .compile import compile_plan
-
     cluster = base.cluster
-    options: list[ReplicaOption] = []
-    static = sum(p.total for p in base.profile.params.values())
-    for lay in layouts(cluster, replicas):
-        t0 = time.perf_counter()
-        pb = replicated_problem(base, cluster, lay)
-        room = lay.pipeline_gpus * max(0, cluster.gpu_memory - pb.memory_reserve)
-        if static > room:
-            opt = ReplicaOption(lay, False, f"weights, gradients and optimizer state ({static / 1e9:.2f} GB) exceed "
-                                f"{lay.pipeline_gpus} GPU(s) of {cluster.gpu_memory / 1e9:.2f} GB less the reserve",
-                                seconds=time.perf_counter() - t0, problem=pb)
+    lays = layouts(cluster, replicas)
+    ops = sum(1 for _ in base.graph.op_nodes())
+    if replicas is None and len(lays) > 1 and cluster.physical_gpus > ops:
+        options = _compile_screened(base, lays, strategies, jobs=jobs, progress=progress,
+                                    strategy_progress=strategy_progress, compile_options=compile_options)
+    else:
+        options = []
+        for lay in lays:
+            pb = replicated_problem(base, cluster, lay)
+            why_not = _static_refusal(base, cluster, lay, pb)
+            if why_not:
+                opt = ReplicaOption(lay, False, why_not, problem=pb, planned="refused")
+            else:
+                opt = _plan_layout(pb, lay, cluster, strategies, jobs=jobs, strategy_progress=strategy_progress,
+                                   compile_options=compile_options)
             options.append(opt)
             if progress:
                 progress(opt)
-            continue
-        # One GPU has one plan (everything on it): no strategy can do better than another.
-        names = "uniform" if lay.pipeline_gpus == 1 else strategies
-        result = compile_plan(pb, names, jobs=jobs, progress=strategy_progress, **compile_options)
-        opt = ReplicaOption(lay, result.chosen is not None, result=result, seconds=time.perf_counter() - t0,
-                            problem=pb)
-        if result.chosen is None:
-            opt.reason = "no strategy found a pipeline plan that fits: " + "; ".join(
-                f"{r.name}: {r.reason}" for r in result.results[:3])
-        else:
-            best = result.best()
-            sim = best.sim or {}
-            opt.throughput = sim.get("throughput_samples_per_s", 0.0)
-            opt.step_ms = sim.get("minibatch_ms", 0.0)
-            opt.allreduce_ms = max((sum(sc.allreduce_ms for sc in best.cost.stages if sc.gpu == g)
-                                    for g in range(lay.pipeline_gpus)), default=0.0)
-            opt.traffic = traffic(pb, best.plan, lay, cluster, best.cost)
-        options.append(opt)
-        if progress:
-            progress(opt)
     feasible = [i for i, o in enumerate(options) if o.feasible]
     chosen = max(feasible, key=lambda i: (options[i].throughput, -options[i].layout.replicas)) if feasible else None
     return options, chosen
+
+
+def _compile_screened(base, lays: list[ReplicaLayout], strategies, *, jobs, progress, strategy_progress,
+                      compile_options) -> list[ReplicaOption]:
+    """:func:`compile_replicated` on a cluster with more GPUs than op nodes; options in ``lays``' order.
+
+    Shortest pipelines first: they are the cheapest to plan (one GPU has one plan) and, with many
+    replicas, usually the fastest, so the bound rules out most long pipelines unplanned. A bound
+    equal to the best so far is still planned, as a tie goes to fewer replicas.
+    """
+    from .compile import resolve_strategies
+
+    cluster = base.cluster
+    names = resolve_strategies(strategies, base)
+    fast = [n for n in names if n not in SEARCHING_STRATEGIES] or names
+    max_stages = compile_options.get("max_stages")
+    options: dict[int, ReplicaOption] = {}
+    best: ReplicaOption | None = None
+    for i in sorted(range(len(lays)), key=lambda i: (lays[i].pipeline_gpus, ORDERS.index(lays[i].order))):
+        lay = lays[i]
+        pb = replicated_problem(base, cluster, lay)
+        why_not = _static_refusal(base, cluster, lay, pb)
+        if why_not:
+            opt = ReplicaOption(lay, False, why_not, problem=pb, planned="refused")
+        else:
+            bound = throughput_bound(pb, max_stages)
+            if best is not None and bound * (1 + 1e-9) < best.throughput:
+                opt = ReplicaOption(lay, False, f"not planned: no plan of it can exceed {bound:.2f} samples/s "
+                                    f"(throughput bound), below the {best.throughput:.2f} of "
+                                    f"{best.layout.pipeline_gpus} GPU(s) x {best.layout.replicas}",
+                                    problem=pb, planned="bounded", bound=bound)
+            else:
+                opt = _plan_layout(pb, lay, cluster, fast, jobs=jobs, strategy_progress=strategy_progress,
+                                   compile_options=compile_options)
+                opt.bound = bound
+                opt.planned = "all" if lay.pipeline_gpus == 1 or len(fast) == len(names) else "screened"
+        options[i] = opt
+        if opt.feasible and (best is None or (opt.throughput, -lay.replicas) > (best.throughput, -best.layout.replicas)):
+            best = opt
+        if progress:
+            progress(opt)
+    ranked = sorted((i for i, o in options.items() if o.feasible),
+                    key=lambda i: (-options[i].throughput, options[i].layout.replicas))
+    for i in ranked[:SEARCHED_LAYOUTS]:
+        o = options[i]
+        if o.planned != "screened" or not o.bound * (1 + 1e-9) > o.throughput:
+            continue        # planned with every strategy already, or no plan of it can do better
+        opt = _plan_layout(o.problem, o.layout, cluster, names, jobs=jobs, strategy_progress=strategy_progress,
+                           compile_options=compile_options)
+        opt.bound, opt.seconds = o.bound, opt.seconds + o.seconds
+        options[i] = opt
+        if progress:
+            progress(opt)
+    return [options[i] for i in range(len(lays))]
 
 
 def why(options: list[ReplicaOption], chosen: int | None) -> str:

@@ -51,7 +51,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import networkx as nx
 
@@ -118,14 +118,29 @@ class SimResult:
     memory_feasible: bool = True        # every GPU's peak fits its memory
     events: list[Event] = field(default_factory=list)
 
-    def to_json(self) -> dict:
-        d = asdict(self)
+    def to_json(self, *, events: bool = True) -> dict:
+        """The result as JSON-ready data (``events=False``: without the timeline's events, which
+        a caller that keeps only the figures need not convert)."""
+        # Field by field rather than asdict(): its deep copy dominates on thousands of GPUs.
+        d = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "events":
+                if events:
+                    d["events"] = [asdict(e) for e in v]
+            elif f.name == "gpu_peak_breakdown":
+                d[f.name] = [dict(x) for x in v]
+            elif isinstance(v, (list, dict)):
+                d[f.name] = type(v)(v)
+            else:
+                d[f.name] = v
         d["window"] = list(self.window)
         d["stage_peak_in_flight"] = {str(k): v for k, v in self.stage_peak_in_flight.items()}
         return d
 
 
-def _micro_batch_size(problem: Problem) -> int:
+def micro_batch_size(problem: Problem) -> int:
+    """Samples per micro-batch (the profile's batch size, else the model options', else 1)."""
     bs = problem.profile.batch_size or problem.graph.source.get("options", {}).get("batch_size")
     return int(bs) if bs else 1
 
@@ -251,7 +266,7 @@ def simulate(problem: Problem, plan: Plan, *, micro_batches: int | None = None, 
     st = _build(problem, plan, cost, sg, depth, progs, windows)
     sim = _Sim(problem, plan, cost, st, progs, M, cluster, keep_events)
     sim.run(min_steps=steps or 0, max_steps=total_steps)
-    return sim.result(plan, cost, _micro_batch_size(problem))
+    return sim.result(plan, cost, micro_batch_size(problem))
 
 
 class _Sim:
@@ -293,13 +308,14 @@ class _Sim:
         self.peak_pending = {s: 0 for s in stages}
         # memory: live bytes per GPU by kind, and the peak with its parts
         self.kinds = ("held", "receive", "send", "data", "transient")
-        self.live = {g: {k: 0 for k in self.kinds} for g in range(plan.num_gpus)}
+        # Only GPUs that hold stages hold anything over time; the others keep their static part.
+        self.live = {g: {k: 0 for k in self.kinds} for g in self.stages_on}
         self.static = {}
         for gc in cost.gpus:
             self.static[gc.gpu] = gc.param_bytes + gc.weight_version_bytes + gc.grad_bytes + gc.optimizer_bytes \
                 + gc.reserve_bytes
-        self.peak = {g: self.static.get(g, 0) for g in range(plan.num_gpus)}
-        self.peak_parts = {g: {} for g in range(plan.num_gpus)}
+        self.peak = {g: self.static.get(g, 0) for g in self.stages_on}
+        self.peak_parts: dict[int, dict] = {g: {} for g in self.stages_on}
         self.waiting: dict[tuple, int] = {}     # (u, gpu, k) -> readers there that have not taken it
         self.wait_bytes: dict[tuple, int] = {}
         self.gsums: dict[tuple, list] = {}      # (u, k, value) -> [parts summed, early parts waiting]
@@ -320,7 +336,10 @@ class _Sim:
     def mem(self, g: int, kind: str, delta: int) -> None:
         if not delta:
             return
-        live = self.live[g]
+        live = self.live.get(g)
+        if live is None:
+            live = self.live[g] = {k: 0 for k in self.kinds}
+            self.peak.setdefault(g, self.static.get(g, 0))
         live[kind] += delta
         if delta > 0:
             total = self.static.get(g, 0) + sum(live.values())
@@ -648,10 +667,10 @@ class _Sim:
         minibatch = self.L
         loads = [sum(self.st[s].f + self.st[s].r + self.st[s].b + self.st[s].u / M for s in ss)
                  for ss in self.stages_on.values()]
-        peaks = [self.peak[g] for g in range(plan.num_gpus)]
+        peaks = [self.peak.get(g, self.static.get(g, 0)) for g in range(plan.num_gpus)]
         breakdown = []
         for g in range(plan.num_gpus):
-            parts = {k: int(v) for k, v in self.peak_parts[g].items()}
+            parts = {k: int(v) for k, v in self.peak_parts.get(g, {}).items()}
             parts["static"] = int(self.static.get(g, 0))
             breakdown.append(parts)
         limit = self.cluster.gpu_memory
