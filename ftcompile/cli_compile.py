@@ -245,7 +245,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         from .compile import resolve_strategies
 
         total = len(resolve_strategies(args.strategy, problem))
-        warnings = _size_warnings(graph, cluster.num_gpus, args.max_stages, args.replicas)
+        warnings = _size_warnings(graph, cluster.num_gpus, args.max_stages, args.replicas, lays)
         for w in warnings:
             ui.note(f"warning: {w}")
         from .replicas import compile_replicated
@@ -350,29 +350,29 @@ def _check_loss(graph, model: str) -> None:
             "e.g. return `loss` or `(loss, logits)` from forward, or pass labels to a HuggingFace model")
 
 
-def _size_warnings(graph, gpus: int, max_stages: int | None, replicas: int | None = 1) -> list[str]:
-    """Warnings for a cluster far larger than the graph can use (``replicas``: None for auto)."""
+def _size_warnings(graph, gpus: int, max_stages: int | None, replicas: int | None = 1, layouts=None) -> list[str]:
+    """Warnings for a cluster larger than the graph can use or than compile plans in full
+    (``replicas``: None for auto; ``layouts``: those :func:`ftcompile.replicas.layouts` gives)."""
     from .compile import DEGENERATE_SEARCH_GPUS
-    from .replicas import SEARCHED_LAYOUTS, SEARCHING_STRATEGIES
+    from .replicas import SEARCHED_LAYOUTS, SEARCHING_STRATEGIES, screens
 
     ops = sum(1 for _ in graph.op_nodes())
     searched = min(ops, max(max_stages or 0, DEGENERATE_SEARCH_GPUS))
+    P = gpus if replicas is None else gpus // replicas
     out = []
-    if replicas is None and gpus > ops:
-        out.append(f"{gpus} GPUs but only {ops} op nodes: a pipeline can hold a stage on at most {ops} GPUs, so "
-                   f"the layouts (pipeline GPUs x replicas) are planned shortest pipeline first without the "
-                   f"searching strategies ({', '.join(SEARCHING_STRATEGIES)}), a layout that provably cannot beat "
-                   f"the best so far is skipped, and the searching strategies run on the {SEARCHED_LAYOUTS} best; "
-                   f"pipelines longer than {searched} GPUs are searched on {searched} of them (use fewer GPUs, or "
-                   f"--replicas R to plan one layout in full)")
-    elif replicas is not None and gpus // replicas > ops:
-        P = gpus // replicas
-        per = f" per pipeline ({gpus} / {replicas} replicas)" if replicas > 1 else ""
-        out.append(f"{P} GPUs{per} but only {ops} op nodes: at most {ops} GPUs can hold a stage; the strategies "
-                   f"search plans on {searched} of them (trace at operator granularity, or use fewer GPUs)")
+    if P > ops:
+        per = f" per pipeline ({gpus} / {replicas} replicas)" if replicas not in (None, 1) else ""
+        longer = "pipelines longer than that are" if replicas is None else "its plans are"
+        out.append(f"{P} GPUs{per} but only {ops} op nodes: at most {ops} GPUs of a pipeline can hold a stage; "
+                   f"{longer} searched on {searched} GPUs (trace at operator granularity, or use fewer GPUs)")
     elif max_stages is not None and gpus > max_stages:
         out.append(f"{gpus} GPUs but at most {max_stages} stages (--max-stages): a Seq-pipe uses at most "
                    f"{max_stages} of them")
+    if layouts is not None and screens(layouts, replicas):
+        out.append(f"{len(layouts)} layouts (pipeline GPUs x replicas) of {gpus} GPUs: planned shortest pipeline "
+                   f"first without the searching strategies ({', '.join(SEARCHING_STRATEGIES)}), skipping a layout "
+                   f"whose throughput bound is below the best found before it; the searching strategies then run "
+                   f"on the {SEARCHED_LAYOUTS} best (--replicas R plans one layout with every strategy)")
     return out
 
 

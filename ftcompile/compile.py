@@ -479,8 +479,8 @@ def replicas_section(options, chosen: int | None, whole_cluster) -> dict:
     c = options[chosen] if chosen is not None else None
     screened = ""
     if any(o.planned in ("screened", "bounded") for o in options):
-        screened = (f"; with more GPUs than op nodes, the layouts were planned shortest pipeline first without the "
-                    f"searching strategies ({', '.join(SEARCHING_STRATEGIES)}; 'screened'), a layout whose "
+        screened = (f"; with more layouts than are planned in full, they were planned shortest pipeline first "
+                    f"without the searching strategies ({', '.join(SEARCHING_STRATEGIES)}; 'screened'), a layout whose "
                     f"throughput bound (the busiest GPU's least work per step, or its all-reduce lane) is below "
                     f"the best found before it was not planned ('bounded'), and the {SEARCHED_LAYOUTS} best "
                     f"layout(s) were then planned with every strategy asked for")

@@ -422,8 +422,10 @@ def lower_bound(problem: Problem) -> float:
 def _lower_bound(problem: Problem) -> float:
     graph, prof = problem.graph, problem.profile
     # Interior stages recompute (async, or --recompute); the end of the pipeline may skip it.
-    recompute_all = problem.recomputes(False)
-    end_skips = recompute_all and not problem.recomputes(True)
+    # Under 2gw a stage's program also depends on its group (the last stage, in G1, skips
+    # recomputation where G0's would not): take whichever group recomputes less.
+    recompute_all = all(problem.program(1, g).recompute for g in (0, 1))
+    end_skips = recompute_all and not all(problem.program(0, g).recompute for g in (0, 1))
     ops = list(graph.op_nodes())
     P = problem.num_gpus
     base = np.array([prof.nodes[n.id].forward_ms + prof.nodes[n.id].backward_ms for n in ops], dtype=float)

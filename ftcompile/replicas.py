@@ -171,11 +171,20 @@ def traffic(problem, plan, layout: ReplicaLayout, cluster: ClusterSpec, cost=Non
 
 # --------------------------------------------------------------------------- planning
 
-#: Strategies that search until their time limit (``--time-limit``). With more GPUs than the graph
-#: has op nodes, the layouts are first planned without them (:func:`compile_replicated`).
+#: Strategies that search until their time limit (``--time-limit``): planning a layout with them
+#: takes about that long, whatever the cluster.
 SEARCHING_STRATEGIES = ("mixed", "seq", "exact")
-#: ... and the searching strategies then run on this many of the best layouts.
+#: Auto replicas plans up to this many layouts with every strategy (a host of 8 GPUs has 4, two
+#: hosts of 8 have 8). More layouts (every divisor of a large GPU count) are screened
+#: (:func:`compile_replicated`) ...
+MAX_FULL_LAYOUTS = 8
+#: ... and then this many of the best are planned with the searching strategies too.
 SEARCHED_LAYOUTS = 1
+
+
+def screens(layouts_: list[ReplicaLayout], replicas: int | None) -> bool:
+    """Whether :func:`compile_replicated` screens these layouts rather than planning each in full."""
+    return replicas is None and len(layouts_) > MAX_FULL_LAYOUTS
 
 
 @dataclass
@@ -302,10 +311,10 @@ def compile_replicated(base, strategies="auto", *, replicas: int | None = None, 
     A layout whose pipeline cannot hold the model's weights, gradients and optimizer state is
     refused without partitioning.
 
-    With more GPUs than the graph has op nodes (and ``replicas`` not forced), a cluster has many
-    layouts and most of their GPUs cannot all hold stages, so planning each with every strategy
-    would take the searching strategies' time limit many times over. There
-    (:func:`_compile_screened`) the layouts are planned shortest pipeline first with the
+    With more than :data:`MAX_FULL_LAYOUTS` layouts (``replicas`` not forced: a GPU count with
+    many divisors, 50 layouts for 10,000 GPUs), planning each with every strategy would take the
+    searching strategies' time limit that many times over. Then (:func:`screens`,
+    :func:`_compile_screened`) the layouts are planned shortest pipeline first with the
     strategies that do not search (:data:`SEARCHING_STRATEGIES`), a layout whose
     :func:`throughput_bound` is below the best throughput found so far is not planned, and the
     :data:`SEARCHED_LAYOUTS` best layouts are then planned with every strategy asked for. Each
@@ -313,8 +322,7 @@ def compile_replicated(base, strategies="auto", *, replicas: int | None = None, 
     """
     cluster = base.cluster
     lays = layouts(cluster, replicas)
-    ops = sum(1 for _ in base.graph.op_nodes())
-    if replicas is None and len(lays) > 1 and cluster.physical_gpus > ops:
+    if screens(lays, replicas):
         options = _compile_screened(base, lays, strategies, jobs=jobs, progress=progress,
                                     strategy_progress=strategy_progress, compile_options=compile_options)
     else:
@@ -337,7 +345,7 @@ def compile_replicated(base, strategies="auto", *, replicas: int | None = None, 
 
 def _compile_screened(base, lays: list[ReplicaLayout], strategies, *, jobs, progress, strategy_progress,
                       compile_options) -> list[ReplicaOption]:
-    """:func:`compile_replicated` on a cluster with more GPUs than op nodes; options in ``lays``' order.
+    """:func:`compile_replicated` over more layouts than it plans in full; options in ``lays``' order.
 
     Shortest pipelines first: they are the cheapest to plan (one GPU has one plan) and, with many
     replicas, usually the fastest, so the bound rules out most long pipelines unplanned. A bound

@@ -238,3 +238,127 @@ def test_json_stdout_holds_only_json_even_when_highs_runs(tmp_path):
     doc = json.loads(r.stdout)
     assert doc["chosen"] == "exact"
 
+
+
+# --------------------------------------------------------------------------- far more GPUs than a model needs
+
+def test_ten_thousand_gpus_finish_with_a_warning_and_a_capped_picture(tmp_path, capsys):
+    """`--gpus 10000` once took minutes: a P x P link table per layout, a matplotlib patch and a
+    report row per GPU. (The timeout only guards a hang; the time goes to benchmarks/many_gpus.py.)"""
+    out = tmp_path / "o"
+    r = _ftc("compile", "gpt2-tiny", "--gpus", "10000", "--replicas", "1", "--strategy", "uniform", "--json",
+             "-o", str(out), "--cache-dir", str(tmp_path / "c"), timeout=300)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert any("10000 GPUs but only" in w and "op nodes" in w for w in doc["warnings"]), doc["warnings"]
+    assert any("uses 2 of the 10000 GPUs" in w for w in doc["warnings"]), doc["warnings"]
+    assert (out / "gpus.png").stat().st_size > 1000 and (out / "timeline.png").stat().st_size > 1000
+    plan = load_plan_file(out)
+    assert len(plan["gpus"]) == 10000          # plan.json keeps every GPU's row ...
+    busy = [g["gpu"] for g in plan["gpus"] if g["stages"]]
+    report = (out / "report.md").read_text()
+    assert len(report.splitlines()) < 100      # ... the report gives the idle ones one row
+    idle_row = [line for line in report.splitlines() if "(9998 GPUs)" in line]
+    assert busy == [0, 1] and len(idle_row) == 1 and idle_row[0].startswith("| 2-9999 (9998 GPUs) |")
+    assert "GPUs 0-9999 of the cluster" in report
+    # diff lists the GPUs without a stage in one line too
+    assert main(["diff", str(out), str(out)]) == 0
+    text = capsys.readouterr().out
+    assert len(text.splitlines()) < 40 and "9998 GPUs without a stage in either plan: 2-9999" in text
+
+
+def test_gpu_ranges():
+    from ftcompile.compile import gpu_ranges
+
+    assert gpu_ranges([]) == "" and gpu_ranges([7]) == "7"
+    assert gpu_ranges([9, 0, 1, 2, 3, 6, 8]) == "0-3, 6, 8-9"
+
+
+def _links_reference(cluster, lay):
+    """The link table a layout's pipeline sees, GPU pair by GPU pair (the P x P definition)."""
+    first = [lay.physical(0, x) for x in range(lay.pipeline_gpus)]
+    return ([cluster.node_of(g) for g in first] if cluster.gpu_ids is None else None,
+            lay.ring_bandwidths(cluster),
+            [[cluster.physical_bandwidth(a, b) for b in first] for a in first])
+
+
+def test_layouts_keep_one_per_distinct_links():
+    """Two orders are one option exactly when their links are the same, pair by pair."""
+    from dataclasses import replace as dc_replace
+
+    from ftcompile.cluster import PRESETS
+    from ftcompile.replicas import ORDERS, ReplicaLayout, layouts
+
+    for base in (PRESETS["2xcpu"], PRESETS["2x8xh100-80gb"], PRESETS["paper-8x2080ti"]):
+        for gpus in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48):
+            for cl in (base.with_overrides(gpus=gpus),
+                       dc_replace(base, nodes=gpus // 2, gpus_per_node=2) if gpus % 2 == 0 else base):
+                got = [(x.pipeline_gpus, x.replicas, x.order) for x in layouts(cl)]
+                want = []
+                for R in (r for r in range(1, cl.physical_gpus + 1) if cl.physical_gpus % r == 0):
+                    P = cl.physical_gpus // R
+                    seen = []
+                    for order in ORDERS:
+                        lay = ReplicaLayout(P, R, order)
+                        ref = _links_reference(cl, lay)
+                        if R > 1 and P > 1 and ref in seen or (R == 1 or P == 1) and seen:
+                            continue
+                        seen.append(ref)
+                        want.append((P, R, order))
+                assert got == want, (cl, got, want)
+
+
+@pytest.fixture(scope="module")
+def mlp_problem():
+    """The 10-node MLP of the zoo, priced on the 2xcpu cluster's hardware."""
+    from ftcompile.cluster import PRESETS
+    from ftcompile.hardware import load_hardware
+    from ftcompile.models import ModelOptions, build_model
+    from ftcompile.plan import Problem
+    from ftcompile.profile import analytic_profile
+    from ftcompile.trace import trace
+
+    built = build_model("mlp", ModelOptions())
+    graph = trace(built.model, built.args, built.kwargs, source={"model": "mlp", "options": {}})
+    cluster = PRESETS["2xcpu"]
+    return Problem(graph, analytic_profile(graph, load_hardware(cluster.hardware)), cluster)
+
+
+@pytest.mark.parametrize("schedule", ["async", "1f1b"])
+def test_screened_layouts_keep_the_best_and_bounds_hold(mlp_problem, schedule):
+    """24 GPUs have 15 layouts: compile screens them. Against every layout planned in full
+    (brute force), no throughput exceeds its bound, no skipped layout could have won, and the
+    choice is the brute-force best."""
+    from dataclasses import replace as dc_replace
+
+    from ftcompile.compile import compile_plan
+    from ftcompile.replicas import compile_replicated, layouts, replicated_problem, screens, throughput_bound
+
+    names = "uniform,params,acyclic,seq"
+    cluster = mlp_problem.cluster.with_overrides(gpus=24)
+    base = dc_replace(mlp_problem, cluster=cluster, schedule=schedule)
+    lays = layouts(cluster)
+    assert len(lays) > 8 and screens(lays, None)
+    options, chosen = compile_replicated(base, names, jobs=1, time_limit=2)
+    assert [o.layout for o in options] == lays and chosen is not None
+    full = []
+    for lay in lays:
+        pb = replicated_problem(base, cluster, lay)
+        result = compile_plan(pb, "uniform" if lay.pipeline_gpus == 1 else names, jobs=1, time_limit=2)
+        best = result.best().sim["throughput_samples_per_s"] if result.chosen else 0.0
+        # every strategy's simulated run stays within the layout's bound
+        for r in result.results:
+            if r.sim:
+                assert r.sim["throughput_samples_per_s"] <= throughput_bound(pb) * (1 + 1e-9), (lay, r.name)
+        full.append(best)
+    c = options[chosen]
+    assert c.planned == "all" and c.throughput == pytest.approx(max(full), rel=1e-9)
+    kinds = {o.planned for o in options}
+    assert "screened" in kinds and "bounded" in kinds, kinds
+    for o, best in zip(options, full):
+        if o.planned == "bounded":
+            assert not o.feasible and "not planned" in o.reason
+            assert best <= o.bound * (1 + 1e-9) and o.bound < c.throughput
+        elif o.planned == "screened":
+            assert o.feasible and o.throughput <= best * (1 + 1e-9)
+            assert {r.name for r in o.result.results} == {"uniform", "params", "acyclic"}
