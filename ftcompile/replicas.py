@@ -129,8 +129,6 @@ def _links_key(cluster: ClusterSpec, lay: ReplicaLayout) -> tuple:
         sharing = tuple(names.setdefault(h, len(names)) for h in hosts)
     return (tuple(hosts) if cluster.gpu_ids is None else None, lay.ring_bandwidths(cluster), sharing)
 
-    return out
-
 
 def traffic(problem, plan, layout: ReplicaLayout, cluster: ClusterSpec, cost=None) -> dict:
     """Bytes moved per step (every replica's M micro-batches) on the whole cluster, and how many of
