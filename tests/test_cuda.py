@@ -42,23 +42,24 @@ def _run(pkg: Path, log: Path, *args: str, timeout: int = 600) -> list[dict]:
 
 
 def test_measured_profile_on_cuda_swaps_and_times_what_the_gpu_does():
-    """Host swapping keeps one node's tensors on the GPU at a time (the profile's device peak stays
-    below what a forward without swapping holds: every weight and every saved activation), and node times are synchronised with the GPU: no node runs faster
-    than the fastest GPU made could run its FLOPs (2 PFLOP/s, float32 or not)."""
-    built = build_model("gpt2-small", ModelOptions(batch_size=8, seq_len=256))
+    """Host swapping keeps one node's tensors on the GPU at a time: the profiler's device peak stays
+    below the model's weights alone (gpt2-medium: 1.4 GB of weights, its largest node, the tied
+    lm_head with its gradient and logits, about 0.7 GB), which the whole model on the device could
+    not. Node times are synchronised with the GPU: no node runs faster than the fastest GPU made
+    could run its FLOPs (2 PFLOP/s, whatever the dtype)."""
+    built = build_model("gpt2-medium", ModelOptions(batch_size=2, seq_len=256))
     graph = trace(built.model, built.args, built.kwargs, source={"model": built.name})
     params = host_params(graph, built.model)
     prof = measured_profile(graph, params, graph_input_values(graph, built.args, built.kwargs),
                             device="cuda", warmup=1, repeats=3)
     weights = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in params.values()}.values())
-    timed = [(n, prof.nodes[n.id]) for n in graph.op_nodes() if n.id in prof.nodes]
-    unswapped = weights + sum(c.activation_bytes for _, c in timed)
-    assert 0 < prof.info["peak_device_bytes"] < unswapped, (prof.info["peak_device_bytes"], unswapped)
-    assert all(c.forward_ms >= 0 and c.backward_ms >= 0 for _, c in timed)
-    big = max(timed, key=lambda nc: nc[1].flops_forward)
-    assert big[1].flops_forward > 1e11, big[1]          # the lm_head product: 2 * 8*256 * 768 * 50257
-    assert big[1].forward_ms >= big[1].flops_forward / 2e15 * 1e3, big[1]
-    assert sum(c.forward_ms for _, c in timed) > 0
+    assert 0 < prof.info["peak_device_bytes"] < weights, (prof.info["peak_device_bytes"], weights)
+    timed = [prof.nodes[n.id] for n in graph.op_nodes() if n.id in prof.nodes]
+    assert all(c.forward_ms >= 0 and c.backward_ms >= 0 for c in timed)
+    big = max(timed, key=lambda c: c.flops_forward)
+    assert big.flops_forward > 5e10, big          # the lm_head product: 2 * 2*256 * 1024 * 50257
+    assert big.forward_ms >= big.flops_forward / 2e15 * 1e3, big
+    assert big.backward_ms >= big.flops_backward / 2e15 * 1e3, big
 
 
 def test_package_trains_on_cuda_as_on_the_cpu(tmp_path):
