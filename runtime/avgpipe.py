@@ -387,8 +387,10 @@ class AdvanceTuner:
     5. ``K + 1`` predicted over a rank's limit: settle at ``K``. The prediction adds to each rank's measured peak
        the bytes of the micro-batches ``K + 1`` keeps in flight beyond ``K`` (from the schedule's own
        :attr:`~ftcompile.runtime.schedules.StageProgram.in_flight`), at the bytes per micro-batch the last raise
-       measured on that rank, or before any raise ``(peak - bytes held between steps) / micro-batches in flight``
-       (an over-estimate: the peak also holds gradients and transients; AvgPipe is conservative with memory).
+       measured on that rank, or before any raise ``(peak - held between steps) / micro-batches in flight``: an
+       upper bound, since the peak holds every micro-batch in flight beside what is held between steps (and
+       gradients and a backward's transients on top), so it may keep ``K`` lower than would fit; AvgPipe is
+       conservative with memory. A measured peak over the limit (rule 2) catches a prediction that fell short.
     6. Else raise to ``K + 1``.
 
     Once settled the advance stays for the rest of the run (and across ``--resume``: the checkpoint keeps it).
