@@ -298,7 +298,9 @@ def parse_advance(text):
         return Adapt(None if limit is None else _bytes(limit, "--advance adapt:LIMIT"), text)
     try:
         return _count("--advance", text, 0)
-    except AvgPipeError:
+    except AvgPipeError as exc:
+        if "must be" in str(exc):
+            raise AvgPipeError(f"--advance must be 0 or more (or 'auto', or 'adapt[:LIMIT]'), got {text}") from None
         raise AvgPipeError(f"--advance takes a whole number >= 0, 'auto' (the plan's tuned value) or "
                            f"'adapt[:LIMIT]' (Algorithm 1 while training, e.g. adapt:6GiB), got {text!r}") from None
 

@@ -365,7 +365,7 @@ def test_advance_options_parse_and_bad_values_are_refused():
     assert parse_advance("3") == 3 and parse_advance("auto") == "auto" and parse_advance(None) is None
     for bad, why in (("adapt:", "memory limit after the colon"), ("adapt:lots", "cannot read the memory limit"),
                      ("adapt:0", "positive size"), ("adapt:-1GB", "cannot read"), ("adaptive", "whole number"),
-                     ("-1", "whole number >= 0"), ("1.5", "adapt\\[:LIMIT\\]")):
+                     ("-1", "0 or more"), ("1.5", "adapt\\[:LIMIT\\]")):
         with pytest.raises(AvgPipeError, match=why):
             parse_advance(bad)
 
