@@ -544,6 +544,38 @@ def _shared_sum_ms(problem: Problem, names: list[str], holders: dict[str, int]) 
     return traffic / (hw.memory_bandwidth * hw.memory_efficiency) * 1e3
 
 
+def shared_update_transient(prof, names: Iterable[str], holders: dict[str, int]) -> int:
+    """Bytes U(j) adds for the shared (tied) tensors among ``names`` held by several stages: per
+    tensor the holders' sum and a zero gradient standing in for a missing own one (the runtime's
+    ``_sum_shared``; the other holders' parts are theirs, or wait in :func:`shared_gradient_receive`)."""
+    return sum(2 * prof.params[n].grad_bytes for n in names if holders.get(n, 0) > 1 and prof.params[n].grad_bytes)
+
+
+def shared_gradient_receive(graph: OpGraph, prof, stages: Iterable[tuple[int, Iterable[int]]]) -> dict[int, int]:
+    """Per GPU: bytes of shared (tied) tensors' gradients that arrive from holders on other GPUs.
+
+    ``stages`` are ``(gpu, nodes)`` pairs. At the start of its U(j) each holder sends its gradient
+    once to every other GPU holding the tensor (the runtime's ``_begin_update``: one message per
+    rank, read by every holder there); it waits there until that GPU's holders reach their own
+    U(j), through their remaining backwards and the other stages' tasks, so it adds to whatever
+    the GPU runs meanwhile. Holders on the same GPU hand over the gradient itself (no copy).
+    """
+    gpus_of: dict[str, list[int]] = {}
+    for gpu, nodes in stages:
+        for prm in {p for n in nodes for p in graph.node(n).params}:
+            if prof.params[prm].grad_bytes:
+                gpus_of.setdefault(prm, []).append(gpu)
+    out: dict[int, int] = {}
+    for prm, gs in gpus_of.items():
+        if len(gs) < 2:
+            continue
+        for g in set(gs):
+            remote = sum(1 for h in gs if h != g)
+            if remote:
+                out[g] = out.get(g, 0) + remote * prof.params[prm].grad_bytes
+    return out
+
+
 def _stage_params(problem: Problem, nodes: Iterable[int]) -> tuple[int, int, int, int, list[str]]:
     """``(weights and buffers, gradients, optimizer state, trainable weights, names)`` a stage holds."""
     prof = problem.profile
@@ -695,10 +727,9 @@ def evaluate(problem: Problem, plan: Plan, *, windows: dict[tuple[int, int], int
         # backward will use later ones;
         t_fwd = ws_fwd + (tb if (problem.weight_prediction and problem.schedule == "async" and prog.recompute)
                           else 0)
-        # update: the other holders' gradients of shared tensors with their sum (the runtime's fused
-        # optimizers update in place; Adafactor's factored statistics are small).
-        t_upd = sum(prof.params[n].bytes * shared_holders[n] for n in names
-                    if shared_holders[n] > 1 and prof.params[n].grad_bytes)
+        # update: shared tensors' sums (the runtime's fused optimizers update in place; Adafactor's
+        # factored statistics are small).
+        t_upd = shared_update_transient(prof, names, shared_holders)
         if problem.replicas > 1:
             t_upd += min(gb, ALLREDUCE_BUCKET_BYTES)      # the all-reduce's flat bucket
         stage_costs.append(StageCost(
@@ -725,6 +756,8 @@ def evaluate(problem: Problem, plan: Plan, *, windows: dict[tuple[int, int], int
         receive[g] += w * b
     for sc in stage_costs:
         receive[sc.gpu] += sc.in_flight * sc.grads_back_bytes
+    for g, b in shared_gradient_receive(graph, prof, [(s.gpu, s.nodes) for s in plan.stages]).items():
+        receive[g] += b
     send = [0] * plan.num_gpus
     where = plan.stage_of()
     for (v, g_dst) in {(v, gpu_of[c]) for p, c, data in sg.edges(data=True) for v in data["values"]}:

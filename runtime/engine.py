@@ -1088,7 +1088,7 @@ class RankEngine:
         rec = {"step": self.step_offset + j, "rank": self.rank, "replica": self.replica, "seconds": seconds,
                "samples_per_s": M * self.m.micro_batch_size / seconds if seconds > 0 else None,
                "wait_s": wait_s, "stages": {str(s.id): s.times.take() for s in self.stages.values()},
-               "lr": None, "memory_bytes": self._memory(),
+               "lr": None, **self._memory(),
                # Messages posted but not yet taken by the peer: bounded unless a peer falls behind.
                "sends_in_flight": len(self.pending_sends)}
         if self.meter is not None:
@@ -1110,12 +1110,16 @@ class RankEngine:
             rec["lr"] = opts[0].param_groups[0]["lr"]
         return rec
 
-    def _memory(self) -> int:
+    def _memory(self) -> dict:
         """Peak bytes since the last step: the rank's own tensor count when measuring, CUDA's allocator
-        on a GPU, else the process's peak resident set."""
+        on a GPU (and what it reserved from the driver: allocations plus its cache), else the process's
+        peak resident set."""
         if self.meter is not None:
-            return self.meter.take_peak()
-        return memory_bytes(self.device)
+            return {"memory_bytes": self.meter.take_peak()}
+        if self.device.type == "cuda":
+            reserved = int(torch.cuda.max_memory_reserved(self.device))
+            return {"memory_bytes": memory_bytes(self.device), "memory_reserved_bytes": reserved}
+        return {"memory_bytes": memory_bytes(self.device)}
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[int, dict]:
@@ -1180,7 +1184,7 @@ def merge_records(parts: list[dict]) -> dict:
         if p.get("replica", 0) != 0:
             out["ranks"][str(p["rank"])] = {"seconds": p["seconds"], "wait_s": p["wait_s"],
                                             "memory_bytes": p["memory_bytes"], "replica": p["replica"],
-                                            "sends_in_flight": p.get("sends_in_flight", 0)}
+                                            "sends_in_flight": p.get("sends_in_flight", 0), **_reserved(p)}
             continue
         if p.get("grad_norm") is not None:
             out["grad_norm"] = p["grad_norm"]
@@ -1194,8 +1198,12 @@ def merge_records(parts: list[dict]) -> dict:
         out["stage_ranks"].update({sid: str(p["rank"]) for sid in p["stages"]})
         out["ranks"][str(p["rank"])] = {"seconds": p["seconds"], "wait_s": p["wait_s"],
                                         "memory_bytes": p["memory_bytes"],
-                                        "sends_in_flight": p.get("sends_in_flight", 0)}
+                                        "sends_in_flight": p.get("sends_in_flight", 0), **_reserved(p)}
     return out
+
+
+def _reserved(part: dict) -> dict:
+    return {"memory_reserved_bytes": part["memory_reserved_bytes"]} if "memory_reserved_bytes" in part else {}
 
 
 def memory_bytes(device: torch.device) -> int:

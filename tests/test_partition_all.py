@@ -71,13 +71,14 @@ def assert_valid(pb: Problem, plan: Plan, strategy: str) -> None:
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("gpus, memory_share", [(3, None), (3, 0.75)])
+@pytest.mark.parametrize("gpus, memory_share", [(3, None), (3, 0.8)])
 def test_every_strategy_keeps_the_plan_contract(strategy, model, gpus, memory_share):
     pb = problem(model, gpus, memory_share)
     if memory_share is not None:
         # A plan that fits exists (the op nodes' order cut in three equal ranges), and one GPU
         # cannot hold the model: the strategies that respect memory must find one. (Tied weights
-        # are copied per stage and working sets do not shrink with the stage: 0.5 fits nothing.)
+        # are copied per stage, each copy receives the others' gradients, and working sets do not
+        # shrink with the stage: 0.5 fits nothing; t5-tiny's split needs 0.78.)
         ids = [n.id for n in pb.graph.op_nodes()]
         b = [0, len(ids) // 3, 2 * len(ids) // 3, len(ids)]
         assert evaluate(pb, Plan("even", 3, [Stage(k, k, ids[b[k]:b[k + 1]]) for k in range(3)])).feasible
@@ -122,7 +123,7 @@ def test_every_strategy_under_other_schedules(schedule):
 
 
 def test_auto_picks_a_feasible_plan_under_tight_memory():
-    pb = problem("t5-tiny", 3, 0.75)
+    pb = problem("t5-tiny", 3, 0.8)
     result = compile_plan(pb, "auto", jobs=1, time_limit=3)
     assert result.chosen is not None
     best = result.best()

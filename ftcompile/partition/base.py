@@ -21,8 +21,8 @@ from typing import Callable
 import numpy as np
 
 from ..profile import held_activation_bytes
-from ..plan import (ALLREDUCE_BUCKET_BYTES, Plan, Problem, Stage, _stage_params, plan_windows, stage_depths,
-                    stage_graph, working_sets)
+from ..plan import (ALLREDUCE_BUCKET_BYTES, Plan, Problem, Stage, _stage_params, plan_windows,
+                    shared_gradient_receive, shared_update_transient, stage_depths, stage_graph, working_sets)
 
 #: strategy name -> "module:function" (imported on first use, so a missing optional
 #: dependency such as pymetis only disables its own strategy).
@@ -262,8 +262,7 @@ class MemoryModel:
             if prog.extra_weight_versions:
                 t_bwd += tb
             t_fwd = ws_f + (tb if (pr.weight_prediction and pr.schedule == "async" and prog.recompute) else 0)
-            t_upd = sum(prof.params[n].bytes * holders[n] for n in names
-                        if holders[n] > 1 and prof.params[n].grad_bytes)
+            t_upd = shared_update_transient(prof, names, holders)
             if pr.replicas > 1:
                 t_upd += min(gb, ALLREDUCE_BUCKET_BYTES)
             total[g] += (pb + gb + ob + prog.extra_weight_versions * tb
@@ -280,6 +279,8 @@ class MemoryModel:
                 waiting[key] = (max(waiting.get(key, (0, 0))[0], w), b)
         for (v, g), (w, b) in waiting.items():
             total[g] += w * b
+        for g, b in shared_gradient_receive(graph, prof, stages.values()).items():
+            total[g] += b
         # send buffers: a value leaving its GPU that no reader on that GPU waits for
         where = plan.stage_of()
         for v, g_dst in {(v, gpu_of[c]) for _p, c, data in sg.edges(data=True) for v in data["values"]}:
@@ -303,7 +304,9 @@ class MemoryModel:
         input bytes it reads (per edge, as evaluate counts them); ``grads_back``: bytes of the
         values it sends that carry a gradient (or more); ``send``: bytes of the values it sends
         (each once); ``ws_fwd``/``ws_bwd``: upper bounds of :func:`~ftcompile.plan.working_sets`;
-        ``shared_extra``: an upper bound of the update's shared-gradient transient.
+        ``shared_extra``: an upper bound of what shared (tied) tensors add: the other holders'
+        gradients waiting for its update and the update's sums (added whole, not under the
+        transients' maximum: the gradients wait while other tasks run).
         """
         k = self.in_flight_max(depth)
         x = self.extra_versions_max(depth)
@@ -311,8 +314,8 @@ class MemoryModel:
         held = k * self._where(recomputes, recv + inputs, act_full)
         t_bwd = self._where(recomputes, act_full + self._max(ws_fwd, ws_bwd), ws_bwd) + (trainable if x else 0)
         t_fwd = ws_fwd + (trainable if self.problem.weight_prediction and self.schedule == "async" else 0)
-        t_upd = shared_extra + (min_bucket(params_total) if self.problem.replicas > 1 else 0)
-        return (params_total + x * trainable + held + w * recv + k * grads_back + send
+        t_upd = min_bucket(params_total) if self.problem.replicas > 1 else 0
+        return (params_total + x * trainable + held + w * recv + k * grads_back + send + shared_extra
                 + self.data_steps(k) * inputs + self._max(self._max(t_bwd, t_fwd), t_upd) + self.reserve)
 
     def stage_lower(self, *, depth: int, params_total, trainable, recomputes, act_full, recv, inputs,

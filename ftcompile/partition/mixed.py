@@ -587,32 +587,29 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
     if with_convex:
         from .seq import partition_seq
 
+        def consider(found: Plan, source: str) -> None:
+            """Another partitioner's plan joins the candidates (re-made with Mixed-pipe's info)."""
+            nonlocal best
+            plan = _plan(problem, [(st.gpu, st.nodes) for st in found.stages], {"source": source, "refined": False})
+            cost = evaluate(problem, plan)
+            if cost.feasible:
+                finals.append((cost.objective_ms, plan))
+                if best is None or cost.objective_ms < best[0]:
+                    best = (cost.objective_ms, plan)
+
         sp = None
         try:
             left = max(1.0, time_budget_s - (time.perf_counter() - t0))
             sp = partition_seq(problem, max_stages=max_stages, time_limit=left)
-            cplan = _plan(problem, [(st.gpu, st.nodes) for st in sp.stages],
-                          {"source": "convex split (seq)", "refined": False})
-            ccost = evaluate(problem, cplan)
-            if ccost.feasible:
-                finals.append((ccost.objective_ms, cplan))
-                if best is None or ccost.objective_ms < best[0]:
-                    best = (ccost.objective_ms, cplan)
+            consider(sp, "convex split (seq)")
         except Infeasible as exc:
             worst_reason = worst_reason or exc.reason
         if sum(1 for _ in problem.graph.op_nodes()) <= exact_max_nodes and P > 1:
             try:
                 from .exact import partition_exact
 
-                ep = partition_exact(problem, time_limit=max(1.0, time_budget_s / 3), max_stages=max_stages,
-                                     simulate_top=0, warm_plan=sp, max_variables=100_000)
-                eplan = _plan(problem, [(st.gpu, st.nodes) for st in ep.stages],
-                              {"source": "mixed-space MIP", "refined": False})
-                ecost = evaluate(problem, eplan)
-                if ecost.feasible:
-                    finals.append((ecost.objective_ms, eplan))
-                    if best is None or ecost.objective_ms < best[0]:
-                        best = (ecost.objective_ms, eplan)
+                consider(partition_exact(problem, time_limit=max(1.0, time_budget_s / 3), max_stages=max_stages,
+                                         simulate_top=0, warm_plan=sp, max_variables=100_000), "mixed-space MIP")
             except Infeasible as exc:
                 worst_reason = worst_reason or exc.reason
     if max_stages is not None:

@@ -476,13 +476,10 @@ def _seq_dp(problem: Problem, seq: OpSequence, counts: list[int]):
     best: dict[tuple[str, str, int], float] = {}
     wsf, wsb = working_set_bounds(problem, seq.ids)
     graph, prof = problem.graph, problem.profile
-    # the update's shared-gradient transient, at most each tied tensor times the stages reading it
     readers: dict[str, set[int]] = {}
     for n in seq.ids:
         for prm in graph.node(n).params:
             readers.setdefault(prm, set()).add(n)
-    shared_cap = {S: sum(prof.params[prm].bytes * min(S, len(r)) for prm, r in readers.items()
-                         if len(r) > 1 and prof.params[prm].grad_bytes) for S in counts}
     upd_w = np.zeros(N)                          # by last reading position < j: update ms / M
     upd_ms = (seq.param_update_ms if seq.param_update_ms is not None else np.zeros(len(seq.param_total))) \
         / problem.micro_batches
@@ -497,7 +494,11 @@ def _seq_dp(problem: Problem, seq: OpSequence, counts: list[int]):
         if len(r) > 1 and prof.params[prm].grad_bytes:
             rp = sorted(npos[n] for n in r)
             tied.append((rp, {S: _shared_sum_ms(problem, [prm], {prm: min(S, len(r))}) / problem.micro_batches
-                              for S in counts}))
+                              for S in counts},
+                         # memory: the other holders' gradients waiting (at most min(S, readers) - 1)
+                         # and the update's sum and stand-in (shared_gradient_receive and
+                         # shared_update_transient, with every other reader in another stage)
+                         {S: (min(S, len(r)) + 1) * prof.params[prm].grad_bytes for S in counts}))
     trainable_w = np.zeros(N, dtype=np.int64)   # by last reading position < j: trainable weight bytes
     trainable = np.array([prof.params[nm].bytes if prof.params[nm].grad_bytes else 0
                           for nm in seq.param_names], dtype=np.int64)
@@ -556,17 +557,17 @@ def _seq_dp(problem: Problem, seq: OpSequence, counts: list[int]):
         tied_now = []
         if tied:
             starts = np.arange(j)
-            for rp, cost in tied:
+            for rp, cost, nbytes in tied:
                 below = [r for r in rp if r < j]
                 if not below:
                     continue
                 some = starts <= below[-1]
                 every = (starts <= rp[0]) & (rp[-1] < j)
-                tied_now.append((some & ~every, cost))
+                tied_now.append((some & ~every, cost, nbytes))
 
         def period(rec, k, m, S):
             c = comp + rcmp * rec
-            for mask, cost in tied_now:
+            for mask, cost, _b in tied_now:
                 c = c + mask * cost[S]
             s = send_b(m) * (1e3 / bw_send[k]) if j < N else 0.0
             r = recvf_b * (1e3 / bw_recv[k])
@@ -578,8 +579,9 @@ def _seq_dp(problem: Problem, seq: OpSequence, counts: list[int]):
                       recv=recv_b, inputs=inputs)
             if mem == "lower":
                 return mm.stage_lower(**kw) <= limit
+            shared = sum((mask * nbytes[S] for mask, _c, nbytes in tied_now), np.zeros(j, dtype=np.int64))
             return mm.stage_upper(**kw, deepest=S - 1, grads_back=sent, send=sent, ws_fwd=ws_f, ws_bwd=ws_b,
-                                  shared_extra=shared_cap[S]) <= limit
+                                  shared_extra=shared) <= limit
 
         per_cache: dict = {}
         fit_cache: dict = {}
