@@ -30,7 +30,6 @@ restarting the ranks with the new layout and loading by parameter name) is
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -238,7 +237,7 @@ def cache_cut(graph: OpGraph, region: FrozenRegion) -> CacheCut:
     statistics), draws no random number (its dropout is off; other random operators are not),
     and every value leaving it that depends on the inputs is batched along dim 0, so that row
     ``i`` is sample ``i``'s. (Whether a row depends on the other rows of its micro-batch is
-    measured when the run starts: :func:`ftcompile.runtime.cache.measure`.)
+    measured when the run starts: :func:`ftcompile.runtime.cache_measure.measure`.)
     """
     from .codegen import _random_kind, random_keys
     from .runtime.ops import OTHER_RANDOM_KEYS
@@ -538,7 +537,7 @@ def cached_profile(graph: OpGraph, prof, region: FrozenRegion, previous: FrozenR
     (in ``region``, not in ``previous``) keep their forward: they advance the cache. ``write``: the
     pass also caches ``region``'s boundary (its bytes over the host link, charged to its producers),
     as a phase's first pass does. The read replaces the recomputation only where it is faster (the
-    runtime's rule, :func:`ftcompile.runtime.cache.decide`); returns ``(profile, cached)``, with
+    runtime's rule, :func:`ftcompile.runtime.cache_measure.decide`); returns ``(profile, cached)``, with
     ``cached`` False and ``prof`` unchanged where it is not.
     """
     from dataclasses import replace as dc_replace

@@ -267,7 +267,8 @@ class CacheRun:
         from dataclasses import replace
 
         from .runtime import load_package
-        from .runtime.cache import cache_plan, check, decide, measure_apart
+        from .runtime.cache import cache_plan, check
+        from .runtime.cache_measure import decide, measure_apart
 
         rec: dict = {"mode": self.mode}
         if not self.usable:

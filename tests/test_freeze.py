@@ -266,7 +266,8 @@ def test_freeze_run_refuses_what_it_cannot_do_before_any_rank_starts(bert4, tmp_
     for extra, msg in [(["--nproc", "2", "--freeze", "alpha=1/3,every=2"], "multiple of 4"),
                        (["--schedule", "async", "--freeze", "alpha=1/3,every=2"], "gpipe, 1f1b"),
                        (["--freeze", "alpha=1/3"], "needs both"),
-                       (["--freeze", "at=2:3"], "has 2 layers")]:
+                       (["--freeze", "at=2:3"], "has 2 layers"),
+                       (["--freeze", "at=2:1,cache=on"], "cache=on: --data synthetic gives no '__index__'")]:
         r = run_cli(str(bert4), "--steps", "4", "--log-dir", str(tmp_path / "log"), *extra, timeout=300)
         assert r.returncode == 2 and msg in r.stderr, (extra, r.stderr[-2000:])
         assert "Traceback" not in r.stderr
@@ -684,7 +685,8 @@ def test_a_rank_refuses_a_stale_cache_before_training(llama_phases, tmp_path):
 
 def test_autocache_profiler_measures_and_checks_exactness(llama_phases, tmp_path):
     from ftcompile.freeze import write_phase_package
-    from ftcompile.runtime.cache import cache_plan, create, decide, measure
+    from ftcompile.runtime.cache import cache_plan, create
+    from ftcompile.runtime.cache_measure import decide, measure
     from ftcompile.runtime.data import split_micro_batches
 
     _, f2 = llama_phases
@@ -706,7 +708,7 @@ def test_autocache_profiler_measures_and_checks_exactness(llama_phases, tmp_path
 
     save_file({k: v.contiguous() for k, v in mb.items()}, str(tmp_path / "mb.safetensors"))
     (tmp_path / "cfg.json").write_text(json.dumps(cfg.to_json()))
-    r = subprocess.run([sys.executable, "-m", "ftcompile.runtime.cache", str(f2), str(tmp_path / "cfg.json"),
+    r = subprocess.run([sys.executable, "-m", "ftcompile.runtime.cache_measure", str(f2), str(tmp_path / "cfg.json"),
                         str(tmp_path / "mb.safetensors"), "cpu"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     apart = json.loads(r.stdout.strip().splitlines()[-1])
@@ -780,7 +782,8 @@ def test_autocache_on_and_off_give_the_same_bits_on_four_ranks(bert4, tmp_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_autocache_measures_on_a_gpu_in_a_process_of_its_own(llama_phases, tmp_path):
-    from ftcompile.runtime.cache import create, measure_apart
+    from ftcompile.runtime.cache import create
+    from ftcompile.runtime.cache_measure import measure_apart
     from ftcompile.runtime.data import split_micro_batches
 
     _, f2 = llama_phases
