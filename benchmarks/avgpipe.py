@@ -12,7 +12,13 @@ gpipe, 1f1b, pipedream and 2bw at the given M, and AvgPipe at the (M, N, advance
 :func:`ftcompile.avgpipe.tune` chooses within the memory limit. Prints samples/s and the
 fullest GPU's memory of each, and AvgPipe's speed-up over each.
 
+``adapt``: advance forward propagation adapted while training (``--advance adapt[:LIMIT]``, Algorithm 1) on
+gpt2-tiny compiled for 2 GPUs, 2 processes: first each fixed advance in {0, 1, 2, M/2, M} (median step time
+after the first step, each rank's peak tensor bytes), then the adaptive run without a limit and with one
+between the fixed runs' peaks at advance 1 and 2; prints every step's advance, time, peaks and decision.
+
     python benchmarks/avgpipe.py convergence --steps 150
+    python benchmarks/avgpipe.py adapt --micro-batches 8 --steps 12
     python benchmarks/avgpipe.py simulate --models bert-large,gnmt --gpu-memory 16GB
 """
 
@@ -95,6 +101,51 @@ def convergence(args) -> None:
         print(f"wrote {out}")
     except ImportError:
         pass
+
+
+# --------------------------------------------------------------------------- Algorithm 1 while training
+
+def _records(log: Path) -> list[dict]:
+    return [json.loads(x) for x in (log / "train.jsonl").read_text().splitlines() if '"step"' in x]
+
+
+def adapt(args) -> None:
+    import statistics
+
+    py = str(Path(sys.executable).parent / "ftcompile")
+    M = args.micro_batches
+    with tempfile.TemporaryDirectory() as tmp:
+        pkg = Path(tmp) / "pkg"
+        # the tests' 2-stage package (Seq-pipe over 2 CPU "GPUs"; `ftcompile compile` keeps gpt2-tiny on one)
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from test_runtime import compiled
+
+        compiled(pkg, "gpt2-tiny", "seq", 2)
+
+        def run(name: str, advance: str) -> list[dict]:
+            log = Path(tmp) / name
+            sh(py, "run", str(pkg), "--nproc", "2", "--schedule", "avgpipe", "--advance", advance, "--micro-batches",
+               str(M), "--steps", str(args.steps), "--measure-memory", "--log-dir", str(log), "--progress", "off")
+            return _records(log)
+
+        print(f"gpt2-tiny, 2 stages on 2 processes (gloo, CPU), M = {M}, {args.steps} steps each; peak = the "
+              "tensor bytes a rank held at once in a step (runtime.memory)")
+        print(f"{'fixed advance':>14} {'median step s':>14} {'peak rank 0':>12} {'peak rank 1':>12}")
+        peaks = {}
+        for k in sorted({0, 1, 2, M // 2, M}):
+            recs = run(f"k{k}", str(k))[1:]
+            peaks[k] = {r: max(x["ranks"][r]["memory_bytes"] for x in recs) for r in ("0", "1")}
+            print(f"{k:>14} {statistics.median(x['seconds'] for x in recs):>14.4f} {peaks[k]['0']:>12} "
+                  f"{peaks[k]['1']:>12}")
+        limit = (max(peaks[1].values()) + max(peaks[2].values())) // 2
+        for spec in ("adapt", f"adapt:{limit}"):
+            print(f"\n--advance {spec}")
+            print(f"{'step':>4} {'advance':>7} {'step s':>8} {'peak rank 0':>12} {'peak rank 1':>12}  decision")
+            for x in run(spec.replace(":", "_"), spec):
+                t = x.get("advance_tuning")
+                what = f"{t['action']} -> {t['next_advance']}: {t['reason']}" if t else "(settled)"
+                print(f"{x['step']:>4} {x['advance']:>7} {x['seconds']:>8.4f} {x['ranks']['0']['memory_bytes']:>12} "
+                      f"{x['ranks']['1']['memory_bytes']:>12}  {what}")
 
 
 # --------------------------------------------------------------------------- simulation
@@ -211,13 +262,16 @@ def main() -> None:
     c.add_argument("--steps", type=int, default=200, help="steps of N = 1 (N = 2 runs half as many)")
     c.add_argument("--micro-batches", type=int, default=4)
     c.add_argument("--lr", type=float, default=1e-3)
+    a = sub.add_parser("adapt")
+    a.add_argument("--micro-batches", type=int, default=8)
+    a.add_argument("--steps", type=int, default=12)
     s = sub.add_parser("simulate")
     s.add_argument("--models", default="bert-large,gnmt")
     s.add_argument("--gpus", type=int, default=8)
     s.add_argument("--gpu-memory", default="16GB")
     s.add_argument("--micro-batches", type=int, default=8)
     args = ap.parse_args()
-    (convergence if args.what == "convergence" else simulate_all)(args)
+    {"convergence": convergence, "adapt": adapt, "simulate": simulate_all}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -182,10 +182,10 @@ def launch_settings(args, package) -> int:
     package's plan (``ftcompile compile --schedule avgpipe``); returns the number of parallel pipelines."""
     import json
 
-    from .runtime.avgpipe import _count
+    from .runtime.avgpipe import _count, parse_advance
 
     n = _count("--parallel-pipelines", getattr(args, "parallel_pipelines", None), 1)
-    k = _count("--advance", getattr(args, "advance", None), 0)
+    k = parse_advance(getattr(args, "advance", None))       # adapt[:LIMIT]: the ranks adapt it (runtime.avgpipe)
     schedule = args.schedule or package.manifest.schedule
     if schedule != "avgpipe":
         return 1
@@ -224,6 +224,9 @@ def problem_advance(args) -> int:
     """The advance a Problem prices (0 when not a number)."""
     from .runtime.avgpipe import _count
 
+    if str(getattr(args, "advance", None) or "").startswith("adapt"):
+        raise TuneError(f"--advance {args.advance} adapts the advance while training: it is for `ftcompile run`; "
+                        "compile and simulate price one advance (give a number, or auto to tune it)")
     k = _count("--advance", getattr(args, "advance", None), 0)
     _count("--parallel-pipelines", getattr(args, "parallel_pipelines", None), 1)
     if (k is not None or getattr(args, "parallel_pipelines", None) is not None) and args.schedule not in (None, "avgpipe"):

@@ -154,7 +154,8 @@ class _Stage:
     producers: list = field(default_factory=list)    # stages whose tensors F(k) waits for
     grad_from: list = field(default_factory=list)    # stages whose gradients B(k) waits for
     readers: list = field(default_factory=list)      # [(reader stage, W)]
-    shared: list = field(default_factory=list)       # [(other holder, bytes of shared gradients)]
+    shared: list = field(default_factory=list)       # [(other holder, bytes of shared gradients sent to it)]
+    shared_wait: dict = field(default_factory=dict)  # other holder -> bytes of its gradients waiting here
     input_bytes: int = 0               # graph inputs read per micro-batch
 
 
@@ -206,20 +207,29 @@ def _build(problem: Problem, plan: Plan, cost, sg: nx.DiGraph, depth: dict[int, 
         for prm in {p for n in s.nodes for p in graph.node(n).params}:
             if problem.profile.params[prm].grad_bytes:
                 holders.setdefault(prm, []).append(s.id)
+    # The engine's exchange (its _begin_update): a holder hands its gradient to the holders on its own
+    # GPU (no copy, no time) and sends it once to every other GPU holding the tensor, where one
+    # buffer waits for all the holders there (counted with the first of them, as evaluate's
+    # shared_gradient_receive counts it). Several tensors between the same pair go as one message.
+    link: dict[tuple[int, int], int] = {}
+    wait: dict[tuple[int, int], int] = {}
     for prm, hs in holders.items():
         if len(hs) < 2:
             continue
         nbytes = problem.profile.params[prm].grad_bytes
         for h in hs:
             for o in hs:
-                if o != h:
-                    out[h].shared.append((o, nbytes))
-    # merge several shared tensors between the same pair into one message
-    for st in out.values():
-        agg: dict[int, int] = {}
-        for o, b in st.shared:
-            agg[o] = agg.get(o, 0) + b
-        st.shared = sorted(agg.items())
+                if o == h:
+                    continue
+                link.setdefault((h, o), 0)
+                wait.setdefault((h, o), 0)
+                if out[h].gpu != out[o].gpu:
+                    link[(h, o)] += nbytes
+                    if o == min(x for x in hs if out[x].gpu == out[o].gpu):
+                        wait[(h, o)] += nbytes
+    for (h, o), nbytes in sorted(link.items()):
+        out[h].shared.append((o, nbytes))
+        out[o].shared_wait[h] = wait[(h, o)]
     return out
 
 
@@ -383,7 +393,7 @@ class _Sim:
         else:   # shared gradients for U(j)
             _, h, s, j, nbytes = d
             self.shared_in.setdefault((h, s), set()).add(j)
-            self.mem(self.st[s].gpu, "receive", nbytes)
+            self.mem(self.st[s].gpu, "receive", self.st[s].shared_wait[h])
             self.dirty_gpus.add(self.st[s].gpu)
 
     def grad_sum(self, t: int, u: int, k: int) -> None:
@@ -492,7 +502,7 @@ class _Sim:
                 self.send(s, (g, self.st[u].gpu), nbytes, k, ("grad", s, u, k, nbytes), u, k // M)
         else:
             self.mem(g, "transient", -st.t_upd)
-            for h, nbytes in st.shared:
+            for h, nbytes in st.shared_wait.items():
                 self.mem(g, "receive", -nbytes)
             j = k
             self.step_done[j] = self.step_done.get(j, 0) + 1

@@ -36,8 +36,11 @@ all-reduce bucket in flight, in place of the paper's reference model per GPU.
 
 from __future__ import annotations
 
+import math
 import queue
+import re
 import threading
+from dataclasses import dataclass, field
 
 import torch
 
@@ -252,6 +255,56 @@ class ElasticAveraging:
 
 # --------------------------------------------------------------------------- options
 
+#: ``--advance adapt``: a step must be faster than the last by more than this share to raise K again.
+ADAPT_TOLERANCE = 0.02
+#: ``--advance adapt`` on a GPU without a limit: this share of the device's memory (the rest is the CUDA
+#: context's and the caching allocator's).
+ADAPT_GPU_SHARE = 0.9
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4}
+
+
+@dataclass(frozen=True)
+class Adapt:
+    """``--advance adapt[:LIMIT]``: Algorithm 1 at run time (see :class:`AdvanceTuner`). ``limit``: peak bytes per
+    rank, None for the default (the GPU's memory on CUDA, none on the CPU)."""
+
+    limit: int | None = None
+    text: str = "adapt"
+
+
+def _bytes(text: str, flag: str) -> int:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise AvgPipeError(f"{flag}: cannot read the memory limit {text!r}; write it like 6GiB, 800MB or 2e9 "
+                           "(bytes per rank)")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(value) or value < 1:
+        raise AvgPipeError(f"{flag}: the memory limit must be a positive size, got {text!r}")
+    return int(value)
+
+
+def parse_advance(text):
+    """``--advance``: a whole number >= 0, ``"auto"`` (the plan's tuned value), an :class:`Adapt`
+    (``adapt`` or ``adapt:LIMIT``), or None when not given."""
+    if isinstance(text, Adapt):
+        return text
+    if isinstance(text, str) and (text == "adapt" or text.startswith("adapt:")):
+        limit = text[len("adapt:"):] if ":" in text else None
+        if limit is not None and not limit.strip():
+            raise AvgPipeError("--advance adapt: takes a memory limit after the colon (adapt:6GiB), or none "
+                               "(adapt)")
+        return Adapt(None if limit is None else _bytes(limit, "--advance adapt:LIMIT"), text)
+    try:
+        return _count("--advance", text, 0)
+    except AvgPipeError as exc:
+        if "must be" in str(exc):
+            raise AvgPipeError(f"--advance must be 0 or more (or 'auto', or 'adapt[:LIMIT]'), got {text}") from None
+        raise AvgPipeError(f"--advance takes a whole number >= 0, 'auto' (the plan's tuned value) or "
+                           f"'adapt[:LIMIT]' (Algorithm 1 while training, e.g. adapt:6GiB), got {text!r}") from None
+
+
 def _count(flag: str, text, low: int):
     """``text`` as an int >= ``low``, ``"auto"``, or None when not given."""
     if text is None or text == "auto":
@@ -268,7 +321,7 @@ def _count(flag: str, text, low: int):
 def check_options(args) -> list[str]:
     """Refuse AvgPipe options that make no sense (:class:`AvgPipeError`); warnings for pointless ones."""
     n = _count("--parallel-pipelines", getattr(args, "parallel_pipelines", None), 1)
-    _count("--advance", getattr(args, "advance", None), 0)
+    k = parse_advance(getattr(args, "advance", None))
     alpha = getattr(args, "elastic_alpha", None)
     if alpha is not None:
         check(n if isinstance(n, int) else 2, alpha)
@@ -276,6 +329,9 @@ def check_options(args) -> list[str]:
     if given and args.schedule not in (None, "avgpipe"):
         raise AvgPipeError(f"{', '.join(given)} belong to --schedule avgpipe, not {args.schedule}; add "
                            "--schedule avgpipe or drop them")
+    if isinstance(k, Adapt) and args.schedule not in (None, "avgpipe"):
+        raise AvgPipeError(f"--advance {k.text} adapts the schedule avgpipe while it trains, not "
+                           f"{args.schedule}; add --schedule avgpipe or drop it")
     if getattr(args, "advance", None) not in (None, 0, "0") and args.schedule not in (None, "avgpipe"):
         return [f"--advance does nothing under --schedule {args.schedule}: it is for --schedule avgpipe"]
     return []
@@ -283,13 +339,19 @@ def check_options(args) -> list[str]:
 
 def resolved(args) -> tuple[int, int, float | None]:
     """``(parallel pipelines, advance, alpha)`` of a rank's options; 'auto' must have been resolved by the
-    launcher (``ftcompile run``), which can consult the compiler."""
+    launcher (``ftcompile run``), which can consult the compiler. ``adapt`` starts at 0 (1F1B)."""
     n = _count("--parallel-pipelines", getattr(args, "parallel_pipelines", None), 1)
-    k = _count("--advance", getattr(args, "advance", None), 0)
+    k = parse_advance(getattr(args, "advance", None))
     if n == "auto" or k == "auto":
         raise AvgPipeError("--parallel-pipelines auto and --advance auto are chosen by `ftcompile run` from the "
                            "package's plan; started directly, give numbers")
-    return (n or 1), (k or 0), getattr(args, "elastic_alpha", None)
+    return (n or 1), (0 if isinstance(k, Adapt) else (k or 0)), getattr(args, "elastic_alpha", None)
+
+
+def adaptive(args) -> Adapt | None:
+    """The :class:`Adapt` of ``--advance adapt[:LIMIT]`` under ``--schedule avgpipe``, else None."""
+    k = parse_advance(getattr(args, "advance", None))
+    return k if isinstance(k, Adapt) and getattr(args, "schedule", None) == "avgpipe" else None
 
 
 def as_replicas(args, schedule: str | None) -> None:
@@ -303,3 +365,185 @@ def as_replicas(args, schedule: str | None) -> None:
         raise AvgPipeError(f"--replicas {given} with --schedule avgpipe: its parallel pipelines are the replicas; "
                            f"give --parallel-pipelines {given} instead (now {n})")
     args.replicas = n
+
+
+# --------------------------------------------------------------------------- Algorithm 1 at run time
+
+class AdvanceTuner:
+    """AvgPipe's Algorithm 1 while training (``--advance adapt[:LIMIT]``): start as 1F1B, raise the micro-batches
+    forwarded in advance by one per step while the step gets faster and memory stays under the limit.
+
+    The launcher (:mod:`~ftcompile.runtime.worker`) runs one step per segment while adapting and, between two
+    steps, every rank hands :meth:`figures` to an all-gather; :meth:`observe` turns the gathered list into the next
+    step's advance. Its input is the same list on every rank and it is a pure function of that list and of the
+    tuner's state (which every rank updated from the same lists before), so every rank runs the same advance in
+    every step; a rank that ran another one is refused as a bug. The rule, per step with advance ``K``:
+
+    1. The process's first step (a fresh run or a resumed one) is a warm-up: it runs ``K`` and is not compared
+       (it pays for first-touch allocations and connections).
+    2. A rank whose measured peak exceeded its limit: back to ``K - 1`` (0 stays 0) and settle.
+    3. Not faster than the step with ``K - 1`` by more than :data:`ADAPT_TOLERANCE` (the slowest rank's step
+       time, what a step costs): back to ``K - 1`` and settle. Algorithm 1 keeps the ``K`` it stopped at; the last
+       ``K`` that did make a step faster is as fast within the tolerance and holds less.
+    4. ``K = M`` (all forwards first, GPipe's order): settle.
+    5. ``K + 1`` predicted over a rank's limit: settle at ``K``. The prediction adds to each rank's measured peak
+       the bytes of the micro-batches ``K + 1`` keeps in flight beyond ``K`` (from the schedule's own
+       :attr:`~ftcompile.runtime.schedules.StageProgram.in_flight`), at the bytes per micro-batch the last raise
+       measured on that rank, or before any raise ``(peak - held between steps) / micro-batches in flight``: an
+       upper bound, since the peak holds every micro-batch in flight beside what is held between steps (and
+       gradients and a backward's transients on top), so it may keep ``K`` lower than would fit; AvgPipe is
+       conservative with memory. A measured peak over the limit (rule 2) catches a prediction that fell short.
+    6. Else raise to ``K + 1``.
+
+    Once settled the advance stays for the rest of the run (and across ``--resume``: the checkpoint keeps it).
+
+    Memory figures are each rank's per-step peak: CUDA's allocator on a GPU, the tensor meter
+    (:mod:`~ftcompile.runtime.memory`, turned on by a limit) on the CPU, where the resident set is a lifetime peak
+    that cannot tell one step from the next. Without a limit on the CPU only speed decides.
+    """
+
+    def __init__(self, spec: Adapt, micro_batches: int, *, tolerance: float = ADAPT_TOLERANCE):
+        self.spec, self.micro_batches, self.tolerance = spec, micro_batches, tolerance
+        self.advance = 0
+        self.settled = False
+        self.reason = "starting as 1F1B (advance 0)"
+        self._warm = False
+        self._best_s: float | None = None
+        self._last: dict[int, tuple[int, int]] | None = None     # rank -> (peak, in flight) at the last raise
+        self._growth: dict[int, float] = {}                        # rank -> bytes per micro-batch in flight
+
+    @property
+    def adapting(self) -> bool:
+        return not self.settled
+
+    # ---- checkpoints
+    def to_json(self) -> dict:
+        return {"spec": self.spec.text, "advance": self.advance, "settled": self.settled, "reason": self.reason}
+
+    def resume(self, saved: dict | None) -> str | None:
+        """Take the state a checkpoint saved (:meth:`to_json`) when it adapted the same way; returns a note."""
+        if not saved or saved.get("spec") != self.spec.text:
+            return None
+        self.advance = min(int(saved.get("advance", 0)), self.micro_batches)
+        self.settled = bool(saved.get("settled"))
+        self.reason = str(saved.get("reason", ""))
+        if self.settled:
+            return f"--advance {self.spec.text}: keeping the checkpoint's advance {self.advance} ({self.reason})"
+        return (f"--advance {self.spec.text}: adapting on from the checkpoint's advance {self.advance} (one warm-up "
+                "step, then the comparison starts afresh)")
+
+    # ---- one step
+    def limit_for(self, device) -> int | None:
+        """This rank's limit: the one given, else on a GPU :data:`ADAPT_GPU_SHARE` of its memory."""
+        if self.spec.limit is not None:
+            return self.spec.limit
+        if getattr(device, "type", None) == "cuda":
+            return int(ADAPT_GPU_SHARE * torch.cuda.get_device_properties(device).total_memory)
+        return None
+
+    def figures(self, engine, record: dict | None) -> dict:
+        """What this rank hands to the all-gather after a step: the advance its stages ran (read from their
+        programs), its step time and peak, the bytes it holds between steps, and its micro-batches in flight at
+        this advance and the next."""
+        from .schedules import stage_program
+
+        stages = list(engine.stages.values())
+        ran = sorted({st.program.advance for st in stages})
+        M = engine.cfg.micro_batches
+
+        def in_flight(k: int) -> int:
+            return sum(stage_program("avgpipe", st.id, depth=st.program.depth, micro_batches=M, steps=1,
+                                     advance=k).in_flight for st in stages)
+
+        if engine.meter is not None:
+            live, measured = engine.meter.live, "tensors"
+        elif engine.device.type == "cuda":
+            live, measured = int(torch.cuda.memory_allocated(engine.device)), "cuda allocator"
+        else:
+            live, measured = None, "process peak resident set (not compared)"
+        return {"rank": engine.rank, "advance": ran[0] if len(ran) == 1 else (ran or None),
+                "seconds": float(record["seconds"]) if record else 0.0,
+                "peak_bytes": int(record.get("memory_bytes") or 0) if record else 0, "live_bytes": live,
+                "limit_bytes": self.limit_for(engine.device) if live is not None else None, "memory": measured,
+                "in_flight": in_flight(self.advance), "in_flight_next": in_flight(self.advance + 1)}
+
+    def observe(self, figures: list[dict], step: int) -> dict:
+        """Decide the next step's advance from every rank's :meth:`figures` of ``step`` (the same list on every
+        rank); returns the decision with its numbers, for the step's log record."""
+        K, tol = self.advance, self.tolerance
+        figs = sorted(figures, key=lambda f: f["rank"])
+        ran = {f["rank"]: f["advance"] for f in figs if f["advance"] is not None}
+        if any(k != K for k in ran.values()):
+            raise AvgPipeError(f"step {step}: the ranks ran advances {ran}, but all should have run {K} (a bug: "
+                               "the ranks must agree on the advance of every step)")
+        T = max((f["seconds"] for f in figs), default=0.0)
+        peak = {f["rank"]: f["peak_bytes"] for f in figs}
+        limit = {f["rank"]: f["limit_bytes"] for f in figs}
+        out = {"step": step, "advance": K, "step_s": T, "best_step_s": self._best_s, "tolerance": tol,
+               "advance_by_rank": {str(r): k for r, k in ran.items()},
+               "peak_bytes": {str(r): p for r, p in peak.items()},
+               "limit_bytes": {str(r): x for r, x in limit.items() if x is not None} or None,
+               "memory": sorted({f["memory"] for f in figs})}
+        if self.settled:
+            return self._decide(out, K, "hold", self.reason)
+        if not self._warm:
+            self._warm = True
+            return self._decide(out, K, "hold", "warm-up: the process's first step is not compared")
+        over = [r for r in peak if limit[r] is not None and peak[r] > limit[r]]
+        if over:
+            r = over[0]
+            if K == 0:
+                return self._settle(out, 0, f"memory: 1F1B itself peaked at {peak[r]} bytes > the limit {limit[r]} "
+                                            f"on rank {r}; the advance stays 0")
+            return self._settle(out, K - 1, f"memory: rank {r} peaked at {peak[r]} bytes > its limit {limit[r]} with "
+                                            f"advance {K}; back to {K - 1}")
+        if self._best_s is not None and T > self._best_s * (1 - tol):
+            return self._settle(out, K - 1, f"not faster: {T:.4f} s with advance {K} against {self._best_s:.4f} s "
+                                            f"with {K - 1} (a raise needs under {self._best_s * (1 - tol):.4f} s); "
+                                            f"back to {K - 1}")
+        # Faster, or the first step measured: learn the bytes a micro-batch in flight costs, consider K + 1.
+        for f in figs:
+            r, n = f["rank"], f["in_flight"]
+            last = self._last.get(r) if self._last else None
+            if last is not None and n > last[1] and peak[r] > last[0]:
+                self._growth[r] = (peak[r] - last[0]) / (n - last[1])
+            elif r not in self._growth and f["live_bytes"] is not None and n > 0:
+                self._growth[r] = max(peak[r] - f["live_bytes"], 0) / n
+        self._best_s = T
+        self._last = {f["rank"]: (peak[f["rank"]], f["in_flight"]) for f in figs}
+        if K >= self.micro_batches:
+            return self._settle(out, K, f"all forwards first (advance {K} = M): nothing further to raise")
+        predicted = {f["rank"]: int(peak[f["rank"]] + self._growth.get(f["rank"], 0.0) *
+                                    (f["in_flight_next"] - f["in_flight"])) for f in figs}
+        out["predicted_next_peak_bytes"] = {str(r): p for r, p in predicted.items()}
+        too = [r for r in predicted if limit[r] is not None and predicted[r] > limit[r]]
+        if too:
+            r = too[0]
+            return self._settle(out, K, f"memory: advance {K + 1} would peak at about {predicted[r]} bytes on rank "
+                                        f"{r}, over its limit {limit[r]}; staying at {K}")
+        return self._decide(out, K + 1, "raise", f"{'faster' if K else 'measured'}: {T:.4f} s with advance {K}; "
+                                                 f"trying {K + 1}")
+
+    def _settle(self, out: dict, k: int, reason: str) -> dict:
+        self.settled, self.reason = True, reason
+        return self._decide(out, k, "settle", reason)
+
+    def _decide(self, out: dict, k: int, action: str, reason: str) -> dict:
+        self.advance = k
+        out.update(next_advance=k, action=action, reason=reason)
+        return out
+
+
+def adapt_segment(tuner: AdvanceTuner, engine, control, batches, step: int, on_step=None) -> dict:
+    """Train step ``step`` alone with the tuner's advance, let the ranks agree on the next one (a collective over
+    ``control``: every rank calls it), and hand the step's log record to ``on_step`` with the decision in it."""
+    engine.cfg.advance = tuner.advance
+    held: list[dict] = []
+    records = engine.run(batches, 1, on_step=held.append if on_step is not None else None, step_offset=step)
+    mine = tuner.figures(engine, records[-1] if records else None)
+    figures = control.all_gather(mine) if control is not None else [mine]
+    decision = tuner.observe(figures, step)
+    engine.cfg.advance = tuner.advance
+    for rec in held:
+        on_step({**rec, "advance": decision["advance"], "advance_tuning": decision})
+    return decision

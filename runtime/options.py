@@ -63,9 +63,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--parallel-pipelines", default=None, metavar="N|auto",
                    help="avgpipe: N parallel pipelines with elastic averaging, each on its own batch (they are the run's "
                         "replicas: --nproc counts the ranks of all N; default 1; auto: the plan's tuned choice)")
-    g.add_argument("--advance", default=None, metavar="K|auto",
+    g.add_argument("--advance", default=None, metavar="K|auto|adapt[:LIMIT]",
                    help="avgpipe: micro-batches forwarded in advance of 1F1B's warm-up (0: 1F1B, M: all forwards "
-                        "first; default 0; auto: the plan's tuned choice)")
+                        "first; default 0; auto: the plan's tuned choice; adapt: AvgPipe's Algorithm 1 while "
+                        "training, from 0 up by one per step while steps get faster and each rank's peak stays "
+                        "under LIMIT, e.g. adapt:6GiB (default: 90%% of the GPU's memory; none on the CPU))")
     g.add_argument("--elastic-alpha", type=float, default=None, metavar="A",
                    help="avgpipe: how far each parallel model is pulled toward their average per step (default 1/N)")
     g.add_argument("--on-nonfinite", choices=("stop", "skip"), default=None,

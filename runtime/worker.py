@@ -306,6 +306,18 @@ class RankRun:
         self.device = _device(args.device, self.launch.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        # AvgPipe --advance adapt: Algorithm 1 while training (runtime/avgpipe.py, AdvanceTuner).
+        self.tuner = None
+        spec = _avgpipe.adaptive(args)
+        if spec is not None:
+            self.tuner = _avgpipe.AdvanceTuner(spec, self.cfg.micro_batches)
+            if self.res.checkpoint is not None:
+                note = self.tuner.resume(self.res.checkpoint.meta.get("avgpipe_advance"))
+                if note and self.rank == 0:
+                    print(f"ftcompile run: {note}", file=sys.stderr)
+            self.cfg.advance = self.tuner.advance
+            if self.device.type == "cpu" and self.tuner.limit_for(self.device) is not None:
+                self.cfg.measure_memory = True     # per-step peaks: the resident set cannot tell steps apart
         self.ranks = self.layout.stage_ranks(m)
         # Replica 0's loss rank writes the log and holds the folders' locks.
         first = self.layout.stage_ranks(m, 0)
@@ -412,6 +424,7 @@ class RankRun:
                **phase_record(self.m, self.layout, self.cfg, self.args), **rec}
         if self.averaging is not None:
             rec["parallel_pipelines"] = self.replicas
+            rec.setdefault("advance", self.cfg.advance)
         loss = rec.get("loss")
         if loss is not None and not math.isfinite(loss):
             # train.jsonl stays strict JSON (no NaN / Infinity literals)
@@ -430,6 +443,8 @@ class RankRun:
                 "model": m.model.get("name"),
                 "world_size": self.launch.world_size, "replicas": self.replicas, "rank_order": self.layout.order,
                 "config": recorded_config(args)}
+        if self.tuner is not None:
+            meta["avgpipe_advance"] = self.tuner.to_json()
         self.phase(f"in the checkpoint of step {step}")
         try:
             # Once per stage: replica 0's ranks write; the others' copies are only compared with
@@ -462,11 +477,19 @@ class RankRun:
         every = args.checkpoint_every or args.steps
         step, previous = self.start, (self.start if self.res.checkpoint is not None else None)
         engine.start()
+        on_step = self._on_step if self.log is not None else None
         while step < args.steps:
             n = min(every, args.steps - step)
             self.phase(f"training steps {step}-{step + n - 1}")
-            engine.run(batches, n, on_step=self._on_step if self.log is not None else None, step_offset=step)
-            step += n
+            end = step + n
+            # --advance adapt: one step per segment while adapting, the ranks agreeing on the next advance between
+            # two steps (AvgPipe flushes every step anyway); the rest of the segment in one go once settled.
+            while self.tuner is not None and self.tuner.adapting and step < end:
+                _avgpipe.adapt_segment(self.tuner, engine, self.control, batches, step, on_step)
+                step += 1
+            if step < end:
+                engine.run(batches, end - step, on_step=on_step, step_offset=step)
+                step = end
             if args.checkpoint_dir and (args.checkpoint_every or step == args.steps):
                 self._save(step, previous)
                 previous = step

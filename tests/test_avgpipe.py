@@ -82,7 +82,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank, world, port, pkg, cfg, parallel, alpha, out) -> None:
+def _rank(rank, world, port, pkg, cfg, parallel, alpha, out, advances=None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     try:
@@ -102,11 +102,21 @@ def _rank(rank, world, port, pkg, cfg, parallel, alpha, out) -> None:
         data = iter(load_dataset("synthetic", package.manifest, micro_batches=parallel * cfg.micro_batches,
                                  seed=cfg.seed))
         losses = []
-        half = cfg.steps // 2
-        # two segments, as around a checkpoint: the pending pull crosses the boundary
-        engine.run(data, half, on_step=lambda r: losses.append(r["loss"]) if rank == engine.log_rank else None)
-        engine.run(data, cfg.steps - half, step_offset=half,
-                   on_step=lambda r: losses.append(r["loss"]) if rank == engine.log_rank else None)
+
+        def log(r):
+            if rank == engine.log_rank:
+                losses.append(r["loss"])
+        if advances is None:
+            half = cfg.steps // 2
+            # two segments, as around a checkpoint: the pending pull crosses the boundary
+            engine.run(data, half, on_step=log)
+            engine.run(data, cfg.steps - half, step_offset=half, on_step=log)
+        else:
+            # a per-step advance fixed by hand: one segment per step, each with its own order
+            for j, k in enumerate(advances):
+                engine.cfg.advance = k
+                engine.run(data, 1, step_offset=j, on_step=log)
+                assert all(st.program.advance == k for st in engine.stages.values()), (j, k)
         state = engine.state()
         ref = averaging.reference(state) if averaging is not None else state
         engine.finish()
@@ -121,11 +131,11 @@ def _rank(rank, world, port, pkg, cfg, parallel, alpha, out) -> None:
         out.put((rank, None, traceback.format_exc(), None, None))
 
 
-def run_avgpipe(pkg: Path, cfg: TrainConfig, parallel: int, alpha: float | None, world: int):
+def run_avgpipe(pkg: Path, cfg: TrainConfig, parallel: int, alpha: float | None, world: int, advances=None):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, str(pkg), cfg, parallel, alpha, out))
+    procs = [ctx.Process(target=_rank, args=(r, world, port, str(pkg), cfg, parallel, alpha, out, advances))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -335,3 +345,188 @@ def test_cli_runs_two_parallel_pipelines_on_two_processes_and_resumes_from_the_r
     bad = subprocess.run(exe + ["--steps", "3", "--nproc", "3", "--overwrite-checkpoints"], capture_output=True,
                          text=True, timeout=600)
     assert bad.returncode == 2 and "parallel pipelines" in bad.stderr
+
+
+# --------------------------------------------------------------------------- Algorithm 1 at run time (--advance adapt)
+
+def _fig(rank, seconds, peak, *, advance=0, live=1000, limit=None, now=1, nxt=2):
+    return {"rank": rank, "advance": advance, "seconds": seconds, "peak_bytes": peak, "live_bytes": live,
+            "limit_bytes": limit, "memory": "tensors", "in_flight": now, "in_flight_next": nxt}
+
+
+def test_advance_options_parse_and_bad_values_are_refused():
+    import argparse
+
+    from ftcompile.runtime.avgpipe import Adapt, AvgPipeError, adaptive, check_options, parse_advance, resolved
+
+    assert parse_advance("adapt") == Adapt(None, "adapt")
+    assert parse_advance("adapt:1.5GiB").limit == 3 * 2 ** 29
+    assert parse_advance("adapt:800MB").limit == 800_000_000 and parse_advance("adapt:2e6").limit == 2_000_000
+    assert parse_advance("3") == 3 and parse_advance("auto") == "auto" and parse_advance(None) is None
+    for bad, why in (("adapt:", "memory limit after the colon"), ("adapt:lots", "cannot read the memory limit"),
+                     ("adapt:0", "positive size"), ("adapt:-1GB", "cannot read"), ("adaptive", "whole number"),
+                     ("-1", "0 or more"), ("1.5", "adapt\\[:LIMIT\\]")):
+        with pytest.raises(AvgPipeError, match=why):
+            parse_advance(bad)
+
+    def ns(**kw):
+        return argparse.Namespace(**(dict(schedule="avgpipe", parallel_pipelines=None, advance=None,
+                                          elastic_alpha=None) | kw))
+    assert resolved(ns(advance="adapt:1GB")) == (1, 0, None)        # adapting starts as 1F1B
+    assert adaptive(ns(advance="adapt:1GB")).limit == 10 ** 9 and adaptive(ns(advance="2")) is None
+    with pytest.raises(AvgPipeError, match="adapts the schedule avgpipe"):
+        check_options(ns(schedule="1f1b", advance="adapt"))
+
+
+def test_tuner_raises_while_faster_and_settles_back_when_not():
+    from ftcompile.runtime.avgpipe import Adapt, AdvanceTuner
+
+    t = AdvanceTuner(Adapt(), micro_batches=4)
+    seen = []
+    for seconds in (9.0, 1.0, 0.8, 0.7, 0.699, 0.1):    # warm-up, K=0, K=1, K=2, K=3 (not faster), settled
+        d = t.observe([_fig(0, seconds, 10, advance=t.advance), _fig(1, seconds / 2, 10, advance=t.advance)],
+                      len(seen))
+        seen.append((d["advance"], d["action"], d["next_advance"]))
+    assert seen == [(0, "hold", 0), (0, "raise", 1), (1, "raise", 2), (2, "raise", 3), (3, "settle", 2),
+                    (2, "hold", 2)]
+    assert not t.adapting and t.advance == 2 and "not faster" in t.reason
+    # every raise that stays faster ends at all-forward-all-backward, K = M, never beyond
+    t = AdvanceTuner(Adapt(), micro_batches=2)
+    for j, seconds in enumerate((5.0, 1.0, 0.5, 0.2)):
+        d = t.observe([_fig(0, seconds, 10, advance=t.advance)], j)
+    assert d["action"] == "settle" and t.advance == 2 and "= M" in t.reason
+
+
+def test_tuner_keeps_to_the_memory_limit_and_refuses_ranks_that_disagree():
+    from ftcompile.runtime.avgpipe import Adapt, AdvanceTuner, AvgPipeError
+
+    # (peak - live) / in flight = 500 bytes per micro-batch: K = 1 (one more in flight) is predicted at 2500
+    t = AdvanceTuner(Adapt(2400), micro_batches=4)
+    t.observe([_fig(0, 2.0, 2000, limit=2400)], 0)
+    d = t.observe([_fig(0, 1.0, 2000, live=1000, now=2, nxt=3, limit=2400)], 1)
+    assert d["next_advance"] == 0 and d["predicted_next_peak_bytes"] == {"0": 2500} and "memory" in d["reason"]
+    # room for K = 1; the measured growth of that raise (900 bytes) then predicts K = 2 over the limit
+    t = AdvanceTuner(Adapt(3500), micro_batches=4)
+    t.observe([_fig(0, 2.0, 2000, limit=3500)], 0)
+    assert t.observe([_fig(0, 1.0, 2000, now=2, nxt=3, limit=3500)], 1)["next_advance"] == 1
+    d = t.observe([_fig(0, 0.5, 2900, advance=1, now=3, nxt=4, limit=3500)], 2)
+    assert d["next_advance"] == 1 and d["predicted_next_peak_bytes"] == {"0": 3800}
+    # a measured peak over the limit goes back one and stays there
+    t = AdvanceTuner(Adapt(3000), micro_batches=4)
+    t.observe([_fig(0, 2.0, 2000, limit=3000)], 0)
+    t.observe([_fig(0, 1.0, 2000, live=1900, limit=3000)], 1)
+    d = t.observe([_fig(0, 0.5, 3100, advance=1, limit=3000)], 2)
+    assert (d["action"], d["next_advance"]) == ("settle", 0) and "peaked at 3100" in d["reason"]
+    # one advance per step on every rank, or the run stops
+    t = AdvanceTuner(Adapt(), micro_batches=4)
+    with pytest.raises(AvgPipeError, match="the ranks ran advances"):
+        t.observe([_fig(0, 1.0, 10, advance=0), _fig(1, 1.0, 10, advance=1)], 0)
+
+
+def _steps(log: Path) -> list[dict]:
+    import json
+
+    return [json.loads(x) for x in (log / "train.jsonl").read_text().splitlines() if '"step"' in x]
+
+
+def _cli(pkg, *extra, timeout=600):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "ftcompile", "run", str(pkg), "--schedule", "avgpipe",
+                           "--progress", "off", "--timeout", "120", *extra], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_bad_adapt_values_are_refused_before_any_rank_starts(seq2, tmp_path):
+    for extra, why in ((["--advance", "adapt:many"], "cannot read the memory limit"),
+                       (["--advance", "adapt:0GB"], "positive size"),
+                       (["--advance", "adapt", "--schedule", "1f1b"], "adapts the schedule avgpipe")):
+        r = _cli(seq2, "--nproc", "2", "--log-dir", str(tmp_path / "log"), *extra, timeout=120)
+        assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "log").exists()
+    # compile and simulate price one advance: adapt is refused there with the reason
+    import argparse
+
+    from ftcompile.avgpipe import TuneError, problem_advance
+    with pytest.raises(TuneError, match="is for `ftcompile run`"):
+        problem_advance(argparse.Namespace(schedule="avgpipe", advance="adapt:1GB", parallel_pipelines=None))
+
+
+@pytest.mark.slow
+def test_adapted_run_trains_as_its_advance_sequence_fixed_by_hand_and_every_rank_agrees(seq2, tmp_path):
+    steps, M = 6, 4
+    r = _cli(seq2, "--nproc", "2", "--parallel-pipelines", "2", "--advance", "adapt", "--micro-batches", str(M),
+             "--steps", str(steps), "--optimizer", "momentum", "--lr", "0.05", "--seed", "3",
+             "--log-dir", str(tmp_path / "log"))
+    assert r.returncode == 0, r.stderr
+    recs = _steps(tmp_path / "log")
+    ks = [x["advance"] for x in recs]
+    assert [x["step"] for x in recs] == list(range(steps))
+    # Algorithm 1: starts as 1F1B (a warm-up step, a measured one), then tries one more in advance
+    assert ks[:3] == [0, 0, 1] and all(0 <= k <= M for k in ks)
+    for x in recs:
+        t = x["advance_tuning"] if "advance_tuning" in x else None
+        if t is None:             # settled: the rest of the run in one segment at the settled advance
+            continue
+        # every rank (both parallel pipelines) ran this step's advance, as its own stages' programs say
+        assert t["advance_by_rank"] == {"0": x["advance"], "1": x["advance"]}, t
+        assert t["step_s"] == max(v["seconds"] for v in x["ranks"].values())
+    for a, b in zip(recs, recs[1:]):
+        if "advance_tuning" in a:
+            assert b["advance"] == a["advance_tuning"]["next_advance"]
+            assert b["advance"] - a["advance"] <= 1        # one more per step at most
+    # the same advances fixed by hand, one segment per step: the same losses, bit for bit (the order moves
+    # forwards earlier; each step still sums its micro-batches' gradients in the same order)
+    cfg = TrainConfig(schedule="avgpipe", micro_batches=M, steps=steps, optimizer="momentum", lr=0.05, seed=3)
+    res = run_avgpipe(seq2, cfg, 2, "default", world=2, advances=ks)
+    losses = [x[4] for x in res if x[4] is not None]
+    assert losses == [[x["loss"] for x in recs]]
+
+
+@pytest.mark.slow
+def test_adapt_never_raises_past_a_limit_below_what_one_more_in_advance_needs(seq2, tmp_path):
+    common = ["--nproc", "2", "--micro-batches", "4", "--measure-memory"]
+
+    def steady_peak(advance):
+        r = _cli(seq2, *common, "--advance", str(advance), "--steps", "3", "--log-dir", str(tmp_path / f"k{advance}"))
+        assert r.returncode == 0, r.stderr
+        return max(v["memory_bytes"] for x in _steps(tmp_path / f"k{advance}")[1:] for v in x["ranks"].values())
+
+    p0, p1 = steady_peak(0), steady_peak(1)
+    assert p1 > p0
+    limit = (p0 + p1) // 2
+    r = _cli(seq2, *common, "--advance", f"adapt:{limit}", "--steps", "4", "--log-dir", str(tmp_path / "adapt"))
+    assert r.returncode == 0, r.stderr
+    recs = _steps(tmp_path / "adapt")
+    assert [x["advance"] for x in recs] == [0, 0, 0, 0]
+    t = recs[1]["advance_tuning"]
+    assert t["action"] == "settle" and t["reason"].startswith("memory: advance 1 would peak")
+    assert max(t["predicted_next_peak_bytes"].values()) > limit >= max(t["peak_bytes"].values())
+    assert all(v["memory_bytes"] <= limit for x in recs[1:] for v in x["ranks"].values())
+
+
+@pytest.mark.slow
+def test_resume_keeps_the_adapted_advance(seq2, tmp_path):
+    import json
+
+    from ftcompile.runtime.checkpoint import latest
+
+    common = ["--nproc", "2", "--micro-batches", "2", "--advance", "adapt", "--checkpoint-dir", str(tmp_path / "ck"),
+              "--log-dir", str(tmp_path / "log")]
+    r = _cli(seq2, *common, "--steps", "5")
+    assert r.returncode == 0, r.stderr
+    saved = json.loads((latest(tmp_path / "ck").folder / "meta.json").read_text())["avgpipe_advance"]
+    decided = [x["advance_tuning"] for x in _steps(tmp_path / "log") if "advance_tuning" in x]
+    assert saved["spec"] == "adapt" and saved["advance"] == decided[-1]["next_advance"]
+    r = _cli(seq2, *common[:-4], "--checkpoint-dir", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "log"),
+             "--steps", "7", "--resume")
+    assert r.returncode == 0, r.stderr
+    recs = _steps(tmp_path / "log")
+    assert [x["step"] for x in recs] == list(range(7))
+    assert recs[5]["advance"] == saved["advance"]
+    if saved["settled"]:
+        assert "keeping the checkpoint's advance" in r.stderr
+        assert [x["advance"] for x in recs[5:]] == [saved["advance"]] * 2 and "advance_tuning" not in recs[5]
+    else:
+        assert recs[5]["advance_tuning"]["reason"].startswith("warm-up")

@@ -216,7 +216,9 @@ def test_mixed_beats_seq_on_unbalanced_t5_and_ties_on_gpt2():
         return {r.name: r.sim["throughput_samples_per_s"] for r in result.results if r.feasible}
 
     t5 = simulated("t5-3b", batch_size=4, encoder_len=512, decoder_len=4)
-    assert t5["mixed"] > 1.1 * t5["seq"]
+    # +8% simulated (3.85 against 3.56 samples/s, 2026-11-25) once every holder of the tied
+    # embedding counts the other holders' gradient copies; +10% or more before
+    assert t5["mixed"] > 1.03 * t5["seq"]
     gpt = simulated("gpt2-medium", batch_size=1, seq_len=1024)
     assert abs(gpt["mixed"] - gpt["seq"]) / gpt["seq"] < 0.05
 
