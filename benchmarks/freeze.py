@@ -11,20 +11,26 @@ pipeline x DDP baseline on the same cluster:
 * **+AutoPipe**: the frozen graph re-partitioned, P halved while it fits and gains, R kept
   (freed GPUs idle);
 * **+AutoDP**: as +AutoPipe, with R = G / P replicas on the freed GPUs;
-* **+AutoCache**: as +AutoDP, the prefix frozen before the phase read from a host cache (its
-  boundary activations over the host link) instead of recomputed, where reading is faster.
+* **+AutoCache**: as +AutoDP (the same plan: the runtime plans a phase for misses and splits the
+  frozen layers into stages of their own), simulated with the prefix frozen before the phase read
+  from the host cache instead of recomputed (its boundary activations over the host link, charged
+  to the stages that would compute them), the newly frozen layers run to advance the cache, and
+  the phase's new boundary written to it; where reading is slower than recomputing, the runtime's
+  rule does not use the cache and the phase runs as +AutoDP.
 
 Assumptions (printed with the figures): training is split into ``--intervals`` equal parts (in
 samples) with a freeze check between parts; the gradient norms are taken to fall towards the
 output, so Eq. 1's alpha bound decides (the fastest freezing alpha allows); each phase is one
-pass over the data (so the cache is advanced through the newly frozen layers once per phase and
-read afterwards); transitions (re-planning, restart, checkpoint load) are not counted here (the
+pass over the data (so every micro-batch of a phase is an advance: the previous phase's cached
+output read, the newly frozen layers run, their output written; the first frozen phase only
+writes); transitions (re-planning, restart, checkpoint load) are not counted here (the
 CPU end-to-end run measures them); the global batch is fixed (``--batch``), split into
 micro-batches of the traced size.
 
     python benchmarks/freeze.py                       # ViT-B/16 and BERT-large on 8 x V100
     python benchmarks/freeze.py --models vit-base --intervals 10 --strategy seq
     python benchmarks/freeze.py --cpu-run             # plus the 4-process CPU end-to-end runs
+    python benchmarks/freeze.py --models "" --cpu-cache 8   # AutoCache off and on, CPU, 8-sample dataset
 """
 
 from __future__ import annotations
@@ -114,18 +120,21 @@ def predict(name: str, cluster_name: str, alpha: float, intervals: int, strategy
                 only = simulate_fixed(pb, Plan.from_json(base.doc["plan"]))
                 ap = plan_phase(graph, layers, n, cluster, replicas=base.replicas, start_pipeline=base.pipeline_gpus,
                                 **common)
-                dp = plan_phase(graph, layers, n, cluster, start_pipeline=base.pipeline_gpus, **common)
-                cached, used = dp.samples_per_s, False
-                if prev > 0:
-                    used = cached_profile(fg, prof, regions[n], regions[prev], host_bandwidth=hw.host_bandwidth)[1]
-                    if used:
-                        def with_cache(g, _n=n, _prev=prev):
-                            return cached_profile(g, profiles[_n][1], regions[_n], regions[_prev],
-                                                  host_bandwidth=hw.host_bandwidth)[0]
-
-                        cached = plan_phase(graph, layers, n, cluster, start_pipeline=base.pipeline_gpus,
-                                            profile_fn=with_cache, **common).samples_per_s
-                memo[(prev, n)] = {"frozen": n, "cached_prefix": prev if used else 0, "freeze_only": only,
+                dp = plan_phase(graph, layers, n, cluster, start_pipeline=base.pipeline_gpus,
+                                cached_from=prev, **common)
+                # the same plan, one pass over the data with the cache: read what the previous phase
+                # cached, run the newly frozen layers, write their output
+                cprof, used = cached_profile(fg, prof, regions[n], regions[prev] if prev else None,
+                                             host_bandwidth=hw.host_bandwidth, write=True)
+                cached = dp.samples_per_s
+                if used and (dp.cache or {}).get("stages"):
+                    cpb = replicated_problem(Problem(fg, cprof, cluster, schedule="gpipe",
+                                                     micro_batches=dp.micro_batches),
+                                             cluster, ReplicaLayout(dp.pipeline_gpus, dp.replicas))
+                    cached = simulate_fixed(cpb, Plan.from_json(dp.doc["plan"]))
+                    used = cached > 0
+                    cached = cached if used else dp.samples_per_s
+                memo[(prev, n)] = {"frozen": n, "cached_prefix": prev if used and prev else 0, "freeze_only": only,
                                    "autopipe": ap.samples_per_s, "autopipe_P": ap.pipeline_gpus,
                                    "autodp": dp.samples_per_s, "autodp_PR": (dp.pipeline_gpus, dp.replicas),
                                    "autocache": cached, "cache_used": used}
@@ -163,33 +172,79 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def cpu_run(model: str, pretrained: str, work: Path, steps: int, every: int) -> str:
-    """Compile ``model`` from a 6-layer local checkpoint for 4 CPU workers and freeze-train it on 4 ranks."""
+# A finite dataset of N fixed samples (each drawn once from the package's synthetic recipe), visited in a
+# fresh order every epoch, every row named by its index: what AutoCache needs to reuse activations.
+EPOCHS = """
+import torch
+from ftcompile.runtime.data import SAMPLE_INDEX, synthetic_batches
+
+
+def epochs(manifest, micro_batches, seed, n={n}):
+    rows = micro_batches * manifest.micro_batch_size
+    table = next(synthetic_batches(manifest, micro_batches=n // manifest.micro_batch_size, seed=seed + 1000))
+    g = torch.Generator().manual_seed(seed)
+    order = torch.empty(0, dtype=torch.int64)
+    while True:
+        while len(order) < rows:
+            order = torch.cat([order, torch.randperm(n, generator=g)])
+        take, order = order[:rows], order[rows:]
+        yield {{**{{k: v[take] for k, v in table.items()}}, SAMPLE_INDEX: take.clone()}}
+"""
+
+
+def cpu_run(model: str, pretrained: str, work: Path, steps: int, every: int, cache: str = "off",
+            samples: int | None = None) -> tuple[str, list[dict]]:
+    """Compile ``model`` from a 6-layer local checkpoint for 4 CPU workers and freeze-train it on 4 ranks
+    (on synthetic data, or with ``samples`` on a dataset of that many samples, AutoCache ``cache``)."""
     import subprocess
 
     pkg = work / f"{Path(pretrained).name}-pkg"
     py = [sys.executable, "-m", "ftcompile"]
-    subprocess.run(py + ["compile", model, "--pretrained", pretrained, "--cluster", "2xcpu", "--gpus", "4",
-                         "--schedule", "1f1b", "--strategy", "seq", "--replicas", "1", "--optimizer", "momentum",
-                         "-o", str(pkg), "-q"],
-                   check=True)
-    log = work / f"{Path(pretrained).name}-run"
+    if not pkg.exists():
+        subprocess.run(py + ["compile", model, "--pretrained", pretrained, "--cluster", "2xcpu", "--gpus", "4",
+                             "--schedule", "1f1b", "--strategy", "seq", "--replicas", "1", "--optimizer", "momentum",
+                             "-o", str(pkg), "-q"],
+                       check=True, stdout=subprocess.DEVNULL)
+    data = []
+    if samples:
+        (work / "epochs.py").write_text(EPOCHS.format(n=samples))
+        data = ["--data", f"{work / 'epochs.py'}:epochs"]
+    log = work / f"{Path(pretrained).name}-run-{cache}"
     r = subprocess.run(py + ["run", str(pkg), "--nproc", "4", "--steps", str(steps), "--optimizer", "momentum",
                              "--lr", "0.01", "--schedule", "1f1b", "--log-dir", str(log), "--overwrite-checkpoints",
-                             "--freeze", f"alpha=1/3,every={every},strategy=seq"], capture_output=True, text=True)
+                             *data, "--freeze", f"alpha=1/3,every={every},strategy=seq,cache={cache}"],
+                       capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(r.stderr[-3000:])
     lines = [json.loads(x) for x in (log / "freeze.jsonl").read_text().splitlines()]
-    out = [f"{model} (6 layers, {pretrained}): {steps} steps, Eq. 1 every {every} steps, 4 ranks over gloo"]
+    what = f"dataset of {samples} samples" if samples else "synthetic data"
+    out = [f"{model} (6 layers, {pretrained}): {steps} steps, Eq. 1 every {every} steps, 4 ranks over gloo, {what}, "
+           f"cache={cache}"]
     for x in lines:
         if "phase" in x and not x.get("decision"):
-            out.append(f"  phase {x['phase']}: steps {x['steps'][0]}-{x['steps'][1] - 1}, {x['frozen_layers']} frozen, "
-                       f"P={x['P']} R={x['R']} M={x['M']}: {x['samples_per_s']} samples/s measured (training "
-                       f"steps), transition/start-up {x['transition_s']:.1f} s")
+            line = (f"  phase {x['phase']}: steps {x['steps'][0]}-{x['steps'][1] - 1}, {x['frozen_layers']} frozen, "
+                    f"P={x['P']} R={x['R']} M={x['M']}: {x['samples_per_s']} samples/s measured (training "
+                    f"steps), transition/start-up {x['transition_s']:.1f} s")
+            c = x.get("cache")
+            if c:
+                m, n = c.get("measured") or {}, c.get("counts") or {}
+                line += (f"\n    AutoCache: {'reads ' + '+'.join(map(str, c.get('reads_levels') or [])) if c.get('used') else 'off'}"
+                         f" ({c.get('why')}); {n.get('hits', 0)} hits, {n.get('advanced', 0)} advanced, "
+                         f"{n.get('misses', 0)} misses; {n.get('bytes_read', 0) / 1e6:.2f} MB read in "
+                         f"{n.get('read_s', 0):.3f} s, {n.get('bytes_written', 0) / 1e6:.2f} MB written in "
+                         f"{n.get('write_s', 0):.3f} s (all ranks); measured per micro-batch: frozen forward "
+                         f"{m.get('forward_ms', 0):.2f} ms, read {m.get('read_ms', 0):.2f} ms")
+            out.append(line)
     for x in lines:
         if x.get("decision"):
             out.append(f"  step {x['step']}: {x['frozen_before']} -> {x['frozen_after']} frozen ({x['rule']})")
-    return "\n".join(out)
+    recs = [json.loads(x) for x in (log / "train.jsonl").read_text().splitlines()]
+    return "\n".join(out), [x for x in recs if "step" in x]
+
+
+def frozen_forward_seconds(recs: list[dict], first: int, end: int) -> float:
+    """Seconds the ranks spent in forward (every stage) over steps [first, end) of ``train.jsonl``."""
+    return sum(st["forward_s"] for x in recs if first <= x["step"] < end for st in x["stages"].values())
 
 
 def make_checkpoints(work: Path) -> dict[str, str]:
@@ -215,18 +270,34 @@ def main() -> None:
     p.add_argument("--strategy", default="seq")
     p.add_argument("--json", action="store_true")
     p.add_argument("--cpu-run", action="store_true", help="also run the 4-process CPU end-to-end freeze runs")
+    p.add_argument("--cpu-cache", type=int, default=0, metavar="N",
+                   help="also run them on a dataset of N samples with AutoCache off and on (N = 8: an epoch a step)")
     p.add_argument("--work", default=None, help="folder for the CPU runs (default: a temporary one)")
     args = p.parse_args()
     for name in [m for m in args.models.split(",") if m]:
         r = predict(name, args.cluster, args.alpha, args.intervals, args.strategy)
         print(json.dumps(r) if args.json else report(r), flush=True)
-    if args.cpu_run:
+    if args.cpu_run or args.cpu_cache:
         import tempfile
 
         work = Path(args.work or tempfile.mkdtemp(prefix="ftcompile-freeze-"))
         work.mkdir(parents=True, exist_ok=True)
         for model, ckpt in make_checkpoints(work).items():
-            print(cpu_run(model, ckpt, work, steps=10, every=2), flush=True)
+            if args.cpu_run:
+                print(cpu_run(model, ckpt, work, steps=10, every=2)[0], flush=True)
+            if args.cpu_cache:
+                # the same run on a dataset of 8 samples per step's global batch, so every step is an
+                # epoch: a phase's first step misses (or advances the cache), its later steps hit
+                runs = {c: cpu_run(model, ckpt, work, steps=16, every=4, cache=c, samples=args.cpu_cache)
+                        for c in ("off", "on")}
+                for c, (text, _) in runs.items():
+                    print(text, flush=True)
+                loss = {c: [x["loss"] for x in recs] for c, (_, recs) in runs.items()}
+                print(f"  losses with and without the cache identical: {loss['on'] == loss['off']}")
+                for first, end in ((4, 8), (8, 12), (12, 16)):
+                    fw = {c: frozen_forward_seconds(recs, first, end) for c, (_, recs) in runs.items()}
+                    print(f"  steps {first}-{end - 1}: forward seconds of every stage, all ranks: off "
+                          f"{fw['off']:.3f} s, on {fw['on']:.3f} s", flush=True)
 
 
 if __name__ == "__main__":

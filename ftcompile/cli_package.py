@@ -84,7 +84,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--freeze", default=None, metavar="SPEC",
                    help="elastic freeze training (PipeTransformer): alpha=1/3,every=K freezes layers by Eq. 1 "
                         "every K steps, re-planning P and R as they freeze; at=STEP:LAYERS[@PxR]+... is a manual "
-                        "schedule; see README 'Freeze training'")
+                        "schedule; add cache=auto|on|off, cache_mb=N, spill_mb=N for AutoCache (the frozen "
+                        "layers' output cached per sample); see README 'Freeze training'")
     p.set_defaults(func=cmd_run)
 
 

@@ -30,7 +30,6 @@ restarting the ranks with the new layout and loading by parameter name) is
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -200,6 +199,138 @@ def _no_dropout(ins):
     return replace(ins, args=args, kwargs=kwargs)
 
 
+# --------------------------------------------------------------------------- AutoCache: where it cuts
+
+@dataclass(frozen=True)
+class CacheCut:
+    """Whether the output of a frozen region can be cached per sample (AutoCache), and as what.
+
+    ``values`` are the tensors leaving the region for the nodes after it, ``shared`` those among
+    them that depend on no model input (position tables, causal masks: one copy serves every
+    sample). ``reason`` says why the region cannot be cached (None: it can).
+    """
+
+    layers: int
+    values: tuple[str, ...] = ()
+    shared: tuple[str, ...] = ()
+    reason: str | None = None
+
+
+def _micro_batch_size(graph: OpGraph) -> int:
+    """The traced batch size, as code generation reads it."""
+    b = (graph.source.get("options") or {}).get("batch_size")
+    if b is None:
+        for inp in graph.inputs:
+            if inp.get("node") is not None:
+                meta = graph.node(inp["node"]).outputs.get(inp["value"])
+                if meta is not None and meta.tensor is not None and meta.tensor.shape:
+                    return int(meta.tensor.shape[0])
+        return 1
+    return int(b)
+
+
+def cache_cut(graph: OpGraph, region: FrozenRegion) -> CacheCut:
+    """Can the output of ``region`` be cached per sample and be exactly what recomputing gives?
+
+    Only if the region computes a fixed function of each sample: it reads no parameter that keeps
+    training (a tied embedding: :attr:`FrozenRegion.kept`), updates no buffer in forward (running
+    statistics), draws no random number (its dropout is off; other random operators are not),
+    and every value leaving it that depends on the inputs is batched along dim 0, so that row
+    ``i`` is sample ``i``'s. (Whether a row depends on the other rows of its micro-batch is
+    measured when the run starts: :func:`ftcompile.runtime.cache_measure.measure`.)
+    """
+    from .codegen import _random_kind, random_keys
+    from .runtime.ops import OTHER_RANDOM_KEYS
+
+    n = region.layers
+    if not region.nodes:
+        return CacheCut(n, reason="nothing is frozen")
+    if region.kept:
+        p = sorted(region.kept)[0]
+        return CacheCut(n, reason=f"the frozen layers read {p}, which keeps training (it is also read after them, "
+                                  "e.g. a tied embedding), so their output changes at every step")
+    writes = sorted(buf for buf, (nid, _) in graph.buffer_writes().items() if nid in region.nodes)
+    if writes:
+        return CacheCut(n, reason=f"the frozen layers update buffer {writes[0]} in forward (running statistics), "
+                                  "so their output depends on the micro-batches seen before")
+    keys = random_keys(graph)
+    for node in graph.nodes:
+        if node.id in region.nodes:
+            for ins in node.instrs:
+                if keys.get(ins.name, -1) >= OTHER_RANDOM_KEYS and _random_kind(ins.target, ins.args, ins.kwargs):
+                    return CacheCut(n, reason=f"the frozen layers draw random numbers ({ins.target} in "
+                                              f"{node.scope or node.name}), so their output is not a function of "
+                                              "the sample")
+    # values that depend on a model input (node granularity: a node reading one makes all its outputs so)
+    dependent: set[str] = set()
+    for node in graph.nodes:
+        if node.kind == "input" or any(e.value in dependent for e in graph.in_edges(node.id)):
+            dependent.update(node.outputs)
+    b = _micro_batch_size(graph)
+    ops = {node.id for node in graph.op_nodes()}
+    values, shared = [], []
+    for v in region.boundary:
+        meta = graph.node(graph.producer(v)).outputs[v]
+        if meta.tensor is None or not any(e.dst in ops and e.dst not in region.nodes
+                                          for e in graph.out_edges(graph.producer(v)) if e.value == v):
+            continue        # a constant the readers' code holds, or a model output no later node reads
+        if v not in dependent:
+            shared.append(v)
+        elif not meta.tensor.shape or meta.tensor.shape[0] != b:
+            return CacheCut(n, reason=f"{v} {list(meta.tensor.shape)} leaves the frozen layers and depends on the "
+                                      f"inputs but is not batched along dim 0 (micro-batch size {b}), so it cannot be "
+                                      "split into samples")
+        values.append(v)
+    if not values:
+        return CacheCut(n, reason="no tensor leaves the frozen layers for the layers after them")
+    return CacheCut(n, tuple(values), tuple(shared))
+
+
+def split_frozen(graph: OpGraph, plan, regions: Sequence[FrozenRegion]):
+    """``plan`` with every stage that mixes frozen levels and active nodes split, on the same GPU.
+
+    ``regions`` are nested frozen regions (fewer layers first). Each part of a stage keeps the
+    nodes of one level: inside the first region, inside the next but not the first, ..., outside
+    all. Regions are prefixes of the graph's order, so the parts of a stage only feed the later
+    parts, and the stage graph stays acyclic. AutoCache skips whole stages (a frozen stage whose
+    output is cached does not run for that micro-batch); splitting changes no value computed
+    (the same operators, on the same GPU) and no gradient (nothing flows back into a frozen
+    region). The stages are renumbered in topological order.
+    """
+    from .plan import Plan, Stage, ordered
+
+    regions = sorted((r for r in regions if r.nodes), key=lambda r: r.layers)
+    if not regions:
+        return plan
+
+    def level(nid: int) -> int:
+        return next((i for i, r in enumerate(regions) if nid in r.nodes), len(regions))
+
+    stages = []
+    for s in plan.stages:
+        parts: dict[int, list[int]] = {}
+        for nid in s.nodes:
+            parts.setdefault(level(nid), []).append(nid)
+        for key in sorted(parts):
+            stages.append(Stage(len(stages), s.gpu, sorted(parts[key])))
+    if len(stages) == len(plan.stages):
+        return plan
+    info = dict(plan.info)
+    info["frozen_split"] = [r.layers for r in regions]
+    return ordered(Plan(plan.strategy, plan.num_gpus, stages, info), graph)
+
+
+def stage_levels(plan, regions: Sequence[FrozenRegion]) -> dict[int, int]:
+    """Frozen stage id -> the fewest frozen layers whose region holds all its nodes (active stages left out)."""
+    out = {}
+    for s in plan.stages:
+        for r in sorted((r for r in regions if r.nodes), key=lambda r: r.layers):
+            if set(s.nodes) <= r.nodes:
+                out[s.id] = r.layers
+                break
+    return out
+
+
 # --------------------------------------------------------------------------- AutoPipe + AutoDP
 
 @dataclass
@@ -216,11 +347,15 @@ class PhasePlan:
     tried: list[dict]               # every (P, R, M) priced: feasible, throughput, reason
     graph: OpGraph | None = None    # the frozen graph
     doc: dict | None = None         # its plan document (plan.json)
+    cache: dict | None = None       # AutoCache: frozen stage levels and the values cached (see plan_phase)
 
     def row(self) -> dict:
-        return {"frozen_layers": self.frozen, "P": self.pipeline_gpus, "R": self.replicas, "M": self.micro_batches,
-                "predicted_samples_per_s": round(self.samples_per_s, 6), "predicted_step_ms": round(self.step_ms, 6),
-                "strategy": self.strategy, "tried": self.tried}
+        out = {"frozen_layers": self.frozen, "P": self.pipeline_gpus, "R": self.replicas, "M": self.micro_batches,
+               "predicted_samples_per_s": round(self.samples_per_s, 6), "predicted_step_ms": round(self.step_ms, 6),
+               "strategy": self.strategy, "tried": self.tried}
+        if self.cache is not None:
+            out["cache"] = {k: v for k, v in self.cache.items() if k != "stages"}
+        return out
 
 
 def pipeline_lengths(gpus: int, start: int, global_micro_batches: int) -> list[int]:
@@ -240,7 +375,8 @@ def pipeline_lengths(gpus: int, start: int, global_micro_batches: int) -> list[i
 def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster, *, global_micro_batches: int,
                schedule: str, optimizer: str = "adam", start_pipeline: int | None = None,
                pipeline_gpus: int | None = None, strategies="auto", jobs: int | None = 1, hardware=None,
-               recompute=None, profile_fn=None, replicas: int | None = None) -> PhasePlan:
+               recompute=None, profile_fn=None, replicas: int | None = None, cached_from: int = 0,
+               split: bool = True) -> PhasePlan:
     """AutoPipe and AutoDP: the best ``(P, R = G / P, M = global / R)`` for ``frozen`` frozen layers.
 
     The frozen graph (:func:`freeze_graph`) is profiled (``profile_fn(graph)``, default: analytic on
@@ -250,13 +386,38 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
     trainable weights included). ``pipeline_gpus`` forces one length (a manual schedule);
     ``replicas`` keeps ``R`` fixed (AutoPipe without AutoDP: the GPUs a shorter pipeline frees stay
     idle, and ``M`` stays ``global / R``).
+
+    AutoCache: where the frozen region's output can be cached (:func:`cache_cut`) and ``split``,
+    each chosen plan's stages that mix frozen and active nodes are split on their GPU
+    (:func:`split_frozen`) at ``frozen`` layers and at ``cached_from`` (the previous phase's
+    frozen layers, whose cached outputs the newly frozen layers advance), and the split plan is
+    priced and simulated in place of the partitioner's. Plans are made for recomputing the frozen
+    forward: a phase starts with samples the cache does not hold, and whether reading beats
+    recomputing is measured when it runs. ``PhasePlan.cache`` records the levels of the frozen
+    stages and the values cached, or why the region cannot be cached.
     """
     from .compile import compile_plan, plan_document
     from .plan import Problem
     from .replicas import ReplicaLayout, replicated_problem
 
     G = cluster.physical_gpus
-    fg = freeze_graph(graph, frozen_region(graph, layer_paths, frozen))
+    region = frozen_region(graph, layer_paths, frozen)
+    fg = freeze_graph(graph, region)
+    cut = cache_cut(graph, region) if frozen else None
+    levels: list[FrozenRegion] = []
+    cache: dict | None = None
+    if cut is not None:
+        cache = {"layers": frozen, "cached_from": 0, "values": list(cut.values), "shared": list(cut.shared),
+                 "refused": cut.reason}
+        if cut.reason is None and split:
+            levels = [region]
+            if 0 < cached_from < frozen:
+                prev = frozen_region(graph, layer_paths, cached_from)
+                pcut = cache_cut(graph, prev)
+                if pcut.reason is None:
+                    levels.insert(0, prev)
+                    cache.update(cached_from=cached_from, previous_values=list(pcut.values),
+                                 previous_shared=list(pcut.shared))
     if profile_fn is None:
         from .hardware import load_hardware
         from .profile import analytic_profile
@@ -296,19 +457,53 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
             tried.append(row)
             break       # a shorter pipeline holds more per GPU: it will not fit either
         chosen = result.best()
+        split_note = _split_chosen(pb, chosen, levels) if levels else None
         sim = chosen.sim or {}
         thr = float(sim.get("throughput_samples_per_s", 0.0))
         row.update(samples_per_s=round(thr, 6), strategy=chosen.name)
+        if split_note:
+            row["cache_split"] = split_note
         tried.append(row)
         if best is not None and thr <= best.samples_per_s:
             continue    # no gain here; a shorter pipeline with more replicas may still gain
         doc = plan_document(result, model=fg.source)
-        best = PhasePlan(frozen, P, R, M, thr, float(sim.get("minibatch_ms", 0.0)), chosen.name, tried, fg, doc)
+        phase_cache = None
+        if cache is not None:
+            phase_cache = dict(cache)
+            if levels and split_note is None:
+                phase_cache["stages"] = {str(k): v for k, v in sorted(stage_levels(chosen.plan, levels).items())}
+            elif levels:
+                phase_cache["refused"] = f"its plan split at the frozen layers {split_note}"
+        best = PhasePlan(frozen, P, R, M, thr, float(sim.get("minibatch_ms", 0.0)), chosen.name, tried, fg, doc,
+                         phase_cache)
     if best is None:
         raise FreezeError(f"no pipeline of {candidates} GPUs fits the model with {frozen} frozen layers: "
                           + "; ".join(r.get("reason", "") for r in tried))
     best.tried = tried
     return best
+
+
+def _split_chosen(problem, chosen, levels: Sequence[FrozenRegion]) -> str | None:
+    """Replace ``chosen``'s plan by :func:`split_frozen`'s, priced and simulated; or say why not."""
+    from .compile import plan_figures
+    from .plan import evaluate
+    from .simulate import simulate
+    from .units import format_bytes
+
+    sp = split_frozen(problem.graph, chosen.plan, levels)
+    if sp is chosen.plan:
+        return None
+    cost = evaluate(problem, sp)
+    if not cost.feasible:
+        return f"does not fit: {cost.reason}"
+    sim = simulate(problem, sp).to_json()
+    sim.pop("events", None)
+    if not sim["memory_feasible"]:
+        g = max(range(sp.num_gpus), key=lambda i: sim["gpu_peak_memory"][i] - sim["gpu_memory_limit"])
+        return f"does not fit: GPU {g} peaks at {format_bytes(sim['gpu_peak_memory'][g])} in simulation"
+    chosen.plan, chosen.cost, chosen.sim = sp, cost, sim
+    chosen.figures = plan_figures(problem, sp, cost)
+    return None
 
 
 def write_phase_package(phase: PhasePlan, built, layer_paths: Sequence[str], out_dir, *,
@@ -324,6 +519,8 @@ def write_phase_package(phase: PhasePlan, built, layer_paths: Sequence[str], out
     m.replicas, m.rank_order = phase.replicas, rank_order
     m.generator["base_graph_hash"] = g.source["freeze"]["base_graph_hash"]
     m.model["freeze"] = {"layers": phase.frozen, "of": len(layer_paths), "paths": list(layer_paths)}
+    if phase.cache is not None:
+        m.model["freeze"]["cache"] = phase.cache
     write_package(pkg, phase.doc, out_dir)
     return str(out_dir)
 
@@ -331,30 +528,42 @@ def write_phase_package(phase: PhasePlan, built, layer_paths: Sequence[str], out
 # --------------------------------------------------------------------------- AutoCache (pricing)
 
 def cached_profile(graph: OpGraph, prof, region: FrozenRegion, previous: FrozenRegion | None, *,
-                   host_bandwidth: float):
-    """AutoCache's price: ``prof`` (of the frozen graph) with the cached prefix read, not recomputed.
+                   host_bandwidth: float, write: bool = False):
+    """AutoCache's price of one pass over the data: ``prof`` (of the frozen graph) as the runtime runs it.
 
     The nodes of ``previous`` (the prefix frozen before this phase, whose output is cached per
-    sample) cost nothing; reading the cache costs the cached boundary's bytes per micro-batch over
-    the host link (``host_bandwidth`` bytes/s), charged to the nodes that produce it. The newly
-    frozen nodes (in ``region``, not in ``previous``) keep their forward: they advance the cache.
-    The read replaces the recomputation only where it is faster (AutoCache's profiler rule);
-    returns ``(profile, cached)``.
+    sample) are skipped: reading their cached boundary costs its bytes per micro-batch over the host
+    link (``host_bandwidth`` bytes/s), charged to the nodes that produce it. The newly frozen nodes
+    (in ``region``, not in ``previous``) keep their forward: they advance the cache. ``write``: the
+    pass also caches ``region``'s boundary (its bytes over the host link, charged to its producers),
+    as a phase's first pass does. The read replaces the recomputation only where it is faster (the
+    runtime's rule, :func:`ftcompile.runtime.cache_measure.decide`); returns ``(profile, cached)``, with
+    ``cached`` False and ``prof`` unchanged where it is not.
     """
     from dataclasses import replace as dc_replace
 
-    if previous is None or not previous.nodes:
-        return prof, False
-    read_ms = sum(graph.node(graph.producer(v)).outputs[v].bytes for v in previous.boundary) / host_bandwidth * 1e3
-    forward_ms = sum(prof.nodes[n].forward_ms for n in previous.nodes if n in prof.nodes)
-    if read_ms >= forward_ms:
-        return prof, False
-    producers = {graph.producer(v) for v in previous.boundary}
+    def host_ms(values) -> float:
+        return sum(graph.node(graph.producer(v)).outputs[v].bytes for v in values) / host_bandwidth * 1e3
+
     nodes = dict(prof.nodes)
-    share = read_ms / max(len(producers), 1)
-    for n in previous.nodes:
-        if n in nodes:
-            c = nodes[n]
-            t = share if n in producers else 0.0
-            nodes[n] = dc_replace(c, forward_ms=t, recompute_ms=t, flops_forward=0.0, bytes_forward=0.0)
+    if previous is not None and previous.nodes:
+        read_ms = host_ms(previous.boundary)
+        forward_ms = sum(prof.nodes[n].forward_ms for n in previous.nodes if n in prof.nodes)
+        if read_ms >= forward_ms:
+            return prof, False
+        producers = {graph.producer(v) for v in previous.boundary}
+        share = read_ms / max(len(producers), 1)
+        for n in previous.nodes:
+            if n in nodes:
+                t = share if n in producers else 0.0
+                nodes[n] = dc_replace(nodes[n], forward_ms=t, recompute_ms=t, flops_forward=0.0, bytes_forward=0.0)
+    elif not write or host_ms(region.boundary) >= sum(prof.nodes[n].forward_ms for n in region.nodes
+                                                      if n in prof.nodes):
+        return prof, False      # nothing cached to read, and the cache would not pay: not used
+    if write:
+        producers = {graph.producer(v) for v in region.boundary}
+        share = host_ms(region.boundary) / max(len(producers), 1)
+        for n in producers:
+            if n in nodes:
+                nodes[n] = dc_replace(nodes[n], forward_ms=nodes[n].forward_ms + share)
     return dc_replace(prof, nodes=nodes), True

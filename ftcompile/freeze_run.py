@@ -18,21 +18,33 @@ controller, on the compiler side, stands between them:
 
 Each transition's cost (planning, plus the launch's start-up and checkpoint load: its wall time
 less its training time) is measured and logged, and counts in the run's samples/s.
+
+AutoCache (``cache=auto|on|off``, :mod:`ftcompile.runtime.cache`): the controller makes the run's
+cache (a folder in host memory, ``/dev/shm``, up to ``cache_mb``, and one under the run's log
+folder for the spill, up to ``spill_mb``), measures before each frozen phase whether reading a
+micro-batch's cached activations beats recomputing its frozen forward, tells the phase's ranks
+what to read and write, logs the decision with its figures and the phase's hits, misses and bytes,
+drops what the next phase no longer reads, and removes the cache when the run ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
+import os
+import shutil
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
 from .freeze import FreezeError, find_layers, frozen_layers, parse_alpha, plan_phase, write_phase_package
 from .runtime.atomic import atomic_write_text
+from .units import format_bytes
 
 
 @dataclass
@@ -45,6 +57,9 @@ class FreezeSpec:
     layers: list[str] = field(default_factory=list)
     strategy: str = "auto"
     cluster: str | None = None
+    cache: str = "auto"             # AutoCache: auto (where measured faster), on, off
+    cache_mb: float | None = None   # host-memory budget; None: half the free space of /dev/shm
+    spill_mb: float | None = None   # disk spill budget; None: half the free space under the log folder
 
     @property
     def manual(self) -> bool:
@@ -53,7 +68,8 @@ class FreezeSpec:
 
 USAGE = ("give --freeze alpha=1/3,every=K (Eq. 1 every K steps) or --freeze at=STEP:LAYERS[@PxR]+... "
          "(freeze LAYERS layers at STEP, optionally on P-GPU pipelines x R replicas), with optional "
-         "layers=CLASS+CLASS (block classes or module path prefixes), strategy=NAME, cluster=NAME")
+         "layers=CLASS+CLASS (block classes or module path prefixes), strategy=NAME, cluster=NAME, "
+         "cache=auto|on|off (AutoCache), cache_mb=N (its host memory), spill_mb=N (its disk spill)")
 
 
 def parse_freeze(text: str) -> FreezeSpec:
@@ -95,6 +111,19 @@ def parse_freeze(text: str) -> FreezeSpec:
             spec.strategy = value
         elif key == "cluster":
             spec.cluster = value
+        elif key == "cache":
+            if value not in ("auto", "on", "off"):
+                raise FreezeError(f"--freeze cache={value}: give auto (cache where reading beats recomputing), on "
+                                  "or off")
+            spec.cache = value
+        elif key in ("cache_mb", "spill_mb"):
+            try:
+                mb = float(value)
+            except ValueError:
+                mb = -1.0
+            if not (mb >= 0 and math.isfinite(mb)):
+                raise FreezeError(f"--freeze {key}={value}: give a number of megabytes >= 0")
+            setattr(spec, key, mb)
         else:
             raise FreezeError(f"--freeze: unknown key {key!r}; {USAGE}")
     if spec.manual and (spec.alpha is not None or spec.every is not None):
@@ -136,13 +165,196 @@ def _phase_seconds(log: Path, first: int, end: int) -> tuple[float, int]:
     return total, steps
 
 
+# --------------------------------------------------------------------------- AutoCache
+
+SHM = Path("/dev/shm")
+_SHM_PREFIX = "ftcompile-autocache-"
+
+
+def _claim_memory_dir(token: str) -> tuple[Path | None, int | None]:
+    """A folder of this run on the host's RAM file system (None where there is none), locked while it
+    lives; folders that dead runs left there (their lock free) are removed first."""
+    import fcntl
+
+    if not SHM.is_dir() or not os.access(SHM, os.W_OK):
+        return None, None
+    for old in SHM.glob(_SHM_PREFIX + "*"):
+        try:
+            fd = os.open(old / ".owner.lock", os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue            # its run is alive
+        try:
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            os.close(fd)
+    # made under a temporary name and locked before it gets its final one, so no scan removes it
+    tmp = SHM / f".{_SHM_PREFIX}{token}"
+    tmp.mkdir(mode=0o700)
+    fd = os.open(tmp / ".owner.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    final = SHM / f"{_SHM_PREFIX}{token}"
+    os.replace(tmp, final)
+    return final, fd
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _available_memory() -> int | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+class CacheRun:
+    """The run's activation cache, from the controller's side (see the module docstring)."""
+
+    def __init__(self, spec: FreezeSpec, args, manifest, work: Path, note):
+        from .runtime.cache import CacheConfig, create
+        from .runtime.data import SAMPLE_INDEX, DataError, load_dataset, split_micro_batches
+
+        self.spec, self.note, self.work = spec, note, work
+        self.mode = spec.cache
+        self.device = str(args.device or "cpu")
+        if self.device == "cuda":
+            self.device = "cuda:0"
+        data = args.data or "synthetic"
+        try:
+            batch = next(iter(load_dataset(data, manifest, micro_batches=1, seed=args.seed or 0)))
+        except (DataError, StopIteration) as exc:
+            raise FreezeError(f"AutoCache could not draw a batch of --data {data}: {exc}") from None
+        self.usable = SAMPLE_INDEX in batch
+        self.why_not = None if self.usable else (
+            f"--data {data} gives no {SAMPLE_INDEX!r} (each sample's dataset index): with nothing naming a sample "
+            "across epochs there is nothing to reuse (text data gives one; a dataset function can yield it)")
+        if not self.usable and self.mode == "on":
+            raise FreezeError(f"--freeze cache=on: {self.why_not}; give such data, or cache=auto|off")
+        self.micro_batch = split_micro_batches(batch, manifest, 1)[0]
+        self.token = uuid.uuid4().hex
+        self.memory, self._lock = (None, None)
+        self.cfg = None
+        self.index: str | None = None
+        self.phase_no = 0
+        if not self.usable:
+            return
+        self.memory, self._lock = _claim_memory_dir(self.token)
+        disk = work / f"cache-{self.token[:12]}"
+        disk.mkdir(parents=True, exist_ok=True)
+        mem_budget = 0
+        if self.memory is not None:
+            avail = [_free_bytes(self.memory) // 2] + [a // 2 for a in [_available_memory()] if a]
+            mem_budget = int(spec.cache_mb * 2 ** 20) if spec.cache_mb is not None else min(avail)
+        disk_budget = int(spec.spill_mb * 2 ** 20) if spec.spill_mb is not None else _free_bytes(disk) // 2
+        self.base = CacheConfig(self.token, str(disk), str(self.memory) if self.memory else None, mem_budget,
+                                disk_budget, 0)
+        create(self.base, manifest)
+        where = f"{self.memory} (host memory, {format_bytes(mem_budget)})" if self.memory else \
+            "no host-memory file system"
+        note(f"AutoCache ({self.mode}): {where}, spill to {disk} ({format_bytes(disk_budget)})")
+
+    def prepare(self, package: str, frozen: int, phase: int) -> tuple[str | None, dict]:
+        """Measure and decide what phase ``phase`` (a package freezing ``frozen`` layers) reads and writes;
+        returns its ``--autocache`` file (None: no cache) and the record for ``freeze.jsonl``."""
+        from dataclasses import replace
+
+        from .runtime import load_package
+        from .runtime.cache import cache_plan, check
+        from .runtime.cache_measure import decide, measure_apart
+
+        rec: dict = {"mode": self.mode}
+        if not self.usable:
+            rec["used"], rec["why"] = False, self.why_not
+            return None, rec
+        pkg = load_package(package)
+        meta = ((pkg.manifest.model or {}).get("freeze") or {}).get("cache") or {}
+        plan = cache_plan(pkg.manifest)
+        if plan is None:
+            rec["used"], rec["why"] = False, meta.get("refused") or "the package has no frozen stage of its own"
+            self._keep(set())           # this phase neither reads nor leaves anything
+            self.index = None
+            return None, rec
+        cfg = replace(self.base, layers=frozen, cached_from=int(meta.get("cached_from") or 0),
+                      index_in=self.index, index_out=str(self.work / f"cache-index-{phase}.json"))
+        check(cfg, pkg.manifest, plan, register=True)
+        t0 = time.perf_counter()
+        measured = measure_apart(package, cfg, self.micro_batch, self.device)
+        use, write, why = decide(self.mode, cfg, measured)
+        cfg.use, cfg.write = use, write
+        rec.update(used=bool(use), reads_levels=use, writes=write, why=why, measured=measured,
+                   measure_s=round(time.perf_counter() - t0, 3))
+        path = self.work / f"phase-{phase}-autocache.json"
+        atomic_write_text(path, json.dumps(cfg.to_json(), indent=1))
+        self.cfg = cfg
+        return str(path), rec
+
+    def after(self) -> None:
+        """The phase ended: keep what it left cached for the next one, drop the values nobody reads any more."""
+        from .runtime.cache import CacheIndex, value_folder
+
+        if self.cfg is None:
+            return
+        cfg, self.cfg = self.cfg, None
+        if not (cfg.index_out and Path(cfg.index_out).exists()):
+            self._keep(set())
+            self.index = None
+            return
+        self.index = cfg.index_out
+        self._keep({value_folder(v) for v in CacheIndex.load(cfg.index_out).values})
+
+    def _keep(self, keep: set[str]) -> None:
+        """Remove every value's entries but those of ``keep`` (folder names) from both tiers."""
+        for tier in ("memory", "disk"):
+            d = self.base.tier_dir(tier)
+            if d is not None and d.is_dir():
+                for sub in d.iterdir():
+                    if sub.name not in keep:
+                        shutil.rmtree(sub, ignore_errors=True)
+
+    def close(self) -> None:
+        """Remove the run's cache (it is derived data, and can be large)."""
+        if getattr(self, "base", None) is not None:
+            shutil.rmtree(self.base.disk, ignore_errors=True)
+        if self.memory is not None:
+            shutil.rmtree(self.memory, ignore_errors=True)
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+
+def _phase_cache(log: Path, first: int, end: int) -> dict | None:
+    """AutoCache's counts over steps [first, end) of ``train.jsonl``."""
+    from .runtime.cache import merge_counts
+
+    if not log.exists():
+        return None
+    parts = []
+    for line in log.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "step" in rec and first <= int(rec["step"]) < end and rec.get("cache"):
+            parts.append(rec["cache"])
+    if not parts:
+        return None
+    total = merge_counts([{k: v for k, v in p.items() if k not in ("memory_bytes", "disk_bytes")} for p in parts])
+    total.update({k: parts[-1][k] for k in ("memory_bytes", "disk_bytes") if k in parts[-1]})
+    return total
+
+
 def run_freeze(args, spec: FreezeSpec) -> int:
     """Train ``args.package`` through its freeze phases (see the module docstring); returns the exit status."""
     from .cluster import ClusterSpec, load_cluster
     from .runtime import load_package
-    from .runtime.freeze import read_norms
-    from .runtime.launch import spawn
-    from .runtime.options import new_run_id, worker_argv
 
     pkg0 = load_package(args.package)
     m0 = pkg0.manifest
@@ -174,17 +386,66 @@ def run_freeze(args, spec: FreezeSpec) -> int:
     ck_dir = Path(args.checkpoint_dir or log_dir / "checkpoints")
     work = log_dir / "freeze"
     work.mkdir(parents=True, exist_ok=True)
-    decisions: list[dict] = []
-    phases: list[dict] = []
 
     def note(text: str) -> None:
         print(f"ftcompile run --freeze: {text}", file=sys.stderr)
 
+    note(f"{L} layers ({layer_paths[0]} ... {layer_paths[-1]}); phase 0: P={P} R={R0} M={M}")
+    cache = CacheRun(spec, args, m0, work, note) if spec.cache != "off" else None
+    if cache is not None and not cache.usable:
+        note(f"AutoCache off: {cache.why_not}")
+    run = _Run(args, spec, m0, steps, schedule, M, P, R0, global_mb, optimizer, cluster, built, graph, layer_paths,
+               log_dir, ck_dir, work, note, cache)
+    try:
+        return _phases(run)
+    finally:
+        if cache is not None:
+            cache.close()
+
+
+@dataclass
+class _Run:
+    """What :func:`run_freeze` settled before the first phase."""
+
+    args: object
+    spec: FreezeSpec
+    m0: object                  # the whole model's manifest
+    steps: int
+    schedule: str
+    M: int                      # micro-batches per replica in phase 0
+    P: int
+    R: int
+    global_mb: int
+    optimizer: str
+    cluster: object
+    built: object
+    graph: object
+    layer_paths: list[str]
+    log_dir: Path
+    ck_dir: Path
+    work: Path
+    note: object
+    cache: CacheRun | None
+
+
+def _phases(run: _Run) -> int:
+    """The phase loop of :func:`run_freeze` (see the module docstring)."""
+    from .runtime.freeze import read_norms
+    from .runtime.launch import spawn
+    from .runtime.options import new_run_id, worker_argv
+
+    args, spec, steps, schedule, M, P, R = run.args, run.spec, run.steps, run.schedule, run.M, run.P, run.R
+    layer_paths, log_dir, ck_dir, work, m0, cache, note = (run.layer_paths, run.log_dir, run.ck_dir, run.work,
+                                                           run.m0, run.cache, run.note)
+    L = len(layer_paths)
+    decisions: list[dict] = []
+    phases: list[dict] = []
+
     def save_log() -> None:
         atomic_write_text(log_dir / "freeze.jsonl", "".join(json.dumps(d) + "\n" for d in decisions + phases))
 
-    step, frozen, R, package, plan_s = 0, 0, R0, str(args.package), 0.0
-    note(f"{L} layers ({layer_paths[0]} ... {layer_paths[-1]}); phase 0: P={P} R={R} M={M}")
+    step, frozen, package, plan_s = 0, 0, str(args.package), 0.0
+    caching = cache is not None and cache.usable
     while step < steps:
         if spec.manual:
             end = next((s for s, _, _ in spec.at if s > step), steps)
@@ -202,6 +463,15 @@ def run_freeze(args, spec: FreezeSpec) -> int:
         w.overwrite_checkpoints = bool(args.overwrite_checkpoints) and step == 0
         w.reset_optimizer = False
         w.grad_norms_at, w.grad_norms_layers, w.grad_norms_file = str(end - 1), ",".join(layer_paths), str(norms_file)
+        w.autocache, cache_rec = None, None
+        if caching and frozen > 0:
+            t1 = time.perf_counter()
+            w.autocache, cache_rec = cache.prepare(package, frozen, len(phases))
+            plan_s += time.perf_counter() - t1      # measuring is part of the transition
+            reads = "+".join(map(str, cache_rec.get("reads_levels") or []))
+            note(f"phase {len(phases)}: AutoCache " + (f"reads the output of {reads} frozen layers" if
+                                                       cache_rec.get("used") else "not used")
+                 + f" ({cache_rec.get('why')})")
         argv = worker_argv(w)
         if getattr(args, "quiet", False) and "--progress" in argv:
             argv[argv.index("--progress") + 1] = "off"
@@ -217,6 +487,9 @@ def run_freeze(args, spec: FreezeSpec) -> int:
                        "transition_s": round(plan_s + max(wall - train_s, 0.0), 4),
                        "samples_per_s": round(samples / train_s, 3) if train_s else None,
                        "samples_per_s_with_transition": round(samples / (wall + plan_s), 3) if wall else None})
+        if cache_rec is not None:
+            phases[-1]["cache"] = {**cache_rec, "counts": _phase_cache(log_dir / "train.jsonl", step, end)}
+            cache.after()
         note(f"phase {len(phases) - 1}: steps {step}-{end - 1}, {frozen} frozen, P={P} R={R} M={M}: "
              f"{phases[-1]['samples_per_s']} samples/s training, transition {phases[-1]['transition_s']:.1f} s")
         step = end
@@ -241,9 +514,10 @@ def run_freeze(args, spec: FreezeSpec) -> int:
         plan_s = 0.0
         if new != frozen or (forced is not None and forced != P):
             t1 = time.perf_counter()
-            ph = plan_phase(graph, layer_paths, new, cluster, global_micro_batches=global_mb, schedule=schedule,
-                            optimizer=optimizer, start_pipeline=P, pipeline_gpus=forced, strategies=spec.strategy)
-            package = write_phase_package(ph, built, layer_paths, work / f"phase-{len(phases)}-frozen-{new}")
+            ph = plan_phase(run.graph, layer_paths, new, run.cluster, global_micro_batches=run.global_mb,
+                            schedule=schedule, optimizer=run.optimizer, start_pipeline=P, pipeline_gpus=forced,
+                            strategies=spec.strategy, cached_from=frozen if caching else 0)
+            package = write_phase_package(ph, run.built, layer_paths, work / f"phase-{len(phases)}-frozen-{new}")
             plan_s = time.perf_counter() - t1
             P, R, M, frozen = ph.pipeline_gpus, ph.replicas, ph.micro_batches, new
             decision["plan"] = ph.row()

@@ -44,11 +44,17 @@ import torch
 from .manifest import GraphInput, Manifest, torch_dtype
 from .userfile import UserFileError, import_user_file
 
-__all__ = ["Batch", "DataError", "corpus_bytes", "load_dataset", "split_micro_batches", "synthetic_batches",
-           "text_batches"]
+__all__ = ["Batch", "DataError", "SAMPLE_INDEX", "corpus_bytes", "load_dataset", "split_micro_batches",
+           "synthetic_batches", "text_batches"]
 
 Batch = dict[str, torch.Tensor]
 """One training step's data: graph input value name -> tensor of shape ``[micro_batches * b, ...]``."""
+
+SAMPLE_INDEX = "__index__"
+"""The optional key of a batch holding each row's dataset index (int64, shape ``[micro_batches * b]``):
+what names a sample across epochs (``text`` data gives its windows' indices; a user's data may give
+its own). AutoCache (:mod:`ftcompile.runtime.cache`) keys cached activations by it. A dunder name,
+so that no model argument can take it."""
 
 # Input names (kwargs keys, or the traced names of positional arguments) that
 # text_batches knows how to fill, by role.
@@ -297,7 +303,9 @@ def text_batches(manifest: Manifest, *, micro_batches: int, seed: int = 0,
     Yields
     ------
     batch : Batch
-        Graph input value name -> tensor in the input's dtype, on the CPU.
+        Graph input value name -> tensor in the input's dtype, on the CPU; and
+        :data:`SAMPLE_INDEX` -> each row's window index (the same window in
+        every epoch).
 
     Raises
     ------
@@ -383,7 +391,7 @@ def _text(windows: np.ndarray, table: torch.Tensor, rows: int, seed: int, plan: 
         if "decoder_input_ids" in by_name:
             # Teacher forcing: the decoder reads the targets shifted right, 0 (T5's pad) as start token.
             filled["decoder_input_ids"] = torch.cat([torch.zeros_like(target[:, :1]), target[:, :-1]], dim=1)
-        batch: Batch = {}
+        batch: Batch = {SAMPLE_INDEX: torch.from_numpy(take.astype(np.int64))}     # a window names a sample
         for name, gi in by_name.items():
             dtype = _torch_dtype(gi)
             if name in _MASK_ROLES:
@@ -434,6 +442,17 @@ def _as_tensor(x: Any, gi: GraphInput, dtype: torch.dtype, where: str) -> torch.
                         f"torch.Tensor of shape {list(gi.shape or ())} x micro-batches and dtype {dtype}") from None
 
 
+def _sample_index(x: Any, manifest: Manifest, micro_batches: int, where: str) -> torch.Tensor:
+    """The batch's sample indices, checked: integers, one per row."""
+    rows = micro_batches * manifest.micro_batch_size
+    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or tuple(t.shape) != (rows,):
+        raise DataError(f"{where}: {SAMPLE_INDEX!r} must hold one integer dataset index per sample, shape [{rows}] "
+                        f"({micro_batches} micro-batches x {manifest.micro_batch_size}); got {t.dtype} "
+                        f"{list(t.shape)}")
+    return t.to(torch.int64)
+
+
 def _normalize(batch: Any, manifest: Manifest, micro_batches: int, where: str) -> Batch:
     """Key ``batch`` by value names and check every input's presence, shape and dtype."""
     if not isinstance(batch, Mapping):
@@ -442,6 +461,9 @@ def _normalize(batch: Any, manifest: Manifest, micro_batches: int, where: str) -
     tensors, constants = _aliases(manifest)
     out: Batch = {}
     for key, x in batch.items():
+        if key == SAMPLE_INDEX:
+            out[key] = _sample_index(x, manifest, micro_batches, where)
+            continue
         gi = tensors.get(key)
         if gi is None:
             c = constants.get(key)
@@ -575,7 +597,10 @@ def load_dataset(spec: str, manifest: Manifest, *, micro_batches: int, seed: int
           and nested lists are accepted) keyed by graph input value name, by the
           model's argument name (``"input_ids"``, ``"labels"``) or by path
           (``"args[0]"``, ``"kwargs['labels']"``). Constants the trace
-          specialised may be left out, or given with their traced value.
+          specialised may be left out, or given with their traced value. A
+          batch may also hold :data:`SAMPLE_INDEX` (``"__index__"``): each
+          row's dataset index, int64 of shape ``[micro_batches * b]``, which
+          AutoCache needs to reuse activations across epochs.
     manifest : Manifest
         The package manifest.
     micro_batches : int

@@ -254,7 +254,7 @@ class RankEngine:
     def __init__(self, package: Package, cfg: TrainConfig, *, rank: int = 0, world_size: int = 1,
                  transport=None, device: str | torch.device = "cpu", ranks: dict[int, int] | None = None,
                  dtype: torch.dtype | None = None, windows: dict[tuple[int, int], int] | None = None,
-                 layout: RankLayout | None = None, averaging=None, grad_hook=None):
+                 layout: RankLayout | None = None, averaging=None, grad_hook=None, cache=None):
         if cfg.nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE)}, got {cfg.nonfinite!r}")
         self.package, self.m, self.cfg = package, package.manifest, cfg
@@ -273,8 +273,10 @@ class RankEngine:
         # ``averaging.ready(stage, step)`` names what U(step) still waits for (None: nothing),
         # ``averaging.after_step(stage, step, params)`` runs right after the step.
         self.averaging = averaging
-        # Freeze training: ``grad_hook(stage, step, params)`` sees the gradients each step takes.
+        # Freeze training: ``grad_hook(stage, step, params)`` sees the gradients each step takes;
+        # ``cache`` (AutoCache, runtime/cache.py) skips frozen stages whose output it holds.
         self.grad_hook = grad_hook
+        self.cache = cache
         self.meter = MemoryMeter() if cfg.measure_memory else None
         self.value_names = sorted(self.m.values)
         self.value_index = {v: i for i, v in enumerate(self.value_names)}
@@ -338,6 +340,9 @@ class RankEngine:
                     self._groups[sid] = ReplicaGroup(sid, self.replicas, fns[sid], self._averaged_cb)
         if averaging is not None and hasattr(averaging, "attach"):
             averaging.attach(self, fns)
+        if cache is not None:
+            cache.bind(self.m, sorted(self.modules), replica=self.replica, replicas=self.replicas,
+                       micro_batches=cfg.micro_batches, device=self.device)
         self._build_optimizers()
 
     # ------------------------------------------------------------------ setup
@@ -534,8 +539,16 @@ class RankEngine:
         spec = self._spec[st.id]
         miss = []
         if task.kind == "F":
+            skipped, cached, (j, i) = self._cached(st, task.index, data)
+            if skipped:
+                return miss
             for v in spec.inputs:
                 if v in self._graph_inputs or not self.m.values[v].is_tensor:
+                    continue
+                if v in cached:
+                    why = self.cache.ready(v, j, i)
+                    if why:
+                        miss.append(why)
                     continue
                 if ("A", v, task.index) not in self.inbox:
                     p = self.m.values[v].producer
@@ -580,11 +593,31 @@ class RankEngine:
         return bool(self.cfg.clip_grad_norm) or self.cfg.nonfinite == "skip"
 
     # ------------------------------------------------------------------ tasks
+    def _cached(self, st: _Stage, k: int, data) -> tuple[bool, frozenset, tuple[int, int]]:
+        """AutoCache's view of ``F(k)``: whether the stage is skipped, the inputs it reads from the cache,
+        and (step, micro-batch) of ``k``."""
+        if self.cache is None:
+            return False, frozenset(), (0, 0)
+        data(k)             # the cache decides a step's micro-batches when the step's batch is drawn
+        j, i = divmod(k, self.cfg.micro_batches)
+        j += self.step_offset
+        if self.cache.skips(st.id, j, i):
+            return True, frozenset(), (j, i)
+        return False, self.cache.cached_inputs(st.id, j, i), (j, i)
+
     def _forward(self, st: _Stage, k: int, data) -> None:
         spec = self._spec[st.id]
         prog = st.program
         version = prog.forward_version(k)
-        inputs = [self._input(st, v, k, data) for v in spec.inputs]
+        skipped, cached, (j, i) = self._cached(st, k, data)
+        if skipped:     # AutoCache holds this frozen stage's output for every sample of the micro-batch
+            st.next_forward = k + 1
+            st.pending.append(k)
+            for p, r in self._credit_to.get(st.id, ()):
+                self._send(r, [CREDIT, st.id, k + 1, p, 0], None)
+            st.saved[k] = ((), (), st.params)
+            return
+        inputs = [self.cache.read(v, j, i) if v in cached else self._input(st, v, k, data) for v in spec.inputs]
         with self.cv:
             for v in spec.inputs:
                 key = ("A", v, k)
@@ -615,6 +648,8 @@ class RankEngine:
             st.saved[k] = (args, outs, weights)
         st.times.forward_s += time.perf_counter() - t0
         st.times.forwards += 1
+        if self.cache is not None:      # before sending: a reader that sees it sent finds it written
+            self.cache.store(st.id, j, i, spec.outputs, outs)
         for v, out in zip(spec.outputs, outs):
             if v == self.m.loss:
                 self._loss(st, k, out)
@@ -911,7 +946,10 @@ class RankEngine:
                         from None
                 # Every replica draws the step's global batch and takes its own M micro-batches.
                 R, r = self.replicas, self.replica
-                mbs = split_micro_batches(batch, self.m, R * M)[r * M:(r + 1) * M]
+                mbs = split_micro_batches(batch, self.m, R * M)
+                if self.cache is not None:
+                    self.cache.plan_step(self.step_offset + fetched[0], mbs)
+                mbs = mbs[r * M:(r + 1) * M]
                 cache[fetched[0]] = [{n: t.to(self.device) for n, t in mb.items() if n in self._local_inputs}
                                      for mb in mbs]
                 fetched[0] += 1
@@ -1063,6 +1101,10 @@ class RankEngine:
         if j in self._skipped:
             self._skipped.discard(j)
             rec["skipped"] = True
+        if self.cache is not None:
+            counts = self.cache.record(self.step_offset + j)
+            if counts:
+                rec["cache"] = counts
         opts = [o for _, o, _ in self._opt.values() if getattr(o, "param_groups", None)]
         if opts:
             rec["lr"] = opts[0].param_groups[0]["lr"]
@@ -1134,6 +1176,10 @@ def merge_records(parts: list[dict]) -> dict:
     replicas = {p.get("replica", 0) for p in parts}
     if len(replicas) > 1:
         out["replicas"] = len(replicas)
+    if any(p.get("cache") for p in parts):       # AutoCache: every rank's reads and writes, every replica's
+        from .cache import merge_counts
+
+        out["cache"] = merge_counts([p["cache"] for p in parts if p.get("cache")])
     for p in parts:
         if p.get("replica", 0) != 0:
             out["ranks"][str(p["rank"])] = {"seconds": p["seconds"], "wait_s": p["wait_s"],

@@ -1,4 +1,4 @@
-"""The runtime's side of elastic freeze training: Eq. 1, gradient norms per layer, the activation cache.
+"""The runtime's side of elastic freeze training: Eq. 1, gradient norms per layer.
 
 The compiler side (:mod:`ftcompile.freeze`) decides which layers freeze and plans each phase;
 this module holds what the ranks compute while training and what both sides need, so the
@@ -7,9 +7,10 @@ runtime never imports the compiler:
 * :func:`frozen_layers` (PipeTransformer's Eq. 1), one definition used by the controller;
 * :class:`GradNorms`: the gradient norm of every layer at chosen steps, measured on the
   gradients the optimizer steps with (averaged over replicas, shared tensors summed), written
-  by each rank for the controller to add up;
-* :class:`ActivationCache` (AutoCache): the frozen prefix's output per sample, in host memory
-  with a spill to disk, keyed by sample index, advanced through newly frozen layers.
+  by each rank for the controller to add up.
+
+AutoCache (the frozen prefix's output per sample, in host memory with a spill to disk, keyed by
+sample index, advanced through newly frozen layers) is :mod:`ftcompile.runtime.cache`.
 """
 
 from __future__ import annotations

@@ -128,12 +128,16 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated module paths of the layers whose gradient norms to measure")
     g.add_argument("--grad-norms-file", default=None, metavar="PATH",
                    help="each rank writes its sums of squared gradients per layer to PATH.rankN.json")
+    g.add_argument("--autocache", default=None, metavar="FILE",
+                   help="AutoCache: the phase's activation cache (folders, budget, what to read and write), a JSON "
+                        "file written by the controller")
 
 
 _VALUED = ("schedule", "micro_batches", "steps", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
            "warmup_steps", "clip_grad_norm", "data", "seed", "device", "transport", "timeout", "heartbeat_timeout",
            "log_dir", "checkpoint_dir", "checkpoint_every", "progress", "advance", "on_nonfinite", "replicas",
-           "rank_order", "parallel_pipelines", "elastic_alpha", "grad_norms_at", "grad_norms_layers", "grad_norms_file")
+           "rank_order", "parallel_pipelines", "elastic_alpha", "grad_norms_at", "grad_norms_layers", "grad_norms_file",
+           "autocache")
 _FLAGS = ("recompute", "weight_prediction", "no_dropout", "resume", "overwrite_checkpoints", "reset_optimizer",
           "measure_memory")
 

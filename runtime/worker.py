@@ -41,6 +41,7 @@ import torch
 
 from . import avgpipe as _avgpipe
 from . import checkpoint as ckpt
+from .cache import CacheError, open_cache
 from .checkpoint import CheckpointError
 from .engine import PipelineError, PipelineHang, RankEngine, TrainConfig
 from .layout import RankLayout
@@ -269,7 +270,7 @@ class RankRun:
         self.rank = self.launch.rank
         self.report = report or Reporter(self.rank, self.launch.launcher == "ftcompile")
         self.args = args
-        self.transport = self.control = self.heartbeat = self.engine = self.norms = self.layout = None
+        self.transport = self.control = self.heartbeat = self.engine = self.norms = self.layout = self.cache = None
         self.locks: list = []
         self.log = self.bar = None
 
@@ -386,14 +387,16 @@ class RankRun:
             from .freeze import grad_norms_hook
 
             self.norms = grad_norms_hook(self.args, self.m, self.layout)
+            if getattr(self.args, "autocache", None):
+                self.cache = open_cache(self.args.autocache, self.m)
             self.engine = RankEngine(self.package, self.cfg, rank=self.rank, world_size=self.launch.world_size,
                                      transport=self.transport, device=self.device, layout=self.layout,
-                                     averaging=self.averaging, grad_hook=self.norms)
+                                     averaging=self.averaging, grad_hook=self.norms, cache=self.cache)
             if ck is not None:
                 self.phase(f"loading the checkpoint of step {ck.step}")
                 names = [n for mod in self.engine.modules.values() for n in mod.state_dict()]
                 self.engine.load_state(ckpt.load(ck, names, self.device, optimizer=not self.args.reset_optimizer))
-        except (PipelineError, CheckpointError, PackageError, OSError) as exc:
+        except (PipelineError, CheckpointError, PackageError, CacheError, OSError) as exc:
             failure = exc
         _agree(self.control, failure, self.rank)
         self.start = ck.step if ck is not None else 0
@@ -495,6 +498,9 @@ class RankRun:
         self.seconds = time.perf_counter() - t0
         if self.norms is not None and args.grad_norms_file:
             self.norms.write(f"{args.grad_norms_file}.rank{self.rank}.json")
+        if self.cache is not None and self.rank == self.owner and self.cache.cfg.index_out:
+            # every rank decided alike; after finish() every rank's writes are done
+            self.cache.index().save(self.cache.cfg.index_out)
 
     def close(self) -> None:
         if self.heartbeat is not None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ftcompile.runtime import load_package
-from ftcompile.runtime.data import (DataError, corpus_bytes, load_dataset, split_micro_batches, synthetic_batches,
+from ftcompile.runtime.data import (SAMPLE_INDEX, DataError, corpus_bytes, load_dataset, split_micro_batches, synthetic_batches,
                                     text_batches)
 
 MODELS = ["gpt2-tiny", "t5-tiny", "bert-tiny", "vit-tiny"]
@@ -131,8 +131,11 @@ def test_text_causal_lm_windows_are_stdlib_bytes(manifests):
     ids, labels = by_arg(m)["input_ids"], by_arg(m)["labels"]
     corpus = corpus_bytes()
     batch = next(text_batches(m, micro_batches=M, seed=0))
-    assert set(batch) == {ids.value, labels.value}
+    assert set(batch) == {ids.value, labels.value, SAMPLE_INDEX}
     x, y = batch[ids.value], batch[labels.value]
+    seq = ids.shape[1]
+    for row, i in zip(x, batch[SAMPLE_INDEX].tolist()):            # the index names the window
+        assert bytes(row.tolist()) == corpus[i * seq:(i + 1) * seq]
     assert x.shape == (M * m.micro_batch_size, ids.shape[1]) and x.dtype == torch.int64
     assert torch.equal(x, y) and x.data_ptr() != y.data_ptr()    # the model shifts labels itself
     assert int(x.max()) < 256 <= ids.high + 1                     # bytes, within gpt2-tiny's vocabulary of 1000
@@ -151,7 +154,7 @@ def test_text_seq2seq_labels_follow_the_encoder_window(manifests):
     assert enc != dec
     corpus = corpus_bytes()
     batch = next(text_batches(m, micro_batches=M, seed=0))
-    assert set(batch) == {ids.value, labels.value, mask.value}
+    assert set(batch) == {ids.value, labels.value, mask.value, SAMPLE_INDEX}
     assert batch[ids.value].shape == (M * m.micro_batch_size, enc)
     assert batch[labels.value].shape == (M * m.micro_batch_size, dec)
     assert torch.all(batch[mask.value] == 1) and batch[mask.value].dtype == torch.int64
@@ -184,6 +187,10 @@ def test_text_cycles_epochs_over_a_small_corpus(manifests, tmp_path):
     windows = [corpus[i * seq:(i + 1) * seq] for i in range(n)]
     for e in range(len(seen) // n):                  # each epoch: every window exactly once
         assert sorted(seen[e * n:(e + 1) * n]) == sorted(windows)
+    # a window keeps its index in every epoch (what AutoCache keys activations by)
+    for _, batch in zip(range(4), text_batches(m, micro_batches=M, root=str(tmp_path))):
+        for r, i in zip(batch[ids], batch[SAMPLE_INDEX].tolist()):
+            assert bytes(r.tolist()) == windows[i]
 
 
 def test_text_maps_bytes_into_a_small_vocabulary(manifests):
@@ -252,6 +259,16 @@ def missing_and_unknown(manifest, micro_batches, seed):
 
 def not_iterable(manifest, micro_batches, seed):
     return 42
+
+def with_index(manifest, micro_batches, seed):
+    n = micro_batches * manifest.micro_batch_size
+    yield {"input_ids": torch.zeros(n, 32, dtype=torch.int64), "labels": torch.zeros(n, 32, dtype=torch.int64),
+           "__index__": list(range(100, 100 + n))}
+
+def bad_index(manifest, micro_batches, seed):
+    n = micro_batches * manifest.micro_batch_size
+    yield {"input_ids": torch.zeros(n, 32, dtype=torch.int64), "labels": torch.zeros(n, 32, dtype=torch.int64),
+           "__index__": torch.zeros(n + 1)}
 '''
 
 
@@ -276,6 +293,19 @@ def test_user_dataset_keyed_by_argument_names(manifests, user_file):
     assert batch[args["labels"].value].dtype == torch.int64 and torch.all(batch[args["labels"].value] == 1)
     micro = split_micro_batches(batch, m, M)
     assert len(micro) == M
+
+
+def test_user_dataset_may_name_its_samples(manifests, user_file):
+    m = manifests["gpt2-tiny"]
+    (batch,) = load_dataset(f"{user_file}:with_index", m, micro_batches=M)
+    n = M * m.micro_batch_size
+    assert batch[SAMPLE_INDEX].dtype == torch.int64 and batch[SAMPLE_INDEX].tolist() == list(range(100, 100 + n))
+    micro = split_micro_batches(batch, m, M)          # each micro-batch keeps its rows' indices
+    assert [mb[SAMPLE_INDEX].tolist() for mb in micro] == [list(range(100 + i * m.micro_batch_size,
+                                                                      100 + (i + 1) * m.micro_batch_size))
+                                                           for i in range(M)]
+    with pytest.raises(DataError, match=rf"'__index__' must hold one integer dataset index per sample, shape \[{n}\]"):
+        next(load_dataset(f"{user_file}:bad_index", m, micro_batches=M))
 
 
 def test_user_dataset_with_a_wrong_shape_names_the_input(manifests, user_file):

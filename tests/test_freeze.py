@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -91,7 +92,11 @@ def test_freeze_option_parses_both_forms_and_refuses_nonsense():
     assert abs(s.alpha - 1 / 3) < 1e-12 and s.every == 50 and not s.manual
     s = parse_freeze("at=20:1@2x2+40:2,strategy=seq,layers=BertLayer")
     assert s.at == [(20, 1, 2), (40, 2, None)] and s.strategy == "seq" and s.layers == ["BertLayer"]
+    s = parse_freeze("alpha=1/3,every=5,cache=on,cache_mb=0.5,spill_mb=0")
+    assert (s.cache, s.cache_mb, s.spill_mb) == ("on", 0.5, 0.0)
+    assert parse_freeze("alpha=1/3,every=5").cache == "auto"
     for bad, msg in [("alpha=2,every=3", "between 0 and 1"), ("alpha=1/3", "needs both"),
+                     ("alpha=1/3,every=2,cache=maybe", "cache=maybe"), ("alpha=1/3,every=2,cache_mb=-1", "megabytes"),
                      ("at=4:2+2:3", "must not decrease|distinct"), ("at=3:2+5:1", "must not decrease"),
                      ("at=2-1", "STEP:LAYERS"), ("speed=fast", "unknown key"),
                      ("at=2:1,alpha=1/3,every=2", "either")]:
@@ -261,7 +266,8 @@ def test_freeze_run_refuses_what_it_cannot_do_before_any_rank_starts(bert4, tmp_
     for extra, msg in [(["--nproc", "2", "--freeze", "alpha=1/3,every=2"], "multiple of 4"),
                        (["--schedule", "async", "--freeze", "alpha=1/3,every=2"], "gpipe, 1f1b"),
                        (["--freeze", "alpha=1/3"], "needs both"),
-                       (["--freeze", "at=2:3"], "has 2 layers")]:
+                       (["--freeze", "at=2:3"], "has 2 layers"),
+                       (["--freeze", "at=2:1,cache=on"], "cache=on: --data synthetic gives no '__index__'")]:
         r = run_cli(str(bert4), "--steps", "4", "--log-dir", str(tmp_path / "log"), *extra, timeout=300)
         assert r.returncode == 2 and msg in r.stderr, (extra, r.stderr[-2000:])
         assert "Traceback" not in r.stderr
@@ -320,3 +326,472 @@ def test_eq1_run_on_four_ranks_goes_through_transitions(tmp_path):
     recs = [json.loads(x) for x in (log / "train.jsonl").read_text().splitlines()]
     steps = sorted(x["step"] for x in recs if "step" in x and "phase" in x)
     assert steps == list(range(8))
+
+
+# --------------------------------------------------------------------------- AutoCache
+
+NETS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, h):
+        return h + F.gelu(self.fc(h))
+
+
+class Net(nn.Module):
+    def __init__(self, mix=False, bn=False):
+        super().__init__()
+        self.mix = mix
+        self.inp = nn.Linear(16, 32)
+        self.norm = nn.BatchNorm1d(32) if bn else None
+        self.blocks = nn.ModuleList(Block(32) for _ in range(3))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        if self.mix:        # a sample's activation depends on the rest of its micro-batch
+            h = h - h.mean(0, keepdim=True)
+        if self.norm is not None:
+            h = self.norm(h)
+        for b in self.blocks:
+            h = b(h)
+        return (F.cross_entropy(self.head(h), y),)
+
+
+def mixing():
+    return Net(mix=True), (torch.randn(4, 16), torch.randint(0, 4, (4,)))
+
+
+def batchnorm():
+    return Net(bn=True), (torch.randn(4, 16), torch.randint(0, 4, (4,)))
+'''
+
+# A finite dataset of N fixed samples visited in a fresh order every epoch, naming each sample by its index.
+EPOCHS = '''
+import torch
+from ftcompile.runtime.data import SAMPLE_INDEX, synthetic_batches
+
+N = 8
+
+
+def epochs(manifest, micro_batches, seed):
+    rows = micro_batches * manifest.micro_batch_size
+    table = next(synthetic_batches(manifest, micro_batches=N // manifest.micro_batch_size, seed=seed + 1000))
+    g = torch.Generator().manual_seed(seed)
+    order = torch.empty(0, dtype=torch.int64)
+    while True:
+        while len(order) < rows:
+            order = torch.cat([order, torch.randperm(N, generator=g)])
+        take, order = order[:rows], order[rows:]
+        yield {**{k: v[take] for k, v in table.items()}, SAMPLE_INDEX: take.clone()}
+'''
+
+
+def _epochs(manifest, micro_batches: int, seed: int = 0, n: int = 8):
+    """EPOCHS in this process."""
+    from ftcompile.runtime.data import SAMPLE_INDEX, synthetic_batches
+
+    rows = micro_batches * manifest.micro_batch_size
+    table = next(synthetic_batches(manifest, micro_batches=n // manifest.micro_batch_size, seed=seed + 1000))
+    g = torch.Generator().manual_seed(seed)
+    order = torch.empty(0, dtype=torch.int64)
+    while True:
+        while len(order) < rows:
+            order = torch.cat([order, torch.randperm(n, generator=g)])
+        take, order = order[:rows], order[rows:]
+        yield {**{k: v[take] for k, v in table.items()}, SAMPLE_INDEX: take.clone()}
+
+
+def test_cache_cut_says_where_activations_can_be_cached(tmp_path):
+    from ftcompile.freeze import cache_cut
+
+    _, g, _ = traced("bert-tiny")
+    layers = find_layers(g)
+    cut = cache_cut(g, frozen_region(g, layers, 1))
+    assert cut.reason is None and set(cut.values) == set(frozen_region(g, layers, 1).boundary) and not cut.shared
+    # Llama: rotary tables and the causal mask leave the frozen layers but depend on no input: one copy each
+    _, g, _ = traced("llama-tiny")
+    cut = cache_cut(g, frozen_region(g, find_layers(g), 1))
+    assert cut.reason is None and len(cut.shared) == 3 and len(cut.values) == 4
+    # a tied embedding keeps training, so what the frozen layers compute from it changes every step
+    _, g, _ = traced("gpt2-tiny")
+    assert "transformer.wte.weight" in cache_cut(g, frozen_region(g, find_layers(g), 1)).reason
+    # running statistics: the output depends on the micro-batches seen before
+    (tmp_path / "nets.py").write_text(NETS)
+    _, g, _ = traced(f"{tmp_path / 'nets.py'}:batchnorm")
+    assert "update buffer norm." in cache_cut(g, frozen_region(g, find_layers(g), 1)).reason
+
+
+def test_frozen_layers_get_stages_of_their_own_at_each_cached_depth():
+    from ftcompile.freeze import split_frozen
+    from ftcompile.plan import stage_graph
+
+    _, g, _ = traced("bert-tiny")
+    layers = find_layers(g)
+    cluster = load_cluster("2xcpu").with_overrides(gpus=4)
+    r1, r2 = frozen_region(g, layers, 1), frozen_region(g, layers, 2)
+    for P in (4, 2):
+        ph = plan_phase(g, layers, 2, cluster, global_micro_batches=4, schedule="1f1b", strategies="seq",
+                        pipeline_gpus=P, cached_from=1)
+        plain = plan_phase(g, layers, 2, cluster, global_micro_batches=4, schedule="1f1b", strategies="seq",
+                           pipeline_gpus=P, split=False)
+        from ftcompile.plan import Plan
+
+        plan, before = Plan.from_json(ph.doc["plan"]), Plan.from_json(plain.doc["plan"])
+        assert split_frozen(g, before, [r1, r2]).to_json()["stages"] == plan.to_json()["stages"]
+        # the same nodes on the same GPUs; every stage of one level only; the stage graph acyclic
+        where = {n: s.gpu for s in plan.stages for n in s.nodes}
+        assert where == {n: s.gpu for s in before.stages for n in s.nodes}
+        levels = {int(k): v for k, v in ph.cache["stages"].items()}
+        for s in plan.stages:
+            inside = [1 if n in r1.nodes else 2 if n in r2.nodes else 0 for n in s.nodes]
+            assert len(set(inside)) == 1
+            assert levels.get(s.id, 0) == inside[0]
+        import networkx as nx
+
+        assert nx.is_directed_acyclic_graph(stage_graph(ph.graph, plan))
+        assert ph.cache["cached_from"] == 1 and ph.cache["values"] == list(r2.boundary)
+        assert ph.samples_per_s > 0 and ph.doc["cost"]["feasible"]
+
+
+@pytest.fixture(scope="module")
+def llama_phases(tmp_path_factory):
+    """llama-tiny's phase packages freezing 1 then 2 layers (the second split at 1 and 2), one GPU each."""
+    from ftcompile.freeze import write_phase_package
+
+    built, g, _ = traced("llama-tiny")
+    layers = find_layers(g)
+    cluster = load_cluster("2xcpu").with_overrides(gpus=2)
+    out = tmp_path_factory.mktemp("llama-phases")
+    p1 = plan_phase(g, layers, 1, cluster, global_micro_batches=2, schedule="1f1b", strategies="seq", pipeline_gpus=2)
+    p2 = plan_phase(g, layers, 2, cluster, global_micro_batches=2, schedule="1f1b", strategies="seq", pipeline_gpus=2,
+                    cached_from=1)
+    return (Path(write_phase_package(p1, built, layers, out / "f1")),
+            Path(write_phase_package(p2, built, layers, out / "f2")))
+
+
+def _cfg(root: Path, layers: int, cached_from: int = 0, **kw):
+    from ftcompile.runtime.cache import CacheConfig
+
+    return CacheConfig("tok", str(root / "disk"), str(root / "mem"), kw.pop("memory_budget", 10 ** 9),
+                       kw.pop("disk_budget", None), layers, cached_from, **kw)
+
+
+def _engine_run(package, steps: int, batches, *, start: int = 0, state=None, cache=None):
+    """``steps`` steps of 1F1B on one process (every stage on rank 0); (losses, state)."""
+    from ftcompile.runtime.engine import RankEngine, TrainConfig
+
+    cfg = TrainConfig(schedule="1f1b", micro_batches=2, steps=10, optimizer="momentum", lr=0.05, seed=3)
+    eng = RankEngine(load_package(package), cfg, cache=cache)
+    if state is not None:
+        eng.load_state(state)
+    recs = eng.run(batches, steps, step_offset=start)
+    eng.finish()
+    flat = {"weights": {}, "optimizer": {}, "step": start + steps}
+    for st in eng.state().values():
+        flat["weights"].update(st["weights"])
+        flat["optimizer"].update(st["optimizer"])
+    return [r["loss"] for r in recs], flat, recs
+
+
+def test_autocache_in_one_process_gives_the_same_bits_through_miss_hit_and_advance(llama_phases, tmp_path):
+    """Two phases of llama-tiny (1 then 2 frozen layers) on one process, with and without AutoCache:
+    the same losses and weights, bit for bit, while the cache misses, hits, and advances its entries
+    through the newly frozen layer; shared values (rotary tables, causal mask) are cached once."""
+    from ftcompile.runtime.cache import AutoCache, CacheIndex, cache_plan, check, create
+
+    f1, f2 = llama_phases
+    m1 = load_package(f1).manifest
+    # without the cache
+    data = _epochs(m1, 2)
+    ref1, state, _ = _engine_run(f1, 3, data)
+    ref2, ref_state, _ = _engine_run(f2, 3, data, start=3, state=state)
+    # with it
+    cfg1 = _cfg(tmp_path, 1, use=[1], write=True, index_out=str(tmp_path / "index-1.json"))
+    create(cfg1, m1)
+    plan1 = cache_plan(m1)
+    check(cfg1, m1, plan1, register=True)
+    c1 = AutoCache(cfg1, plan1)
+    data = _epochs(m1, 2)
+    got1, state, recs1 = _engine_run(f1, 3, data, cache=c1)
+    c1.index().save(cfg1.index_out)
+    m2 = load_package(f2).manifest
+    cfg2 = _cfg(tmp_path, 2, 1, use=[2, 1], write=True, index_in=cfg1.index_out)
+    plan2 = cache_plan(m2)
+    check(cfg2, m2, plan2, register=True)
+    c2 = AutoCache(cfg2, plan2, CacheIndex.load(cfg2.index_in))
+    got2, got_state, recs2 = _engine_run(f2, 3, data, start=3, state=state, cache=c2)
+    assert got1 == ref1 and got2 == ref2
+    assert all(torch.equal(got_state["weights"][n], t) for n, t in ref_state["weights"].items())
+    # 8 samples in micro-batches of 2, 2 micro-batches a step: every sample comes back every other step.
+    # What each micro-batch should be: a hit once every sample was seen in an earlier step of its phase,
+    # an advance (phase 2) once every sample was seen in phase 1, else a miss.
+    from ftcompile.runtime.data import SAMPLE_INDEX
+
+    ids = [b[SAMPLE_INDEX].tolist() for _, b in zip(range(6), _epochs(m1, 2))]
+    want, seen = [], {1: set(), 2: set()}
+    for j, row in enumerate(ids):
+        phase = 1 if j < 3 else 2
+        kinds = []
+        for mb in (row[:2], row[2:]):
+            if set(mb) <= seen[phase]:
+                kinds.append("hit")
+            elif phase == 2 and set(mb) <= seen[1]:
+                kinds.append("advanced")
+            else:
+                kinds.append("miss")
+        seen[phase] |= set(row)
+        want.append((kinds.count("miss"), kinds.count("hit"), kinds.count("advanced")))
+    counts = [(r["cache"]["misses"], r["cache"]["hits"], r["cache"]["advanced"]) for r in recs1 + recs2]
+    assert counts == want
+    assert want[0] == (2, 0, 0) and want[3] == (0, 0, 2) and sum(w[1] for w in want[3:]) > 0
+    assert sum(r["cache"]["entries_written"] for r in recs1) == 8 * 1 + 3     # the hidden state + 3 shared
+    assert sum(r["cache"]["entries_written"] for r in recs2) == 8              # advanced: the new hidden state
+    assert set(plan1.shared) and set(plan1.shared) <= set(plan1.boundary[1])
+
+
+def test_autocache_decides_alike_on_every_replica_within_its_budget(llama_phases, tmp_path):
+    """Replicas decide every micro-batch alike with no message: one writer per sample, budgets in order."""
+    from ftcompile.runtime.cache import ENTRY_OVERHEAD, AutoCache, cache_plan
+    from ftcompile.runtime.data import SAMPLE_INDEX
+
+    f1, _ = llama_phases
+    m = load_package(f1).manifest
+    plan = cache_plan(m)
+    per = {v: plan.entry_bytes(v) for v in plan.boundary[1]}
+    sample = sum(b for v, b in per.items() if v not in plan.shared)
+    shared = sum(b for v, b in per.items() if v in plan.shared)
+    assert sample == 32 * 64 * 4 + ENTRY_OVERHEAD          # one [32, 64] float32 hidden state per sample
+    # room in memory for the shared values and 3 samples, on disk for 2 more
+    cfg = _cfg(tmp_path, 1, use=[1], write=True, memory_budget=shared + 3 * sample, disk_budget=2 * sample)
+    caches = []
+    for r in range(2):
+        c = AutoCache(cfg, plan)
+        c.bind(m, [s.id for s in m.stages], replica=r, replicas=2, micro_batches=2, device="cpu")
+        caches.append(c)
+    b = m.micro_batch_size
+
+    def step(ids):
+        mbs = [{SAMPLE_INDEX: torch.tensor(ids[i * b:(i + 1) * b])} for i in range(4)]
+        for c in caches:
+            c.plan_step(c_step[0], mbs)
+        c_step[0] += 1
+        return caches[0].steps[c_step[0] - 1]
+
+    c_step = [0]
+    st = step([0, 1, 2, 3, 3, 4, 5, 6])                    # sample 3 twice in one step: written once
+    assert st.levels == [0, 0, 0, 0]
+    written = {st.ids[g][row]: tiers for g, rows in st.writes.items() for row, tiers in rows.items()}
+    assert sorted(written) == [0, 1, 2, 3, 4]                 # 5 fit, 5 and 6 do not
+    assert [next(iter(written[s].values())) for s in range(5)] == ["memory"] * 3 + ["disk"] * 2
+    assert sum(1 for g, rows in st.writes.items() for row in rows if st.ids[g][row] == 3) == 1
+    assert st.shared_writes == {0: {v: "memory" for v in plan.shared}}
+    for c in caches[1:]:
+        other = c.steps[0]
+        assert (other.levels, other.writes, other.shared_writes) == (st.levels, st.writes, st.shared_writes)
+    st = step([0, 1, 2, 3, 4, 5, 1, 0])
+    assert st.levels == [1, 1, 0, 1] and not st.writes       # 4 with 5 is not cached; nothing more fits
+    assert caches[0].memory_used == shared + 3 * sample and caches[0].disk_used == 2 * sample
+
+
+def test_autocache_entries_are_exact_and_refuse_what_is_not_theirs(tmp_path):
+    from ftcompile.runtime.cache import CacheError, decode_entry, encode_entry, sample_digests
+
+    for t in (torch.randn(3, 5), torch.randn(2, 4).to(torch.bfloat16), torch.randint(0, 9, (7,))):
+        data = encode_entry("tok", "h", 17, "d" * 32, 2, t)
+        back = decode_entry(data, token="tok", value="h", sample=17, digest="d" * 32, shape=tuple(t.shape),
+                            dtype=str(t.dtype).removeprefix("torch."), where="e")
+        assert back.dtype == t.dtype and torch.equal(back, t)
+    data = encode_entry("tok", "h", 17, "d" * 32, 2, torch.zeros(3))
+    ok = dict(token="tok", value="h", sample=17, digest="d" * 32, shape=(3,), dtype="float32", where="e")
+    for change, msg in [({"token": "other"}, "stale AutoCache entry e: its token"),
+                        ({"value": "g"}, "its value"), ({"sample": 18}, "its sample"),
+                        ({"shape": (4,)}, "its shape"), ({"dtype": "float64"}, "its dtype"),
+                        ({"digest": "e" * 32}, "sample 17: its inputs differ")]:
+        with pytest.raises(CacheError, match=msg):
+            decode_entry(data, **{**ok, **change})
+    with pytest.raises(CacheError, match="not an AutoCache entry"):
+        decode_entry(b"junk" * 10, **ok)
+    # a sample's digest covers every input's bytes, dtype and shape, row by row
+    mb = {"x": torch.arange(6).reshape(2, 3), "y": torch.tensor([1.0, 2.0])}
+    d = sample_digests(mb, ["x", "y"])
+    assert d[0] != d[1] and d == sample_digests({k: v.clone() for k, v in mb.items()}, ["x", "y"])
+    assert sample_digests({"x": mb["x"], "y": torch.tensor([1.0, 2.5])}, ["x", "y"])[0] == d[0]
+    assert sample_digests({"x": mb["x"].double(), "y": mb["y"]}, ["x", "y"])[0] != d[0]
+
+
+def test_a_stale_cache_is_refused(llama_phases, bert4, tmp_path):
+    """The cache of another run, another package or a later phase is refused before training, as is an
+    index that does not list this phase's values."""
+    from dataclasses import replace
+
+    from ftcompile.runtime.cache import AutoCache, CacheError, CacheIndex, cache_plan, check, create
+
+    f1, f2 = llama_phases
+    m1, m2 = load_package(f1).manifest, load_package(f2).manifest
+    cfg = _cfg(tmp_path, 1)
+    create(cfg, m1)
+    check(cfg, m1, cache_plan(m1), register=True)
+    with pytest.raises(CacheError, match="belongs to another run"):
+        check(replace(cfg, token="someone-else"), m1, cache_plan(m1))
+    bert = load_package(bert4).manifest
+    other = replace(m1, generator={**m1.generator, "base_graph_hash": bert.generator["graph_hash"]})
+    with pytest.raises(CacheError, match="holds activations of model llama-tiny"):
+        check(cfg, other, cache_plan(m1))
+    # the meta.json of a run that went further (2 layers) seen from a phase freezing 1
+    check(replace(cfg, layers=2), m2, cache_plan(m2), register=True)
+    plan1 = cache_plan(m1)
+    late = replace(plan1, layers=0)
+    with pytest.raises(CacheError, match="cached .* at 1 frozen layers, this phase freezes only 0"):
+        check(cfg, m1, late)
+    bad = replace(plan1, shapes={**plan1.shapes, plan1.boundary[1][0]: (7,)})
+    with pytest.raises(CacheError, match="another package's"):
+        check(cfg, m1, bad)
+    idx = tmp_path / "index.json"
+    CacheIndex(1, ("nope",), {1, 2}, set(), {}).save(idx)
+    with pytest.raises(CacheError, match="stale cache: the index"):
+        AutoCache(_cfg(tmp_path, 2, 1, index_in=str(idx)), cache_plan(m2), CacheIndex.load(idx))
+
+
+def test_a_rank_refuses_a_stale_cache_before_training(llama_phases, tmp_path):
+    """A real rank given another run's cache folder stops with one line and exit status 2."""
+    import subprocess
+    import sys
+
+    from ftcompile.runtime.cache import cache_plan, check, create
+
+    f1, _ = llama_phases
+    m1 = load_package(f1).manifest
+    cfg = _cfg(tmp_path, 1, use=[1], write=True)
+    create(cfg, m1)
+    check(cfg, m1, cache_plan(m1), register=True)
+    cfg.token = "not-this-run"
+    (tmp_path / "autocache.json").write_text(json.dumps(cfg.to_json()))
+    (tmp_path / "data.py").write_text(EPOCHS)
+    r = subprocess.run([sys.executable, "-m", "ftcompile.runtime", str(f1), "--steps", "1", "--log-dir",
+                        str(tmp_path / "log"), "--data", f"{tmp_path / 'data.py'}:epochs", "--autocache",
+                        str(tmp_path / "autocache.json")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "stale cache" in r.stderr and "belongs to another run" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "log" / "train.jsonl").exists()
+
+
+def test_autocache_profiler_measures_and_checks_exactness(llama_phases, tmp_path):
+    from ftcompile.freeze import write_phase_package
+    from ftcompile.runtime.cache import cache_plan, create
+    from ftcompile.runtime.cache_measure import decide, measure
+    from ftcompile.runtime.data import split_micro_batches
+
+    _, f2 = llama_phases
+    pkg = load_package(f2)
+    cfg = _cfg(tmp_path, 2, 1)
+    create(cfg, pkg.manifest)
+    mb = split_micro_batches(next(_epochs(pkg.manifest, 1)), pkg.manifest, 1)[0]
+    got = measure(pkg, cfg, mb)
+    assert got["exact"] and got["tier"] == "memory"
+    assert got["forward_ms"] > 0 and got["advance_ms"] > 0 and got["read_ms"] > 0 and got["read_previous_ms"] > 0
+    plan = cache_plan(pkg.manifest)
+    assert got["bytes_per_micro_batch"] == 2 * sum(plan.entry_bytes(v) for v in plan.boundary[2]
+                                                   if v not in plan.shared)
+    # the process of its own a GPU measures in answers the same (here on the CPU)
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in mb.items()}, str(tmp_path / "mb.safetensors"))
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg.to_json()))
+    r = subprocess.run([sys.executable, "-m", "ftcompile.runtime.cache_measure", str(f2), str(tmp_path / "cfg.json"),
+                        str(tmp_path / "mb.safetensors"), "cpu"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    apart = json.loads(r.stdout.strip().splitlines()[-1])
+    assert apart["exact"] and set(apart) == set(got)
+    assert not any(p.name.startswith(".measure-") for p in (tmp_path / "mem").iterdir())     # scratch removed
+    # auto reads where reading is faster, on whatever the timing, off when not exact
+    fast = {"exact": True, "forward_ms": 5.0, "read_ms": 1.0, "read_previous_ms": 1.0, "advance_ms": 3.0}
+    assert decide("auto", cfg, fast)[:2] == ([2, 1], True)
+    assert decide("auto", cfg, {**fast, "advance_ms": 4.5})[:2] == ([2], True)
+    assert decide("auto", cfg, {**fast, "read_ms": 6.0, "read_previous_ms": 9.0})[:2] == ([], False)
+    assert decide("on", cfg, {**fast, "read_ms": 6.0})[:2] == ([2, 1], True)
+    use, write, why = decide("on", cfg, {"exact": False, "reason": "mixes"})
+    assert (use, write) == ([], False) and "not exact: mixes" in why
+    # a model whose frozen layers mix the samples of a micro-batch: measured not exact
+    (tmp_path / "nets.py").write_text(NETS)
+    built, g, _ = traced(f"{tmp_path / 'nets.py'}:mixing")
+    layers = find_layers(g)
+    ph = plan_phase(g, layers, 1, load_cluster("2xcpu").with_overrides(gpus=1), global_micro_batches=1,
+                    schedule="1f1b", strategies="seq")
+    mixing = load_package(write_phase_package(ph, built, layers, tmp_path / "mixing"))
+    from ftcompile.runtime.data import synthetic_batches
+
+    mb = split_micro_batches(next(synthetic_batches(mixing.manifest, micro_batches=1)), mixing.manifest, 1)[0]
+    cfg = _cfg(tmp_path / "m", 1)
+    create(cfg, mixing.manifest)
+    got = measure(mixing, cfg, mb)
+    assert not got["exact"] and "changes when its micro-batch is reversed" in got["reason"]
+
+
+@pytest.mark.slow
+def test_autocache_on_and_off_give_the_same_bits_on_four_ranks(bert4, tmp_path):
+    """BERT on 4 real ranks over gloo, two freeze transitions (P 4 -> 2, R 1 -> 2): with AutoCache (in host
+    memory; and with a budget of 0, every entry spilled to disk) the losses and weights are those without
+    it, bit for bit, while steps miss, hit and advance the cache through the newly frozen layer."""
+    (tmp_path / "data.py").write_text(EPOCHS)
+    runs = {}
+    for name, cache in [("off", "off"), ("on", "on"), ("spill", "on,cache_mb=0")]:
+        log = tmp_path / name
+        r = run_cli(str(bert4), "--nproc", "4", "--steps", "6", "--optimizer", "momentum", "--lr", "0.05",
+                    "--schedule", "1f1b", "--log-dir", str(log), "--checkpoint-dir", str(log / "ck"),
+                    "--data", f"{tmp_path / 'data.py'}:epochs",
+                    "--freeze", f"at=2:1@2x2+4:2@2x2,strategy=seq,cache={cache}", timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        recs = [json.loads(x) for x in (log / "train.jsonl").read_text().splitlines()]
+        runs[name] = ([x for x in recs if "step" in x], final_weights(log / "ck"),
+                      [json.loads(x) for x in (log / "freeze.jsonl").read_text().splitlines()])
+        # the run's cache is gone: nothing left in host memory or beside the log
+        memory = re.findall(r"/dev/shm/ftcompile-autocache-[0-9a-f]+", r.stderr)
+        assert bool(memory) == (cache != "off") and not any(Path(p).exists() for p in memory)
+        assert not [p for p in (log / "freeze").glob("cache-*") if p.is_dir()]
+    off_steps, off_w, _ = runs["off"]
+    assert all("cache" not in x for x in off_steps)
+    for name in ("on", "spill"):
+        steps, w, freeze = runs[name]
+        assert [x["loss"] for x in steps] == [x["loss"] for x in off_steps], name
+        assert set(w) == set(off_w) and all(torch.equal(w[n], off_w[n]) for n in w), name
+        # 8 samples, 8 a step: phase 1 misses then hits; phase 2 advances the cached layer-0 output
+        # through layer 1, then hits
+        counts = [(x["cache"]["misses"], x["cache"]["hits"], x["cache"]["advanced"]) for x in steps[2:]]
+        assert counts == [(4, 0, 0), (0, 4, 0), (0, 0, 4), (0, 4, 0)], name
+        assert [x["cache"]["entries_written"] > 0 for x in steps[2:]] == [True, False, True, False]
+        assert all(x["cache"]["bytes_read"] > 0 for x in steps[3:])
+        tier = [(x["cache"]["memory_bytes"] > 0, x["cache"]["disk_bytes"] > 0) for x in steps[2:]]
+        assert set(tier) == ({(True, False)} if name == "on" else {(False, True)}), name
+        phases = [x for x in freeze if "phase" in x and not x.get("decision")]
+        assert [p.get("cache", {}).get("used") for p in phases] == [None, True, True]
+        assert phases[2]["cache"]["reads_levels"] == [2, 1] and phases[2]["cache"]["measured"]["exact"]
+        assert phases[1]["cache"]["counts"]["hits"] == 4 and phases[2]["cache"]["counts"]["advanced"] == 4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_autocache_measures_on_a_gpu_in_a_process_of_its_own(llama_phases, tmp_path):
+    from ftcompile.runtime.cache import create
+    from ftcompile.runtime.cache_measure import measure_apart
+    from ftcompile.runtime.data import split_micro_batches
+
+    _, f2 = llama_phases
+    pkg = load_package(f2)
+    cfg = _cfg(tmp_path, 2, 1)
+    create(cfg, pkg.manifest)
+    mb = split_micro_batches(next(_epochs(pkg.manifest, 1)), pkg.manifest, 1)[0]
+    before = torch.cuda.memory_reserved(0)
+    got = measure_apart(f2, cfg, mb, "cuda:0")
+    assert got["exact"] and got["forward_ms"] > 0 and got["read_ms"] > 0
+    assert torch.cuda.memory_reserved(0) == before          # nothing of it stays in this process
