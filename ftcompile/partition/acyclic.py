@@ -72,6 +72,7 @@ class _Data:
     margin: int = 0               # bytes kept free beyond the estimate (raised when evaluate disagrees)
     pupd: list = None             # per parameter: its optimizer step's share U / M
     ptied: dict = None            # tied parameters (read by several nodes): their gradient sum per extra holder
+    pgrad: dict = None            # tied parameters: gradient bytes (one buffer per other holder waits)
 
 
 def _build_data(problem: Problem) -> _Data:
@@ -133,9 +134,11 @@ def _build_data(problem: Problem) -> _Data:
     names = list(pnames)
     ptied = {q: _shared_sum_ms(problem, [names[q]], {names[q]: 2}) / M for q, c in nreaders.items()
              if c > 1 and prof.params[names[q]].grad_bytes}
-    ptied = {q: c for q, c in ptied.items() if c > 0}
+    # the other holders' gradients each holder's GPU receives (plan.shared_gradient_receive)
+    pgrad = {q: prof.params[names[q]].grad_bytes for q in ptied}
     return _Data(ids, work, rec, act, ginp, params, ptotal, pbytes, pred, succ, edge_bytes,
-                 vprod, vbytes, vfloat, vcons, made, [sorted(r) for r in reads], pupd=pupd, ptied=ptied)
+                 vprod, vbytes, vfloat, vcons, made, [sorted(r) for r in reads], pupd=pupd, ptied=ptied,
+                 pgrad=pgrad)
 
 
 # --------------------------------------------------------------------------- incremental costs
@@ -267,7 +270,11 @@ class _State:
         return c + max(0.0, self.send[b] - c) + max(0.0, self.recvf[b] - c)
 
     def memory(self, b: int) -> float:
-        return self.chain.memory(b, self.pmem[b], self.recvb[b], self.act[b], self.ginp[b])
+        m = self.chain.memory(b, self.pmem[b], self.recvb[b], self.act[b], self.ginp[b])
+        if self.d.pgrad:
+            ref = self.pref[b]
+            m += sum(gb * (self.holders[q] - 1) for q, gb in self.d.pgrad.items() if q in ref)
+        return m
 
     def score(self) -> tuple[float, float, float]:
         """(memory overflow, largest period, sum of squared periods), to minimise in this order.
