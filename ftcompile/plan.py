@@ -546,6 +546,19 @@ def _shared_sum_ms(problem: Problem, names: list[str], holders: dict[str, int]) 
     return traffic / (hw.memory_bandwidth * hw.memory_efficiency) * 1e3
 
 
+def receive_windows(sg, flow: dict, gpu_of: dict[int, int]) -> dict[tuple[str, int], tuple[int, int]]:
+    """Values waiting for a reader, per (value, GPU of the reader): ``(window, bytes)``, the window the
+    widest flow-control window among that GPU's readers of it, once per GPU as the runtime keeps
+    one copy."""
+    waiting: dict[tuple[str, int], tuple[int, int]] = {}
+    for p, c, data in sg.edges(data=True):
+        w = flow[(p, c)][0] if (p, c) in flow else 1
+        for v, b in data["values"].items():
+            key = (v, gpu_of[c])
+            waiting[key] = (max(waiting.get(key, (0, 0))[0], w), b)
+    return waiting
+
+
 def shared_update_transient(prof, names: Iterable[str], holders: dict[str, int]) -> int:
     """Bytes U(j) adds for the shared (tied) tensors among ``names`` held by several stages: per
     tensor the holders' sum and a zero gradient standing in for a missing own one (the runtime's
@@ -745,14 +758,7 @@ def evaluate(problem: Problem, plan: Plan, *, windows: dict[tuple[int, int], int
     by_gpu: dict[int, list[StageCost]] = {}
     for sc in stage_costs:
         by_gpu.setdefault(sc.gpu, []).append(sc)
-    # Values waiting for a reader, per (value, GPU of the reader): the flow-control window of the
-    # edge (the widest among that GPU's readers), once per GPU as the runtime keeps one copy.
-    waiting: dict[tuple[str, int], tuple[int, int]] = {}
-    for p, c, data in sg.edges(data=True):
-        w = flow[(p, c)][0] if (p, c) in flow else 1
-        for v, b in data["values"].items():
-            key = (v, gpu_of[c])
-            waiting[key] = (max(waiting.get(key, (0, 0))[0], w), b)
+    waiting = receive_windows(sg, flow, gpu_of)
     receive = [0] * plan.num_gpus
     for (v, g), (w, b) in waiting.items():
         receive[g] += w * b

@@ -22,7 +22,8 @@ import numpy as np
 
 from ..profile import held_activation_bytes
 from ..plan import (ALLREDUCE_BUCKET_BYTES, Plan, Problem, Stage, _stage_params, plan_windows,
-                    shared_gradient_receive, shared_update_transient, stage_depths, stage_graph, working_sets)
+                    receive_windows, shared_gradient_receive, shared_update_transient,
+                    stage_depths, stage_graph, working_sets)
 
 #: strategy name -> "module:function" (imported on first use, so a missing optional
 #: dependency such as pymetis only disables its own strategy).
@@ -271,12 +272,7 @@ class MemoryModel:
             ahead[g] = max(ahead[g], k)
             used[g] = True
         # receive buffers: per value and reading GPU, the widest window among its readers there
-        waiting: dict[tuple[str, int], tuple[int, int]] = {}
-        for p, c, data in sg.edges(data=True):
-            w = flow[(p, c)][0] if (p, c) in flow else 1
-            for v, b in data["values"].items():
-                key = (v, gpu_of[c])
-                waiting[key] = (max(waiting.get(key, (0, 0))[0], w), b)
+        waiting = receive_windows(sg, flow, gpu_of)
         for (v, g), (w, b) in waiting.items():
             total[g] += w * b
         for g, b in shared_gradient_receive(graph, prof, stages.values()).items():
