@@ -11,18 +11,16 @@ the average of its two models.
 from __future__ import annotations
 
 import math
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from ftcompile.runtime import load_package
 from ftcompile.runtime.engine import TrainConfig
 from ftcompile.runtime.schedules import stage_program
 
+from ranks import RankRun, run_ranks, to_numpy, to_torch
 from test_runtime import call_of, compiled
 
 
@@ -76,78 +74,36 @@ def test_elastic_rule_keeps_the_reference_the_average():
 
 # --------------------------------------------------------------------------- real ranks
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _train(r: RankRun, advances) -> tuple:
+    """A rank's part: train (two segments, or one per step at the advances given), then its weights and the
+    reference model (the engine's weights where there is no averaging)."""
+    engine, cfg, losses = r.engine, r.cfg, []
 
-
-def _rank(rank, world, port, pkg, cfg, parallel, alpha, out, advances=None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    try:
-        from ftcompile.runtime.avgpipe import ElasticAveraging
-        from ftcompile.runtime.data import load_dataset
-        from ftcompile.runtime.engine import RankEngine
-        from ftcompile.runtime.layout import RankLayout
-        from ftcompile.runtime.transport import Launch, TorchTransport
-
-        transport = TorchTransport(Launch(rank, world, rank, "test"))
-        package = load_package(pkg)
-        layout = RankLayout(world, parallel, rank)
-        # alpha: a number, "default" (1/N) or None (no averaging object: plain replicas or one pipeline)
-        averaging = None if alpha is None else ElasticAveraging(parallel, None if alpha == "default" else alpha)
-        engine = RankEngine(package, cfg, rank=rank, world_size=world, transport=transport, layout=layout,
-                            averaging=averaging)
-        data = iter(load_dataset("synthetic", package.manifest, micro_batches=parallel * cfg.micro_batches,
-                                 seed=cfg.seed))
-        losses = []
-
-        def log(r):
-            if rank == engine.log_rank:
-                losses.append(r["loss"])
-        if advances is None:
-            half = cfg.steps // 2
-            # two segments, as around a checkpoint: the pending pull crosses the boundary
-            engine.run(data, half, on_step=log)
-            engine.run(data, cfg.steps - half, step_offset=half, on_step=log)
-        else:
-            # a per-step advance fixed by hand: one segment per step, each with its own order
-            for j, k in enumerate(advances):
-                engine.cfg.advance = k
-                engine.run(data, 1, step_offset=j, on_step=log)
-                assert all(st.program.advance == k for st in engine.stages.values()), (j, k)
-        state = engine.state()
-        ref = averaging.reference(state) if averaging is not None else state
-        engine.finish()
-
-        def np(st):
-            return {sid: {n: t.detach().cpu().numpy().copy() for n, t in s["weights"].items()}
-                    for sid, s in st.items()}
-        transport.close()
-        out.put((rank, layout.replica, np(state), np(ref), losses if rank == engine.log_rank else None))
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
-        import traceback
-        out.put((rank, None, traceback.format_exc(), None, None))
+    def log(rec):
+        if r.logs:
+            losses.append(rec["loss"])
+    if advances is None:
+        half = cfg.steps // 2
+        # two segments, as around a checkpoint: the pending pull crosses the boundary
+        engine.run(r.data, half, on_step=log)
+        engine.run(r.data, cfg.steps - half, step_offset=half, on_step=log)
+    else:
+        # a per-step advance fixed by hand: one segment per step, each with its own order
+        for j, k in enumerate(advances):
+            engine.cfg.advance = k
+            engine.run(r.data, 1, step_offset=j, on_step=log)
+            assert all(st.program.advance == k for st in engine.stages.values()), (j, k)
+    state = engine.state()
+    ref = r.averaging.reference(state) if r.averaging is not None else state
+    engine.finish()
+    return r.rank, r.layout.replica, to_numpy(state), to_numpy(ref), losses if r.logs else None
 
 
 def run_avgpipe(pkg: Path, cfg: TrainConfig, parallel: int, alpha: float | None, world: int, advances=None):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, str(pkg), cfg, parallel, alpha, out, advances))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    res = [out.get(timeout=900) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-    errors = [r[2] for r in res if r[1] is None]
-    assert not errors, errors[0]
-
-    def t(ws):
-        return {sid: {n: torch.from_numpy(a) for n, a in w.items()} for sid, w in ws.items()}
-    return [(rank, rep, t(ws), t(ref), losses) for rank, rep, ws, ref, losses in res]
+    """``parallel`` pipelines on ``world`` real ranks; alpha: a number, "default" (1/N) or None (no averaging object:
+    plain replicas or one pipeline). Per rank: (rank, replica, weights, reference weights, losses)."""
+    res = run_ranks(_train, pkg, cfg, world=world, replicas=parallel, alpha=alpha, args=(advances,))
+    return [(rank, rep, to_torch(ws), to_torch(ref), losses) for rank, rep, ws, ref, losses in res]
 
 
 def elastic_reference(package: Path, cfg: TrainConfig, parallel: int, alpha: float, steps: int):

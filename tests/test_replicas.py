@@ -10,69 +10,31 @@ replicas, bit for bit.
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from ftcompile.runtime import load_package
 from ftcompile.runtime.engine import TrainConfig
 from ftcompile.runtime.layout import LayoutError, RankLayout
 
+from ranks import RankRun, run_ranks, to_numpy, to_torch
 from test_runtime import compiled, plain_training
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, world: int, port: int, pkg: str, cfg: TrainConfig, replicas: int, order: str, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    try:
-        from ftcompile.runtime.data import load_dataset
-        from ftcompile.runtime.engine import RankEngine
-        from ftcompile.runtime.transport import Launch, TorchTransport
-
-        transport = TorchTransport(Launch(rank, world, rank, "test"))
-        package = load_package(pkg)
-        layout = RankLayout(world, replicas, rank, order)
-        engine = RankEngine(package, cfg, rank=rank, world_size=world, transport=transport, layout=layout)
-        data = iter(load_dataset("synthetic", package.manifest, micro_batches=replicas * cfg.micro_batches,
-                                 seed=cfg.seed))
-        losses = []
-        engine.run(data, cfg.steps, on_step=lambda r: losses.append(r["loss"]) if rank == engine.log_rank else None)
-        engine.finish()
-        # numpy arrays pickle by value: the queue must not hand over shared memory of a process that exits
-        weights = {sid: {n: t.detach().cpu().numpy().copy() for n, t in st["weights"].items()}
-                   for sid, st in engine.state().items()}
-        transport.close()
-        out.put((rank, layout.replica, weights, losses if rank == engine.log_rank else None))
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
-        out.put((rank, None, repr(exc), None))
+def _train(r: RankRun) -> tuple:
+    losses = []
+    r.engine.run(r.data, r.cfg.steps, on_step=lambda rec: losses.append(rec["loss"]) if r.logs else None)
+    r.engine.finish()
+    return r.rank, r.layout.replica, to_numpy(r.engine.state()), losses if r.logs else None
 
 
 def run_replicas(pkg: Path, cfg: TrainConfig, replicas: int, world: int, order: str = "pipeline-major"):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, str(pkg), cfg, replicas, order, out))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    res = [out.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-    errors = [r for r in res if r[1] is None]
-    assert not errors, errors
-    return [(rank, rep, {sid: {n: torch.from_numpy(a) for n, a in w.items()} for sid, w in ws.items()}, losses)
-            for rank, rep, ws, losses in res]
+    """Per rank: (rank, replica, weights by stage, losses on the log rank)."""
+    res = run_ranks(_train, pkg, cfg, world=world, replicas=replicas, order=order, timeout=600)
+    return [(rank, rep, to_torch(ws), losses) for rank, rep, ws, losses in res]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> float:
