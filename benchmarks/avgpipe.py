@@ -1,10 +1,14 @@
 """AvgPipe: convergence of parallel pipelines on CPU, and AvgPipe against other schedules in simulation.
 
-``convergence``: compile gpt2-tiny for 2 GPUs and train it with ``ftcompile run --nproc 2 --schedule
-avgpipe`` on the text corpus, once with one pipeline (N = 1, which is 1F1B: both stages on two
-ranks) and once with two parallel pipelines (N = 2: each pipeline's two stages on one rank,
-elastic averaging across the two ranks), for the same number of samples. Prints the loss
-against samples seen (mean over windows of samples) and writes ``avgpipe_convergence.png``.
+``convergence``: gpt2-tiny compiled as a 2-stage pipeline and trained with ``ftcompile run --nproc 2
+--schedule avgpipe`` on the text corpus cut by file into a training and a held-out part, three ways, each
+for the same number of sequences: (a) N = 1 with batch B = M micro-batches per step (1F1B); (b) N = 1 with
+2B per step (2M micro-batches: the same optimizer steps as (c), what plain 2-way data parallelism
+computes); (c) N = 2 parallel pipelines, alpha = 1/2, each taking B per step. Every run checkpoints every
+``--eval-every`` sequences; each checkpoint's model (under AvgPipe the reference model, the average of the
+N parallel models: what a checkpoint saves) is evaluated on the same held-out sequences with
+:func:`ftcompile.runtime.evaluation.evaluate_checkpoint`. Prints training loss per window and held-out loss
+against sequences seen, for each learning rate in ``--lrs``, and writes ``avgpipe_convergence.png``.
 
 ``simulate``: BERT-large and a GNMT-like model (8 + 8 LSTM layers of 1024, the shape of GNMT-8)
 on 8 GPUs of a memory limit, compiled with Seq-pipe for 1F1B; the same plan simulated under
@@ -17,7 +21,7 @@ gpt2-tiny compiled for 2 GPUs, 2 processes: first each fixed advance in {0, 1, 2
 after the first step, each rank's peak tensor bytes), then the adaptive run without a limit and with one
 between the fixed runs' peaks at advance 1 and 2; prints every step's advance, time, peaks and decision.
 
-    python benchmarks/avgpipe.py convergence --steps 150
+    python benchmarks/avgpipe.py convergence --sequences 12800 --lrs 1e-3,2e-3,4e-3
     python benchmarks/avgpipe.py adapt --micro-batches 8 --steps 12
     python benchmarks/avgpipe.py simulate --models bert-large,gnmt --gpu-memory 16GB
 """
@@ -26,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -42,65 +48,192 @@ def sh(*cmd: str) -> str:
 
 # --------------------------------------------------------------------------- convergence
 
-def _curve(log: Path) -> list[tuple[int, float]]:
+#: The three runs compared at equal samples: (key, label, parallel pipelines, micro-batches per pipeline as a
+#: multiple of M, what one optimizer step of a model sees).
+RUNS = (("n1", "N = 1, batch B (1F1B)", 1, 1),
+        ("n1x2", "N = 1, batch 2B (= data parallel x2)", 1, 2),
+        ("n2", "N = 2 AvgPipe, alpha 1/2", 2, 1))
+
+
+def _split_corpus(folder: Path, every: int) -> tuple[Path, Path, dict]:
+    """The text corpus (the standard library's source) cut by file: every file whose path hashes to 0 mod
+    ``every`` goes to the held-out part, the rest to the training part; each written as one file."""
+    import re
+    import zlib
+
+    from ftcompile.runtime.data import corpus_bytes
+
+    text = corpus_bytes()
+    heads = list(re.finditer(rb"^# ---- (.+) ----\n", text, re.M))
+    parts = {"train": [], "heldout": []}
+    for i, h in enumerate(heads):
+        body = text[h.start():heads[i + 1].start() if i + 1 < len(heads) else len(text)]
+        parts["heldout" if zlib.crc32(h.group(1)) % every == 0 else "train"].append(body)
+    out = {}
+    for k, v in parts.items():
+        out[k] = folder / f"{k}.py"
+        out[k].write_bytes(b"".join(v))
+    info = {k: {"files": len(v), "bytes": sum(map(len, v))} for k, v in parts.items()}
+    return out["train"], out["heldout"], info
+
+
+def _train_curve(log: Path, seqs_per_step: int) -> list[tuple[int, float]]:
+    """(sequences seen after the step, the step's training loss: mean over the micro-batches of every
+    parallel model) from a run's train.jsonl."""
+    return [((r["step"] + 1) * seqs_per_step, r["loss"]) for r in map(json.loads, log.read_text().splitlines())
+            if "loss" in r and "step" in r]
+
+
+def _window_means(curve, edges: list[int]) -> list[float]:
+    """Mean training loss over the steps after each edge up to the next (edges[0] = 0 excluded)."""
     out = []
-    for line in log.read_text().splitlines():
-        rec = json.loads(line)
-        if "loss" in rec and "step" in rec:
-            samples = (rec["step"] + 1) * rec["micro_batches"] * rec.get("parallel_pipelines", 1)
-            out.append((samples, rec["loss"]))
+    for lo, hi in zip(edges, edges[1:]):
+        xs = [loss for s, loss in curve if lo < s <= hi]
+        out.append(sum(xs) / len(xs) if xs else float("nan"))
     return out
 
 
-def _windows(curve, width: int) -> dict[int, float]:
-    """Mean loss over consecutive windows of ``width`` micro-batches' worth of samples (keyed by window end)."""
-    sums: dict[int, list[float]] = {}
-    for s, loss in curve:
-        end = ((s - 1) // width + 1) * width
-        sums.setdefault(end, []).append(loss)
-    return {k: sum(v) / len(v) for k, v in sorted(sums.items())}
+def _run_all(args, tmp: Path) -> dict:
+    import itertools
 
+    from ftcompile.runtime import load_package
+    from ftcompile.runtime.data import text_batches
+    from ftcompile.runtime.evaluation import evaluate, evaluate_checkpoint
 
-def convergence(args) -> None:
     py = str(Path(sys.executable).parent / "ftcompile")
-    with tempfile.TemporaryDirectory() as tmp:
-        pkg = Path(tmp) / "pkg"
-        sh(py, "compile", "gpt2-tiny", "--cluster", "2xcpu", "--gpus", "2", "--schedule", "1f1b", "--strategy",
-           "seq", "--micro-batches", str(args.micro_batches), "-o", str(pkg), "--quiet")
-        curves = {}
-        for n in (1, 2):
-            log = Path(tmp) / f"log{n}"
-            steps = args.steps // n            # the same samples: N pipelines see N batches per step
+    M, b = args.micro_batches, 2                        # gpt2-tiny's zoo micro-batch: 2 sequences of 32 bytes
+    pkg = tmp / "pkg"
+    # --replicas 1: a real 2-stage pipeline (left alone, the compiler keeps gpt2-tiny whole on each GPU)
+    sh(py, "compile", "gpt2-tiny", "--cluster", "2xcpu", "--gpus", "2", "--schedule", "1f1b", "--strategy", "seq",
+       "--replicas", "1", "--micro-batches", str(M), "-o", str(pkg), "--quiet")
+    train, heldout, split = _split_corpus(tmp, args.heldout_every)
+    package = load_package(pkg)
+    per = 2 * M * b                                    # sequences per step of N = 2 (and of N = 1 at 2B)
+    if args.sequences % args.eval_every or args.eval_every % per:
+        raise SystemExit(f"--sequences must be a multiple of --eval-every, and that of {per}")
+    hb = max(1, args.heldout_sequences // (M * b))
+    held = list(itertools.islice(text_batches(package.manifest, micro_batches=M, seed=12345, root=str(heldout)), hb))
+    edges = list(range(0, args.sequences + 1, args.eval_every))
+    res = {"split": split, "M": M, "b": b, "edges": edges, "heldout_sequences": hb * M * b,
+           "init_heldout": evaluate(package, held, micro_batches=M).loss, "runs": {}}
+    for lr in args.lrs:
+        for key, label, n, mult in RUNS:
+            seqs = n * mult * M * b                    # per optimizer step
+            steps, every = args.sequences // seqs, args.eval_every // seqs
+            name = f"{key}-lr{lr:g}"
+            log, ck = tmp / ("log-" + name), tmp / ("ck-" + name)
+            t0 = time.perf_counter()
             sh(py, "run", str(pkg), "--nproc", "2", "--schedule", "avgpipe", "--parallel-pipelines", str(n),
-               "--advance", "1", "--steps", str(steps), "--data", "text", "--optimizer", "adam", "--lr",
-               str(args.lr), "--seed", "0", "--log-dir", str(log), "--progress", "off", "--no-dropout")
-            curves[n] = _curve(log / "train.jsonl")
-    width = args.micro_batches * 2 * 10          # 10 steps of N = 2
-    w = {n: _windows(c, width) for n, c in curves.items()}
-    mbs = 2      # gpt2-tiny's zoo micro-batch: 2 sequences of 32 tokens
-    print(f"gpt2-tiny on the text corpus, Adam lr {args.lr}, M = {args.micro_batches} per pipeline, 2 processes; "
-          f"mean loss per window of {width * mbs} sequences")
-    print(f"{'sequences':>10} {'N=1 (1F1B)':>12} {'N=2 (AvgPipe)':>14}")
-    for k in sorted(set(w[1]) & set(w[2])):
-        print(f"{k * mbs:>10} {w[1][k]:>12.4f} {w[2][k]:>14.4f}")
-    last = max(set(w[1]) & set(w[2]))
-    print(f"final window: N=1 {w[1][last]:.4f}, N=2 {w[2][last]:.4f} ({(w[2][last] - w[1][last]) / w[1][last]:+.1%})")
+               "--advance", "1", "--micro-batches", str(mult * M), "--steps", str(steps), "--data", f"text:{train}",
+               "--optimizer", "adam", "--lr", str(lr), "--seed", str(args.seed), "--log-dir", str(log),
+               "--checkpoint-dir", str(ck), "--checkpoint-every", str(every), "--progress", "off", "--no-dropout")
+            seconds = time.perf_counter() - t0
+            curve = _train_curve(log / "train.jsonl", seqs)
+            held_loss = [res["init_heldout"]] + [
+                evaluate_checkpoint(package, ck / f"step-{s // seqs:08d}", held, micro_batches=M).loss
+                for s in edges[1:]]
+            res["runs"][name] = {"key": key, "lr": lr, "label": label, "steps": steps, "seconds": seconds,
+                                 "train": _window_means(curve, edges), "heldout": held_loss}
+            print(f"  {name}: {steps} steps in {seconds:.0f} s, held-out {held_loss[-1]:.4f}", file=sys.stderr)
+            shutil.rmtree(ck)
+    return res
+
+
+def _report(res: dict, args) -> None:
+    edges, runs = res["edges"], res["runs"]
+    lrs = sorted({r["lr"] for r in runs.values()})
+    sp = res["split"]
+    print(f"gpt2-tiny (2 stages, 2 processes, gloo) on the text corpus split by file: training part "
+          f"{sp['train']['files']} files ({sp['train']['bytes'] / 1e6:.1f} MB), held-out part {sp['heldout']['files']} "
+          f"files ({sp['heldout']['bytes'] / 1e6:.1f} MB); Adam, constant lr, M = {res['M']} micro-batches of "
+          f"{res['b']} sequences of 32 bytes per pipeline (B = {res['M'] * res['b']} sequences), dropout off, seed "
+          f"{args.seed}.")
+    print("train: mean training loss of the steps in the window ending at that many sequences (N = 2: mean over the "
+          "two parallel models); held-out: the checkpoint's model (N = 2: the reference model, the average of the "
+          f"two) on the same {res['heldout_sequences']} held-out sequences.")
+    for lr in lrs:
+        print(f"\nlr {lr:g}")
+        cols = [(k, lab) for k, lab, _, _ in RUNS if f"{k}-lr{lr:g}" in runs]
+        head = "".join(f" {'train ' + k:>12} {'held ' + k:>12}" for k, _ in cols)
+        print(f"{'sequences':>10}{head}")
+        for i, e in enumerate(edges):
+            row = ""
+            for k, _ in cols:
+                r = runs[f"{k}-lr{lr:g}"]
+                tr = r["train"][i - 1] if i else float("nan")
+                row += f" {tr:>12.4f} {r['heldout'][i]:>12.4f}"
+            print(f"{e:>10}{row}")
+    print(f"\nat {edges[-1]} sequences, held-out loss (N = 2 against each: the difference, relative to it):")
+    best = {}
+    for k, lab, _, _ in RUNS:
+        got = {r["lr"]: r["heldout"][-1] for r in runs.values() if r["key"] == k}
+        if got:
+            best[k] = min(got.items(), key=lambda x: x[1])
+            print(f"  {lab:<40} " + ", ".join(f"lr {lr:g}: {v:.4f}" for lr, v in sorted(got.items()))
+                  + f"; best lr {best[k][0]:g}")
+    if "n2" in best:
+        for k, lab, _, _ in RUNS:
+            if k != "n2" and k in best:
+                d = best["n2"][1] - best[k][1]
+                print(f"  N = 2 (best lr) against {lab} (best lr): {d:+.4f} ({d / best[k][1]:+.1%})")
+    _plot(res)
+
+
+def _plot(res: dict) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for n, label in ((1, "N = 1 (1F1B)"), (2, "N = 2 (AvgPipe, alpha = 1/2)")):
-            ax.plot([k * mbs for k in w[n]], list(w[n].values()), label=label)
-        ax.set_xlabel("sequences seen")
-        ax.set_ylabel("training loss (window mean)")
-        ax.legend()
-        fig.tight_layout()
-        out = Path(__file__).with_name("avgpipe_convergence.png")
-        fig.savefig(out, dpi=100)
-        print(f"wrote {out}")
     except ImportError:
-        pass
+        return
+    edges, runs = res["edges"], res["runs"]
+    lrs = sorted({r["lr"] for r in runs.values()})
+    cols = min(2, len(lrs))
+    rows = -(-len(lrs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.4 * rows + 0.5), sharey=True, squeeze=False)
+    colors = {"n1": "tab:blue", "n1x2": "tab:green", "n2": "tab:red"}
+    for ax in axes.flat[len(lrs):]:
+        ax.set_visible(False)
+    for ax, lr in zip(axes.flat, lrs):
+        for k, lab, _, _ in RUNS:
+            r = runs.get(f"{k}-lr{lr:g}")
+            if r is None:
+                continue
+            ax.plot(edges[1:], r["train"], color=colors[k], ls=":", lw=1)
+            ax.plot(edges, r["heldout"], color=colors[k], marker=".", lw=1.5,
+                    label=lab + (" (reference model)" if k == "n2" else ""))
+        ax.set_title(f"Adam, lr {lr:g}", fontsize=10)
+        ax.set_xlabel("sequences seen")
+        ax.set_ylim(top=min(3.6, max(res["init_heldout"], 1.0)))
+        ax.grid(alpha=0.3)
+    for row in axes:
+        row[0].set_ylabel("loss (solid: held-out;\ndotted: training)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("gpt2-tiny on the text corpus, 2 processes: held-out loss of the checkpointed model, "
+                 "training loss per window", fontsize=9)
+    fig.tight_layout()
+    out = Path(__file__).with_name("avgpipe_convergence.png")
+    fig.savefig(out, dpi=100)
+    print(f"wrote {out}")
+
+
+def convergence(args) -> None:
+    if args.load:
+        res = None
+        for f in args.load:                 # runs of several invocations (e.g. more learning rates) together
+            got = json.loads(Path(f).read_text())
+            if res is None:
+                res = got
+            elif any(got[k] != res[k] for k in ("edges", "split", "M", "heldout_sequences", "init_heldout")):
+                raise SystemExit(f"{f} measured another setting than {args.load[0]}; report them apart")
+            else:
+                res["runs"].update(got["runs"])
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            res = _run_all(args, Path(tmp))
+        if args.save:
+            Path(args.save).write_text(json.dumps(res, indent=1))
+    _report(res, args)
 
 
 # --------------------------------------------------------------------------- Algorithm 1 while training
@@ -259,9 +392,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
     c = sub.add_parser("convergence")
-    c.add_argument("--steps", type=int, default=200, help="steps of N = 1 (N = 2 runs half as many)")
-    c.add_argument("--micro-batches", type=int, default=4)
-    c.add_argument("--lr", type=float, default=1e-3)
+    c.add_argument("--sequences", type=int, default=9600, help="sequences every run sees")
+    c.add_argument("--eval-every", type=int, default=800, help="sequences between checkpoints evaluated")
+    c.add_argument("--micro-batches", type=int, default=4, help="M per pipeline (B = 2M sequences)")
+    c.add_argument("--lrs", type=lambda s: [float(x) for x in s.split(",")], default=[1e-3, 2e-3])
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--heldout-every", type=int, default=20, help="one file in this many goes to the held-out part")
+    c.add_argument("--heldout-sequences", type=int, default=512)
+    c.add_argument("--save", help="write the measured curves to this JSON file")
+    c.add_argument("--load", nargs="+", help="report and plot the curves of --save files instead of training")
     a = sub.add_parser("adapt")
     a.add_argument("--micro-batches", type=int, default=8)
     a.add_argument("--steps", type=int, default=12)
