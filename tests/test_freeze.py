@@ -91,7 +91,9 @@ def test_freeze_option_parses_both_forms_and_refuses_nonsense():
     s = parse_freeze("alpha=1/3,every=50")
     assert abs(s.alpha - 1 / 3) < 1e-12 and s.every == 50 and not s.manual
     s = parse_freeze("at=20:1@2x2+40:2,strategy=seq,layers=BertLayer")
-    assert s.at == [(20, 1, 2), (40, 2, None)] and s.strategy == "seq" and s.layers == ["BertLayer"]
+    assert s.at == [(20, 1, 2, 2, None), (40, 2, None, None, None)] and s.strategy == "seq" and s.layers == ["BertLayer"]
+    assert parse_freeze("at=20:1@2x2/8").at[0].micro_batches == 8 and parse_freeze("at=5:1/3").at == [(5, 1, None, None, 3)]
+    assert parse_freeze("at=5:1,micro_batches=fixed").micro_batches == "fixed"
     s = parse_freeze("alpha=1/3,every=5,cache=on,cache_mb=0.5,spill_mb=0")
     assert (s.cache, s.cache_mb, s.spill_mb) == ("on", 0.5, 0.0)
     assert parse_freeze("alpha=1/3,every=5").cache == "auto"
@@ -99,7 +101,8 @@ def test_freeze_option_parses_both_forms_and_refuses_nonsense():
                      ("alpha=1/3,every=2,cache=maybe", "cache=maybe"), ("alpha=1/3,every=2,cache_mb=-1", "megabytes"),
                      ("at=4:2+2:3", "must not decrease|distinct"), ("at=3:2+5:1", "must not decrease"),
                      ("at=2-1", "STEP:LAYERS"), ("speed=fast", "unknown key"),
-                     ("at=2:1,alpha=1/3,every=2", "either")]:
+                     ("at=2:1,alpha=1/3,every=2", "either"), ("at=2:1/0", "positive number of micro-batches"),
+                     ("at=2:1@0x4", "not PxR"), ("at=2:1,micro_batches=many", "micro_batches=many")]:
         with pytest.raises(FreezeError, match=msg):
             parse_freeze(bad)
 
