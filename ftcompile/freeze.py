@@ -434,6 +434,10 @@ def same_structure(a: OpGraph, b: OpGraph) -> str | None:
     return None
 
 
+class _OtherGraph(FreezeError):
+    """The model traces to another graph at this micro-batch size."""
+
+
 @dataclass
 class _AtSize:
     """A phase's frozen graph at one micro-batch size, priced, with its AutoCache cut."""
@@ -533,9 +537,10 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
                 g = graph_at(b)
                 diff = same_structure(graph, g)
                 if diff is not None:
-                    raise FreezeError(f"the model traced at micro-batch size {b} is not the graph traced at {b0} "
-                                      f"({diff}), so its layers and weights cannot be carried across; keep the "
-                                      "micro-batch size: --freeze ...,micro_batches=keep-size")
+                    # torch.export specializes sizes of 1 (and a model may branch on its batch): another graph
+                    # would not carry node ids, cached values or layers across phases
+                    raise _OtherGraph(f"the model traced at micro-batch size {b} is not the graph traced at {b0} "
+                                      f"({diff}), so its layers and cached activations cannot be carried across")
             sized[b] = _prepare(g, layer_paths, frozen, base_hash=base_hash, cached_from=cached_from, split=split,
                                 profile_fn=profile_fn, hardware=hardware, cluster=cluster, optimizer=optimizer)
         return sized[b]
@@ -598,7 +603,14 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
         fits = False
         for M in ms:
             b = S // (R * M)
-            sz = at(b)
+            try:
+                sz = at(b)
+            except _OtherGraph as exc:
+                if micro_batches is not None:
+                    raise FreezeError(f"{exc}; give another micro-batch count, or keep the micro-batch size "
+                                      "(--freeze ...,micro_batches=keep-size)") from None
+                tried.append({"P": P, "R": R, "M": M, "b": b, "feasible": False, "reason": str(exc)})
+                continue
             base = Problem(sz.graph, sz.profile, cluster, schedule=schedule, micro_batches=M, recompute=recompute)
             pb = replicated_problem(base, cluster, ReplicaLayout(P, R))
             result = compile_plan(pb, strategies, jobs=jobs)

@@ -563,11 +563,15 @@ class AutoCache:
             seen: set[int] = set()
             sample_values = [v for v in self.B[n] if v not in self.plan.shared]
             old = set(self.B[c]) if c else set()
+            # shared values the previous level reads but this one does not: only after a change of micro-batch
+            # size dropped them (resize); a miss computes them again, and advancing needs them
+            prev_shared = [v for v in (self.B[c] if c and self.use_c else ()) if v in self.plan.shared
+                           and v not in self.B[n]]
             for g, sids in enumerate(ids):
                 L = levels[g]
                 if L == n:
                     continue
-                for v in self.B[n]:
+                for v in [*self.B[n], *(prev_shared if L == 0 else ())]:
                     if v in self.plan.shared and v not in self.shared_known:
                         size = self.plan.entry_bytes(v)
                         if self._fits(size):
@@ -682,7 +686,8 @@ class AutoCache:
         t0 = time.perf_counter()
         cnt = self.counts.setdefault(step, _zero())
         for v, t in zip(outputs, values):
-            if v not in self.B[self.n] or self.plan.producer.get(v) != sid or not isinstance(t, torch.Tensor):
+            if (v not in self.B[self.n] and v not in shared) or self.plan.producer.get(v) != sid or \
+                    not isinstance(t, torch.Tensor):
                 continue
             if v in shared:
                 data = encode_entry(self.cfg.token, v, None, None, self.n, t)
