@@ -268,8 +268,11 @@ def _static_refusal(base, cluster: ClusterSpec, lay: ReplicaLayout, pb) -> str |
     static = sum(p.total for p in base.profile.params.values())
     room = lay.pipeline_gpus * max(0, cluster.gpu_memory - pb.memory_reserve)
     if static > room:
-        return (f"weights, gradients and optimizer state ({static / 1e9:.2f} GB) exceed {lay.pipeline_gpus} "
-                f"GPU(s) of {cluster.gpu_memory / 1e9:.2f} GB less the reserve")
+        from .units import format_bytes
+
+        return (f"weights, gradients and optimizer state ({format_bytes(static)}) exceed {lay.pipeline_gpus} "
+                f"GPU(s) of {format_bytes(cluster.gpu_memory)} less the {format_bytes(pb.memory_reserve)} reserve "
+                "each")
     return None
 
 
