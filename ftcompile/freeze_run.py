@@ -20,10 +20,10 @@ controller, on the compiler side, stands between them:
    split into ``R x M`` micro-batches of ``b = S / (R M)``; the step's gradient is the mean over
    its samples whatever the split (each micro-batch's mean loss weighted ``1 / M``, replicas
    averaged), so re-picking ``M`` changes only float rounding for models without batch coupling
-   (batch norm couples a micro-batch's samples). Dropout masks are keyed by the micro-batch's
-   number in the run (:func:`ftcompile.runtime.engine.micro_batch_seed`), so a run whose ``M``
-   or ``b`` changes draws other masks than one whose does not (a different random stream, the
-   same distribution).
+   (batch norm couples a micro-batch's samples). Dropout masks are keyed by the step and the
+   micro-batch's place in the step's global batch (:func:`ftcompile.runtime.engine.micro_batch_seed`),
+   so a run whose ``M`` or ``b`` changes draws other masks than one whose does not (a different
+   random stream, the same distribution), and never reuses a mask of another step.
 
 Each transition's cost (planning, plus the launch's start-up and checkpoint load: its wall time
 less its training time) is measured and logged, and counts in the run's samples/s.

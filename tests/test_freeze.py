@@ -298,7 +298,7 @@ def freeze_reference(package: Path, schedule: dict[int, list[str]], steps: int, 
             mod.eval()
         for i, mb in enumerate(split_micro_batches(next(batches), m, M)):
             args, kwargs = call_of(m, mb)
-            with keyed_random_mode(micro_batch_seed(seed, j * M + i)):
+            with keyed_random_mode(micro_batch_seed(seed, j, i)):
                 loss = model(*args, **kwargs)[0]
             (loss / M).backward()
         if norms is not None:
