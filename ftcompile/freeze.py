@@ -530,11 +530,20 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
     base_hash = graph.source.get("freeze", {}).get("base_graph_hash") or graph.content_hash()
     sized: dict[int, _AtSize] = {}
 
+    refused: dict[int, str] = {}
+
     def at(b: int) -> _AtSize:
+        if b in refused:
+            raise _OtherGraph(refused[b])
         if b not in sized:
             g = graph
             if b != b0:
-                g = graph_at(b)
+                try:
+                    g = graph_at(b)
+                except Exception as e:  # noqa: BLE001  a model may refuse a batch size: skip it, keep the others
+                    refused[b] = (f"the model does not trace at micro-batch size {b} "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+                    raise _OtherGraph(refused[b]) from None
                 diff = same_structure(graph, g)
                 if diff is not None:
                     # torch.export specializes sizes of 1 (and a model may branch on its batch): another graph

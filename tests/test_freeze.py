@@ -262,6 +262,28 @@ def test_impossible_micro_batch_settings_are_refused_clearly():
                    strategies="seq", graph_at=lambda b: other)
 
 
+def test_a_micro_batch_size_the_model_refuses_is_skipped_with_its_reason():
+    """A model that cannot trace at some batch size (it asserts on its batch, say) loses those
+    candidates, not the transition: the search prices the others and says why it skipped."""
+    _, g, _ = traced("bert-tiny")
+    layers = find_layers(g)
+    cluster = load_cluster("2xcpu").with_overrides(gpus=2)
+
+    def graph_at(b):
+        if b != 4:
+            raise RuntimeError(f"this model needs batches of 2 or 4, not {b}\nsecond line")
+        return traced("bert-tiny", batch_size=b)[1]
+
+    ph = plan_phase(g, layers, 1, cluster, samples_per_step=8, pipeline_gpus=2, schedule="1f1b", strategies="seq",
+                    graph_at=graph_at)
+    assert ph.micro_batch_size in (2, 4)
+    skipped = [r for r in ph.tried if not r.get("feasible") and "does not trace" in r.get("reason", "")]
+    assert skipped and all("not " + str(r["b"]) in r["reason"] and "second line" not in r["reason"] for r in skipped)
+    with pytest.raises(FreezeError, match="does not trace at micro-batch size 1"):
+        plan_phase(g, layers, 1, cluster, samples_per_step=8, pipeline_gpus=2, micro_batches=8, schedule="1f1b",
+                   strategies="seq", graph_at=graph_at)
+
+
 # --------------------------------------------------------------------------- equivalence
 
 def _package(out: Path, name: str, gpus: int) -> Path:
