@@ -514,10 +514,6 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
     recomputing is measured when it runs. ``PhasePlan.cache`` records the levels of the frozen
     stages and the values cached, or why the region cannot be cached.
     """
-    from .compile import compile_plan, plan_document
-    from .plan import Problem
-    from .replicas import ReplicaLayout, replicated_problem
-
     G = cluster.physical_gpus
     b0 = _micro_batch_size(graph)
     if (samples_per_step is None) == (global_micro_batches is None):
@@ -576,29 +572,8 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
             keep = [cm] + ([per // cb] if cb and per % cb == 0 else [])
         return micro_batch_candidates(P, per, keep), None
 
-    if pipeline_gpus is not None:
-        if replicas is not None:
-            R = replicas
-        else:
-            R = G // pipeline_gpus if pipeline_gpus >= 1 and G % pipeline_gpus == 0 else 0
-        ms, why = ([], f"{pipeline_gpus} does not divide the {G} GPUs")
-        if R and pipeline_gpus * R <= G:
-            ms, why = counts(pipeline_gpus, R)
-        if not ms:
-            raise FreezeError(f"a {pipeline_gpus}-GPU pipeline on {G} GPUs cannot train the step's {S} samples: "
-                              + why
-                              + f"; choose P among {pipeline_lengths(G, G, S)}"
-                              + (" and a micro-batch count dividing the samples per replica" if micro_batches else ""))
-        candidates = [pipeline_gpus]
-    else:
-        candidates = pipeline_lengths(G, start_pipeline or G, S if replicas is None else 1)
-        if replicas is not None:        # every halving of the pipeline, R fixed
-            P, candidates = start_pipeline or G // replicas, []
-            while P >= 1:
-                candidates.append(P)
-                if P % 2:
-                    break
-                P //= 2
+    candidates = _pipeline_candidates(G, S, counts, pipeline_gpus=pipeline_gpus, replicas=replicas,
+                                      start_pipeline=start_pipeline, forced_m=micro_batches is not None)
     tried: list[dict] = []
     best = None
     for P in candidates:
@@ -620,35 +595,15 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
                                       "(--freeze ...,micro_batches=keep-size)") from None
                 tried.append({"P": P, "R": R, "M": M, "b": b, "feasible": False, "reason": str(exc)})
                 continue
-            base = Problem(sz.graph, sz.profile, cluster, schedule=schedule, micro_batches=M, recompute=recompute)
-            pb = replicated_problem(base, cluster, ReplicaLayout(P, R))
-            result = compile_plan(pb, strategies, jobs=jobs)
-            row = {"P": P, "R": R, "M": M, "b": b, "feasible": result.chosen is not None}
-            if result.chosen is None:
-                row["reason"] = "; ".join(f"{r.name}: {r.reason}" for r in result.results[:3])
-                tried.append(row)
+            row, thr, make = _price_layout(sz, cluster, P, R, M, b, schedule=schedule, recompute=recompute,
+                                           strategies=strategies, jobs=jobs)
+            tried.append(row)
+            if make is None:
                 continue
             fits = True
-            chosen = result.best()
-            split_note = _split_chosen(pb, chosen, sz.levels) if sz.levels else None
-            sim = chosen.sim or {}
-            thr = float(sim.get("throughput_samples_per_s", 0.0))
-            row.update(samples_per_s=round(thr, 6), strategy=chosen.name)
-            if split_note:
-                row["cache_split"] = split_note
-            tried.append(row)
             if best is not None and thr <= best.samples_per_s:
                 continue    # no gain here; another M, or a shorter pipeline with more replicas, may still gain
-            doc = plan_document(result, model=sz.graph.source)
-            phase_cache = None
-            if sz.cache is not None:
-                phase_cache = dict(sz.cache)
-                if sz.levels and split_note is None:
-                    phase_cache["stages"] = {str(k): v for k, v in sorted(stage_levels(chosen.plan, sz.levels).items())}
-                elif sz.levels:
-                    phase_cache["refused"] = f"its plan split at the frozen layers {split_note}"
-            best = PhasePlan(frozen, P, R, M, thr, float(sim.get("minibatch_ms", 0.0)), chosen.name, tried, sz.graph,
-                             doc, phase_cache, b)
+            best = make(frozen, tried)
         if not fits:
             break       # a shorter pipeline holds more per GPU: it will not fit either
     if best is None:
@@ -656,6 +611,75 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
                           + "; ".join(r.get("reason", "") for r in tried))
     best.tried = tried
     return best
+
+
+def _pipeline_candidates(G: int, S: int, counts, *, pipeline_gpus: int | None, replicas: int | None,
+                         start_pipeline: int | None, forced_m: bool) -> list[int]:
+    """The pipeline lengths :func:`plan_phase` tries: the forced one (refused with the reason when
+    ``counts(P, R)`` has no micro-batch count for it), or ``start_pipeline`` halving (every halving
+    with ``replicas`` fixed, else those whose ``R = G / P`` divides the GPUs and the step)."""
+    if pipeline_gpus is not None:
+        if replicas is not None:
+            R = replicas
+        else:
+            R = G // pipeline_gpus if pipeline_gpus >= 1 and G % pipeline_gpus == 0 else 0
+        ms, why = ([], f"{pipeline_gpus} does not divide the {G} GPUs")
+        if R and pipeline_gpus * R <= G:
+            ms, why = counts(pipeline_gpus, R)
+        if not ms:
+            raise FreezeError(f"a {pipeline_gpus}-GPU pipeline on {G} GPUs cannot train the step's {S} samples: "
+                              + why
+                              + f"; choose P among {pipeline_lengths(G, G, S)}"
+                              + (" and a micro-batch count dividing the samples per replica" if forced_m else ""))
+        return [pipeline_gpus]
+    if replicas is None:
+        return pipeline_lengths(G, start_pipeline or G, S)
+    P, out = start_pipeline or G // replicas, []
+    while P >= 1:
+        out.append(P)
+        if P % 2:
+            break
+        P //= 2
+    return out
+
+
+def _price_layout(sz: _AtSize, cluster, P: int, R: int, M: int, b: int, *, schedule: str, recompute, strategies,
+                  jobs):
+    """Partition and simulate ``sz``'s frozen graph as ``P x R`` with ``M`` micro-batches of ``b``.
+
+    Returns the ``tried`` row, the simulated samples/s and, when a plan fits,
+    ``make(frozen, tried) -> PhasePlan`` (the plan document is written only for a layout that wins)."""
+    from .compile import compile_plan, plan_document
+    from .plan import Problem
+    from .replicas import ReplicaLayout, replicated_problem
+
+    base = Problem(sz.graph, sz.profile, cluster, schedule=schedule, micro_batches=M, recompute=recompute)
+    pb = replicated_problem(base, cluster, ReplicaLayout(P, R))
+    result = compile_plan(pb, strategies, jobs=jobs)
+    row = {"P": P, "R": R, "M": M, "b": b, "feasible": result.chosen is not None}
+    if result.chosen is None:
+        row["reason"] = "; ".join(f"{r.name}: {r.reason}" for r in result.results[:3])
+        return row, 0.0, None
+    chosen = result.best()
+    split_note = _split_chosen(pb, chosen, sz.levels) if sz.levels else None
+    sim = chosen.sim or {}
+    thr = float(sim.get("throughput_samples_per_s", 0.0))
+    row.update(samples_per_s=round(thr, 6), strategy=chosen.name)
+    if split_note:
+        row["cache_split"] = split_note
+
+    def make(frozen: int, tried: list[dict]) -> PhasePlan:
+        phase_cache = None
+        if sz.cache is not None:
+            phase_cache = dict(sz.cache)
+            if sz.levels and split_note is None:
+                phase_cache["stages"] = {str(k): v for k, v in sorted(stage_levels(chosen.plan, sz.levels).items())}
+            elif sz.levels:
+                phase_cache["refused"] = f"its plan split at the frozen layers {split_note}"
+        return PhasePlan(frozen, P, R, M, thr, float(sim.get("minibatch_ms", 0.0)), chosen.name, tried, sz.graph,
+                         plan_document(result, model=sz.graph.source), phase_cache, b)
+
+    return row, thr, make
 
 
 def _split_chosen(problem, chosen, levels: Sequence[FrozenRegion]) -> str | None:
