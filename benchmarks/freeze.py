@@ -8,8 +8,8 @@ pipeline x DDP baseline on the same cluster:
   (also shown: the paper's baseline layout, one 8-GPU GPipe pipeline, P=8 R=1);
 * **freeze only**: the baseline's plan kept, frozen layers priced as what they are (forward
   only, weights only: no backward, gradient, optimizer state or all-reduce);
-* **+AutoPipe**: the frozen graph re-partitioned, P halved while it fits and gains, R kept
-  (freed GPUs idle);
+* **+AutoPipe**: the frozen graph re-partitioned, P halved from the running phase's while it fits
+  and gains, R kept (freed GPUs idle), and M re-picked for each P (below);
 * **+AutoDP**: as +AutoPipe, with R = G / P replicas on the freed GPUs;
 * **+AutoCache**: as +AutoDP (the same plan: the runtime plans a phase for misses and splits the
   frozen layers into stages of their own), simulated with the prefix frozen before the phase read
@@ -18,17 +18,29 @@ pipeline x DDP baseline on the same cluster:
   the phase's new boundary written to it; where reading is slower than recomputing, the runtime's
   rule does not use the cache and the phase runs as +AutoDP.
 
+Re-picking M (``--micro-batches auto``, the default) is the runtime controller's: at each
+transition :func:`ftcompile.freeze.plan_phase` is given the step's samples (``SETTINGS``: 400
+images for ViT, 64 sequences for BERT; fixed over the run), the running phase's ``(M, b)``, and
+the model built on ``meta`` and traced at each micro-batch size ``b`` it prices (:class:`Traces`,
+each size traced once); it prices every ``M`` among ``P .. 6P`` (PipeTransformer §3.2.3; at most
+6 per P, fewer with ``--max-m``) with ``b = samples / (R M)``. The no-freeze start is a package
+compiled at the traced size (as a run starts); the same layout with M re-picked and nothing
+frozen is printed too, with the speed-ups against it. ``--micro-batches fixed`` keeps the
+traced size (M = samples per replica / b0). In both, each phase is planned from the one running
+(P halves from the running P, as the controller does; the figures before M was re-picked
+halved from the start layout's P at every phase, which could lengthen the pipeline again).
+
 Assumptions (printed with the figures): training is split into ``--intervals`` equal parts (in
 samples) with a freeze check between parts; the gradient norms are taken to fall towards the
 output, so Eq. 1's alpha bound decides (the fastest freezing alpha allows); each phase is one
 pass over the data (so every micro-batch of a phase is an advance: the previous phase's cached
 output read, the newly frozen layers run, their output written; the first frozen phase only
 writes); transitions (re-planning, restart, checkpoint load) are not counted here (the
-CPU end-to-end run measures them); the global batch is fixed (``--batch``), split into
-micro-batches of the traced size.
+CPU end-to-end run measures them).
 
     python benchmarks/freeze.py                       # ViT-B/16 and BERT-large on 8 x V100
     python benchmarks/freeze.py --models vit-base --intervals 10 --strategy seq
+    python benchmarks/freeze.py --micro-batches fixed # micro-batches of the traced size throughout
     python benchmarks/freeze.py --cpu-run             # plus the 4-process CPU end-to-end runs
     python benchmarks/freeze.py --models "" --cpu-cache 8   # AutoCache off and on, CPU, 8-sample dataset
 """
@@ -70,105 +82,188 @@ def simulate_fixed(problem, plan) -> float:
     return simulate(problem, plan).throughput_samples_per_s
 
 
-def predict(name: str, cluster_name: str, alpha: float, intervals: int, strategy: str) -> dict:
+class Traces:
+    """The model built on ``meta`` and traced at each micro-batch size ``b`` a plan prices (each once),
+    as the runtime's controller re-traces its package's model (``ftcompile.freeze_run._Traces``)."""
+
+    def __init__(self, name: str, extra: dict):
+        self.name, self.extra, self.by_size, self.seconds = name, extra, {}, 0.0
+
+    def graph(self, b: int):
+        from ftcompile.models import ModelOptions, build_model
+        from ftcompile.trace import trace
+
+        if b not in self.by_size:
+            t0 = time.perf_counter()
+            built = build_model(self.name, ModelOptions(batch_size=b, device="meta", **self.extra))
+            self.by_size[b] = trace(built.model, built.args, built.kwargs,
+                                    source={"model": built.name, "options": asdict(built.options)})
+            self.seconds += time.perf_counter() - t0
+        return self.by_size[b]
+
+
+def cap_micro_batches(limit: int | None) -> None:
+    """Price at most ``limit`` micro-batch counts per pipeline length (spread over P..6P, its ends kept;
+    the running phase's M and the M keeping its b still added) instead of the planner's default
+    (``ftcompile.freeze.MICRO_BATCH_CANDIDATES``): a time cap for this script, the runtime unchanged."""
+    import functools
+
+    import ftcompile.freeze as fz
+
+    if limit is None:
+        return
+    if limit < 2:
+        raise SystemExit(f"--max-m {limit}: give at least 2 (the ends of the range P..6P)")
+    # plan_phase looks the function up in its module at each call
+    fz.micro_batch_candidates = functools.partial(fz.micro_batch_candidates, limit=limit)
+
+
+def predict(name: str, cluster_name: str, alpha: float, intervals: int, strategy: str,
+            micro: str = "auto") -> dict:
+    """The breakdown for ``name`` on ``cluster_name``: ``micro="auto"`` re-picks M at every transition as
+    the runtime's controller does (samples per step fixed, the model traced at each b); ``"fixed"``
+    keeps the traced micro-batch size (M = samples per replica / b0)."""
     from ftcompile.cluster import load_cluster
     from ftcompile.freeze import cached_profile, find_layers, freeze_graph, frozen_region, plan_phase
     from ftcompile.hardware import load_hardware
-    from ftcompile.models import ModelOptions, build_model
     from ftcompile.plan import Plan, Problem
     from ftcompile.profile import analytic_profile
     from ftcompile.replicas import ReplicaLayout, replicated_problem
-    from ftcompile.trace import trace
 
-    batch, micro, extra = SETTINGS[name]
+    batch, b0, extra = SETTINGS[name]
     t0 = time.perf_counter()
-    built = build_model(name, ModelOptions(batch_size=micro, device="meta", **extra))
-    graph = trace(built.model, built.args, built.kwargs, source={"model": built.name,
-                                                                 "options": asdict(built.options)})
+    traces = Traces(name, extra)
+    graph = traces.graph(b0)
     cluster = load_cluster(cluster_name)
     hw = load_hardware(cluster.hardware)
-    G, Mg = cluster.physical_gpus, batch // micro
+    G, Mg = cluster.physical_gpus, batch // b0
     layers = find_layers(graph)
     L = len(layers)
     sched = schedule_of(L, alpha, intervals)
-    common = dict(global_micro_batches=Mg, schedule="gpipe", optimizer="adam", strategies=strategy, hardware=hw)
-    best = plan_phase(graph, layers, 0, cluster, **common)
-    paper = plan_phase(graph, layers, 0, cluster, pipeline_gpus=G, **common)
+    common = dict(schedule="gpipe", optimizer="adam", strategies=strategy, hardware=hw)
+    fixed = dict(global_micro_batches=Mg, **common)     # micro-batches of b0: a package as compiled
+
+    def replan(n: int, current: tuple[int, int], **kw):
+        """One transition's plan, as the controller makes it (``fixed``: M follows b0)."""
+        if micro == "fixed":
+            return plan_phase(graph, layers, n, cluster, **fixed, **kw)
+        return plan_phase(graph, layers, n, cluster, samples_per_step=batch, graph_at=traces.graph,
+                          current=current, **common, **kw)
+
+    # the no-freeze start: a package compiled at b0 (the runtime's first phase), best layout or the paper's
+    best = plan_phase(graph, layers, 0, cluster, **fixed)
+    paper = plan_phase(graph, layers, 0, cluster, pipeline_gpus=G, **fixed)
+    tuned = {}
+    if micro == "auto":     # the same layouts with M (and b) re-picked too: what tuning M alone gives
+        tuned = {"best_layout": replan(0, (best.micro_batches, b0)),
+                 "paper_layout": replan(0, (paper.micro_batches, b0), pipeline_gpus=G)}
     regions = {n: frozen_region(graph, layers, n) for n in set(sched)}
     profiles = {}
     for n, region in regions.items():
         fg = freeze_graph(graph, region)
         profiles[n] = (fg, analytic_profile(fg, hw, optimizer="adam"))
 
+    def lay(ph) -> tuple:
+        return (ph.pipeline_gpus, ph.replicas, ph.micro_batches, ph.micro_batch_size or b0)
+
+    def autocache(dp, n: int, prev: int) -> tuple[float, bool]:
+        """The +AutoDP plan, one pass over the data with the cache: read what the previous phase cached,
+        run the newly frozen layers, write their output (at the plan's micro-batch size)."""
+        fg = dp.graph
+        prof = analytic_profile(fg, hw, optimizer="adam")
+        region = frozen_region(fg, layers, n)
+        before = frozen_region(fg, layers, prev) if prev else None
+        cprof, used = cached_profile(fg, prof, region, before, host_bandwidth=hw.host_bandwidth, write=True)
+        if not (used and (dp.cache or {}).get("stages")):
+            return dp.samples_per_s, False
+        cpb = replicated_problem(Problem(fg, cprof, cluster, schedule="gpipe", micro_batches=dp.micro_batches),
+                                 cluster, ReplicaLayout(dp.pipeline_gpus, dp.replicas))
+        cached = simulate_fixed(cpb, Plan.from_json(dp.doc["plan"]))
+        return (cached, True) if cached > 0 else (dp.samples_per_s, False)
+
     def breakdown(base) -> dict:
-        """Throughput per interval of each system, starting from the no-freeze layout ``base``."""
+        """Throughput per interval of each system, starting from the no-freeze layout ``base``; each
+        system's next phase is planned from its running one (P to halve from, and ``current=(M, b)``)."""
         per: dict[str, list[float]] = {k: [] for k in ("freeze_only", "autopipe", "autodp", "autocache")}
         rows, memo = [], {}
+        start = lay(base)
+        run_ap, run_dp = start, start       # the running phase of +AutoPipe and of +AutoDP/+AutoCache
         for i, n in enumerate(sched):
             prev = sched[i - 1] if i else 0
             if n == 0:          # before the first freeze every system runs the baseline
-                memo[(0, 0)] = {"frozen": 0, "cached_prefix": 0, "freeze_only": base.samples_per_s,
-                                "autopipe": base.samples_per_s, "autopipe_P": base.pipeline_gpus,
-                                "autodp": base.samples_per_s, "autodp_PR": (base.pipeline_gpus, base.replicas),
-                                "autocache": base.samples_per_s, "cache_used": False}
-                if not rows:
-                    rows.append(memo[(0, 0)])
-            if (prev, n) not in memo:
-                fg, prof = profiles[n]
-                pb = replicated_problem(Problem(fg, prof, cluster, schedule="gpipe", micro_batches=base.micro_batches),
-                                        cluster, ReplicaLayout(base.pipeline_gpus, base.replicas))
-                only = simulate_fixed(pb, Plan.from_json(base.doc["plan"]))
-                ap = plan_phase(graph, layers, n, cluster, replicas=base.replicas, start_pipeline=base.pipeline_gpus,
-                                **common)
-                dp = plan_phase(graph, layers, n, cluster, start_pipeline=base.pipeline_gpus,
-                                cached_from=prev, **common)
-                # the same plan, one pass over the data with the cache: read what the previous phase
-                # cached, run the newly frozen layers, write their output
-                cprof, used = cached_profile(fg, prof, regions[n], regions[prev] if prev else None,
-                                             host_bandwidth=hw.host_bandwidth, write=True)
-                cached = dp.samples_per_s
-                if used and (dp.cache or {}).get("stages"):
-                    cpb = replicated_problem(Problem(fg, cprof, cluster, schedule="gpipe",
-                                                     micro_batches=dp.micro_batches),
-                                             cluster, ReplicaLayout(dp.pipeline_gpus, dp.replicas))
-                    cached = simulate_fixed(cpb, Plan.from_json(dp.doc["plan"]))
-                    used = cached > 0
-                    cached = cached if used else dp.samples_per_s
-                memo[(prev, n)] = {"frozen": n, "cached_prefix": prev if used and prev else 0, "freeze_only": only,
-                                   "autopipe": ap.samples_per_s, "autopipe_P": ap.pipeline_gpus,
-                                   "autodp": dp.samples_per_s, "autodp_PR": (dp.pipeline_gpus, dp.replicas),
-                                   "autocache": cached, "cache_used": used}
-                rows.append(memo[(prev, n)])
+                row = {"frozen": 0, "cached_prefix": 0, "freeze_only": base.samples_per_s,
+                       "autopipe": base.samples_per_s, "autopipe_PRMb": start,
+                       "autodp": base.samples_per_s, "autodp_PRMb": start,
+                       "autocache": base.samples_per_s, "cache_used": False}
+            else:
+                key = (prev, n, run_ap, run_dp)
+                if key not in memo:
+                    fg, prof = profiles[n]
+                    pb = replicated_problem(Problem(fg, prof, cluster, schedule="gpipe",
+                                                    micro_batches=base.micro_batches),
+                                            cluster, ReplicaLayout(base.pipeline_gpus, base.replicas))
+                    only = simulate_fixed(pb, Plan.from_json(base.doc["plan"]))
+                    ap = replan(n, run_ap[2:], replicas=base.replicas, start_pipeline=run_ap[0])
+                    dp = replan(n, run_dp[2:], start_pipeline=run_dp[0], cached_from=prev)
+                    cached, used = autocache(dp, n, prev)
+                    memo[key] = {"frozen": n, "cached_prefix": prev if used and prev else 0, "freeze_only": only,
+                                 "autopipe": ap.samples_per_s, "autopipe_PRMb": lay(ap),
+                                 "autodp": dp.samples_per_s, "autodp_PRMb": lay(dp),
+                                 "autocache": cached, "cache_used": used}
+                row = memo[key]
+                run_ap, run_dp = row["autopipe_PRMb"], row["autodp_PRMb"]
+            row = {**row, "interval": i}
+            rows.append(row)
             for k in per:
-                per[k].append(memo[(prev, n)][k])
+                per[k].append(row[k])
         # equal samples per interval: time ~ sum of 1 / throughput
         base_t = len(sched) / base.samples_per_s
-        return {"layout": {"P": base.pipeline_gpus, "R": base.replicas, "M": base.micro_batches,
+        return {"layout": {"P": base.pipeline_gpus, "R": base.replicas, "M": base.micro_batches, "b": b0,
                            "samples_per_s": base.samples_per_s},
                 "phases": rows, **{f"speedup_{k}": base_t / sum(1.0 / x for x in v) for k, v in per.items()}}
 
-    return {"model": name, "cluster": cluster_name, "layers": L, "alpha": alpha, "schedule": sched,
-            "batch": batch, "micro_batch": micro, "best_layout": breakdown(best), "paper_layout": breakdown(paper),
-            "seconds": round(time.perf_counter() - t0, 1)}
+    out = {"model": name, "cluster": cluster_name, "layers": L, "alpha": alpha, "schedule": sched,
+           "batch": batch, "micro_batch": b0, "micro_batches": micro,
+           "best_layout": breakdown(best), "paper_layout": breakdown(paper)}
+    for key, ph in tuned.items():
+        out[key]["tuned_start"] = {"P": ph.pipeline_gpus, "R": ph.replicas, "M": ph.micro_batches,
+                                   "b": ph.micro_batch_size, "samples_per_s": ph.samples_per_s}
+    out["trace_sizes"] = sorted(traces.by_size)
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
 
 
 def report(r: dict) -> str:
+    how = ("M re-picked at every transition (P..6P, samples per step fixed, model traced at each b)"
+           if r["micro_batches"] == "auto" else f"micro-batches of {r['micro_batch']} kept (M fixed per replica)")
     lines = [f"{r['model']} on {r['cluster']}: {r['layers']} layers, alpha={r['alpha']:.3g}, frozen per interval "
-             f"{r['schedule']}, global batch {r['batch']} ({r['micro_batch']} per micro-batch), gpipe, adam"]
+             f"{r['schedule']}, global batch {r['batch']} (start: {r['micro_batch']} per micro-batch), gpipe, adam; "
+             f"{how}"]
     for key, label in (("best_layout", "best no-freeze layout"), ("paper_layout", "the paper's baseline layout")):
         b = r[key]
         lay = b["layout"]
-        lines.append(f"  from {label}: P={lay['P']} R={lay['R']} M={lay['M']}, {lay['samples_per_s']:.1f} samples/s "
-                     "(simulated)")
-        lines.append("    frozen (cached) | freeze only | +AutoPipe (P) | +AutoDP (PxR) | +AutoCache   [samples/s]")
+        lines.append(f"  from {label}: P={lay['P']} R={lay['R']} M={lay['M']} b={lay['b']}, "
+                     f"{lay['samples_per_s']:.1f} samples/s (simulated)")
+        t = b.get("tuned_start")
+        if t:
+            lines.append(f"    (the same layout, no freezing, M re-picked: P={t['P']} R={t['R']} M={t['M']} b={t['b']}, "
+                         f"{t['samples_per_s']:.1f} samples/s, {t['samples_per_s'] / lay['samples_per_s']:.2f}x)")
+        lines.append("    interval frozen (cached) | freeze only | +AutoPipe (P R M b)      | +AutoDP (P R M b)        "
+                     "| +AutoCache   [samples/s]")
         for p in b["phases"]:
-            lines.append(f"    {p['frozen']:6d} ({p['cached_prefix']:2d})     | {p['freeze_only']:11.1f} | "
-                         f"{p['autopipe']:9.1f} ({p['autopipe_P']}) | {p['autodp']:9.1f} ({p['autodp_PR'][0]}x"
-                         f"{p['autodp_PR'][1]}) | {p['autocache']:9.1f}")
+            ap, dp = p["autopipe_PRMb"], p["autodp_PRMb"]
+            lines.append(f"    {p['interval']:8d} {p['frozen']:6d} ({p['cached_prefix']:2d}) | {p['freeze_only']:11.1f} | "
+                         f"{p['autopipe']:9.1f} ({ap[0]} {ap[1]} {ap[2]:2d} {ap[3]:3d}) | "
+                         f"{p['autodp']:9.1f} ({dp[0]} {dp[1]} {dp[2]:2d} {dp[3]:3d}) | {p['autocache']:9.1f}")
         lines.append("    speed-up over the run: " + ", ".join(
             f"{k} {b[f'speedup_{k}']:.2f}x" for k in ("freeze_only", "autopipe", "autodp", "autocache")))
+        if t:
+            f = lay["samples_per_s"] / t["samples_per_s"]
+            lines.append("    against the M-re-picked no-freeze baseline: " + ", ".join(
+                f"{k} {b[f'speedup_{k}'] * f:.2f}x" for k in ("freeze_only", "autopipe", "autodp", "autocache")))
     if r["model"] in PAPER:
         lines.append(f"  paper (PipeTransformer, 8 GPUs, alpha=1/3, measured): {PAPER[r['model']]:.2f}x")
+    lines.append(f"  ({r['seconds']} s; traced at b = {r['trace_sizes']})")
     return "\n".join(lines)
 
 
@@ -268,14 +363,21 @@ def main() -> None:
     p.add_argument("--alpha", type=float, default=1 / 3)
     p.add_argument("--intervals", type=int, default=10)
     p.add_argument("--strategy", default="seq")
+    p.add_argument("--micro-batches", choices=("auto", "fixed"), default="auto",
+                   help="auto: re-pick M (and b) at every transition as the runtime's controller does; fixed: keep "
+                        "the traced micro-batch size (the earlier figures)")
+    p.add_argument("--max-m", type=int, default=None, metavar="N",
+                   help="price at most N micro-batch counts per pipeline length (default: the planner's, "
+                        "6 spread over P..6P)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--cpu-run", action="store_true", help="also run the 4-process CPU end-to-end freeze runs")
     p.add_argument("--cpu-cache", type=int, default=0, metavar="N",
                    help="also run them on a dataset of N samples with AutoCache off and on (N = 8: an epoch a step)")
     p.add_argument("--work", default=None, help="folder for the CPU runs (default: a temporary one)")
     args = p.parse_args()
+    cap_micro_batches(args.max_m)
     for name in [m for m in args.models.split(",") if m]:
-        r = predict(name, args.cluster, args.alpha, args.intervals, args.strategy)
+        r = predict(name, args.cluster, args.alpha, args.intervals, args.strategy, args.micro_batches)
         print(json.dumps(r) if args.json else report(r), flush=True)
     if args.cpu_run or args.cpu_cache:
         import tempfile

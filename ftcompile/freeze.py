@@ -340,17 +340,19 @@ class PhasePlan:
     frozen: int                     # layers frozen
     pipeline_gpus: int              # P
     replicas: int                   # R
-    micro_batches: int              # M per replica (R x M micro-batches per step, fixed over the run)
+    micro_batches: int              # M per replica
     samples_per_s: float            # simulated, all replicas together
     step_ms: float
     strategy: str | None
-    tried: list[dict]               # every (P, R, M) priced: feasible, throughput, reason
-    graph: OpGraph | None = None    # the frozen graph
+    tried: list[dict]               # every (P, R, M, b) priced: feasible, throughput, reason
+    graph: OpGraph | None = None    # the frozen graph (traced at micro-batch size b)
     doc: dict | None = None         # its plan document (plan.json)
     cache: dict | None = None       # AutoCache: frozen stage levels and the values cached (see plan_phase)
+    micro_batch_size: int | None = None     # b: R x M x b samples per step, fixed over the run
 
     def row(self) -> dict:
         out = {"frozen_layers": self.frozen, "P": self.pipeline_gpus, "R": self.replicas, "M": self.micro_batches,
+               "b": self.micro_batch_size,
                "predicted_samples_per_s": round(self.samples_per_s, 6), "predicted_step_ms": round(self.step_ms, 6),
                "strategy": self.strategy, "tried": self.tried}
         if self.cache is not None:
@@ -358,13 +360,14 @@ class PhasePlan:
         return out
 
 
-def pipeline_lengths(gpus: int, start: int, global_micro_batches: int) -> list[int]:
+def pipeline_lengths(gpus: int, start: int, divisible: int) -> list[int]:
     """AutoPipe's candidates: ``start``, ``start / 2``, ... while ``P`` divides the GPUs and the
-    ``R = G / P`` replicas divide the step's micro-batches."""
+    ``R = G / P`` replicas divide ``divisible`` (the step's samples, or its micro-batches where the
+    micro-batch size cannot change)."""
     out, P = [], start
     while P >= 1:
         R = gpus // P
-        if gpus % P == 0 and global_micro_batches % R == 0:
+        if gpus % P == 0 and divisible % R == 0:
             out.append(P)
         if P % 2:
             break
@@ -372,37 +375,85 @@ def pipeline_lengths(gpus: int, start: int, global_micro_batches: int) -> list[i
     return out
 
 
-def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster, *, global_micro_batches: int,
-               schedule: str, optimizer: str = "adam", start_pipeline: int | None = None,
-               pipeline_gpus: int | None = None, strategies="auto", jobs: int | None = 1, hardware=None,
-               recompute=None, profile_fn=None, replicas: int | None = None, cached_from: int = 0,
-               split: bool = True) -> PhasePlan:
-    """AutoPipe and AutoDP: the best ``(P, R = G / P, M = global / R)`` for ``frozen`` frozen layers.
+#: PipeTransformer §3.2.3 enumerates M from K to 6K for a K-GPU pipeline.
+MICRO_BATCH_RANGE = (1, 6)
+#: At most this many micro-batch counts are priced per pipeline length (spread over the range).
+MICRO_BATCH_CANDIDATES = 6
 
-    The frozen graph (:func:`freeze_graph`) is profiled (``profile_fn(graph)``, default: analytic on
-    ``hardware`` or the cluster's) and partitioned by our strategies for each pipeline length from
-    ``start_pipeline`` (default: all the cluster's GPUs), halving while the halved pipeline's plan
-    fits and the simulator predicts a higher throughput over all replicas (the all-reduce of the
-    trainable weights included). ``pipeline_gpus`` forces one length (a manual schedule);
-    ``replicas`` keeps ``R`` fixed (AutoPipe without AutoDP: the GPUs a shorter pipeline frees stay
-    idle, and ``M`` stays ``global / R``).
 
-    AutoCache: where the frozen region's output can be cached (:func:`cache_cut`) and ``split``,
-    each chosen plan's stages that mix frozen and active nodes are split on their GPU
-    (:func:`split_frozen`) at ``frozen`` layers and at ``cached_from`` (the previous phase's
-    frozen layers, whose cached outputs the newly frozen layers advance), and the split plan is
-    priced and simulated in place of the partitioner's. Plans are made for recomputing the frozen
-    forward: a phase starts with samples the cache does not hold, and whether reading beats
-    recomputing is measured when it runs. ``PhasePlan.cache`` records the levels of the frozen
-    stages and the values cached, or why the region cannot be cached.
+def micro_batch_candidates(pipeline_gpus: int, per_replica: int, keep: Sequence[int] = (),
+                           limit: int = MICRO_BATCH_CANDIDATES) -> list[int]:
+    """The micro-batch counts ``M`` AutoPipe prices for a ``pipeline_gpus``-GPU pipeline whose replica
+    trains ``per_replica`` samples a step.
+
+    Every ``M`` dividing ``per_replica`` (micro-batches of ``b = per_replica / M`` samples) with
+    ``P <= M <= 6 P`` (PipeTransformer §3.2.3); where none divides, the nearest divisor on each
+    side. More than ``limit`` are thinned to ``limit`` spread evenly over the range (its ends kept).
+    ``keep`` (the running phase's ``M``, and the ``M`` that keeps its ``b``) are added where they
+    divide ``per_replica``. Sorted ascending.
     """
-    from .compile import compile_plan, plan_document
-    from .plan import Problem
-    from .replicas import ReplicaLayout, replicated_problem
+    if per_replica < 1 or pipeline_gpus < 1:
+        raise FreezeError(f"cannot split {per_replica} samples among micro-batches of a {pipeline_gpus}-GPU pipeline")
+    divisors = [m for m in range(1, per_replica + 1) if per_replica % m == 0]
+    lo, hi = MICRO_BATCH_RANGE[0] * pipeline_gpus, MICRO_BATCH_RANGE[1] * pipeline_gpus
+    inside = [m for m in divisors if lo <= m <= hi]
+    if not inside:
+        inside = [max((m for m in divisors if m < lo), default=None), min((m for m in divisors if m > hi), default=None)]
+        inside = [m for m in inside if m is not None]
+    if len(inside) > limit:
+        n = len(inside)
+        inside = sorted({inside[round(i * (n - 1) / (limit - 1))] for i in range(limit)})
+    return sorted(set(inside) | {m for m in keep if m and per_replica % m == 0})
 
-    G = cluster.physical_gpus
+
+def same_structure(a: OpGraph, b: OpGraph) -> str | None:
+    """None when graphs ``a`` and ``b`` (one model traced at two batch sizes) have the same nodes,
+    instructions, module scopes, parameters and edges (shapes aside); else the first difference."""
+    def node_sig(n):
+        return (n.id, n.name, n.kind, [list(s) for s in n.scopes], [(i.name, i.target) for i in n.instrs],
+                sorted(n.params), sorted(n.outputs), n.is_loss)
+
+    if len(a.nodes) != len(b.nodes):
+        return f"{len(a.nodes)} against {len(b.nodes)} nodes"
+    for x, y in zip(a.nodes, b.nodes):
+        if node_sig(x) != node_sig(y):
+            return f"node {x.id} is {x.name} ({x.scope or 'top'}) in one and {y.name} ({y.scope or 'top'}) in the other"
+    ea = sorted((e.src, e.dst, e.value) for e in a.edges)
+    eb = sorted((e.src, e.dst, e.value) for e in b.edges)
+    if ea != eb:
+        return "their edges differ"
+    def param_sig(p):       # a lifted constant may be sized by the batch; weights and buffers may not
+        return (p.kind, p.requires_grad, sorted(p.aliases),
+                None if p.kind == "constant" else [list(p.meta.shape or ()), p.meta.dtype])
+
+    pa = {k: param_sig(p) for k, p in a.params.items()}
+    pb = {k: param_sig(p) for k, p in b.params.items()}
+    if pa != pb:
+        diff = sorted(set(pa) ^ set(pb)) or sorted(k for k in pa if pa[k] != pb[k])
+        return f"parameter {diff[0]} differs"
+    return None
+
+
+class _OtherGraph(FreezeError):
+    """The model traces to another graph at this micro-batch size."""
+
+
+@dataclass
+class _AtSize:
+    """A phase's frozen graph at one micro-batch size, priced, with its AutoCache cut."""
+
+    b: int
+    graph: OpGraph                  # frozen
+    profile: object
+    levels: list                    # FrozenRegion levels to split stages at (AutoCache)
+    cache: dict | None
+
+
+def _prepare(graph: OpGraph, layer_paths, frozen: int, *, base_hash: str, cached_from: int, split: bool,
+             profile_fn, hardware, cluster, optimizer: str) -> _AtSize:
     region = frozen_region(graph, layer_paths, frozen)
     fg = freeze_graph(graph, region)
+    fg.source["freeze"]["base_graph_hash"] = base_hash     # one model over every phase, whatever its b
     cut = cache_cut(graph, region) if frozen else None
     levels: list[FrozenRegion] = []
     cache: dict | None = None
@@ -426,61 +477,209 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
         prof = analytic_profile(fg, hw, optimizer=optimizer)
     else:
         prof = profile_fn(fg)
-    if pipeline_gpus is not None:
-        if G % pipeline_gpus or global_micro_batches % (G // pipeline_gpus):
-            raise FreezeError(f"a {pipeline_gpus}-GPU pipeline on {G} GPUs needs {G // max(pipeline_gpus, 1)} "
-                              f"replicas dividing both the GPUs and the step's {global_micro_batches} micro-batches;"
-                              f" choose P among {pipeline_lengths(G, G, global_micro_batches)}")
-        candidates = [pipeline_gpus]
-    else:
-        candidates = pipeline_lengths(G, start_pipeline or G, global_micro_batches)
-        if replicas is not None:        # every halving of the pipeline, R fixed
-            P, candidates = start_pipeline or G // replicas, []
-            while P >= 1:
-                candidates.append(P)
-                if P % 2:
-                    break
-                P //= 2
+    return _AtSize(_micro_batch_size(graph), fg, prof, levels, cache)
+
+
+def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster, *,
+               global_micro_batches: int | None = None, samples_per_step: int | None = None,
+               schedule: str, optimizer: str = "adam", start_pipeline: int | None = None,
+               pipeline_gpus: int | None = None, strategies="auto", jobs: int | None = 1, hardware=None,
+               recompute=None, profile_fn=None, replicas: int | None = None, cached_from: int = 0,
+               split: bool = True, graph_at=None, micro_batches: int | None = None,
+               current: tuple[int, int] | None = None) -> PhasePlan:
+    """AutoPipe and AutoDP: the best ``(P, R = G / P, M)`` for ``frozen`` frozen layers.
+
+    What a step trains is fixed over a run: ``samples_per_step`` samples (``S``; or
+    ``global_micro_batches`` micro-batches of ``graph``'s traced size ``b0``). A layout of ``R``
+    replicas gives each ``S / R`` samples, in ``M`` micro-batches of ``b = S / (R M)``.
+
+    For each pipeline length from ``start_pipeline`` (default: all the cluster's GPUs), halving,
+    and for each micro-batch count ``M`` among :func:`micro_batch_candidates` (``P <= M <= 6 P``,
+    PipeTransformer §3.2.3, plus the running phase's ``current = (M, b)`` and the ``M`` keeping its
+    ``b``), the model's graph at ``b`` (``graph_at(b)``, checked to be ``graph``'s structure;
+    cached per ``b``) is frozen (:func:`freeze_graph`), profiled (``profile_fn(graph)``, default:
+    analytic on ``hardware`` or the cluster's), partitioned by our strategies and simulated, the
+    all-reduce of the trainable weights included; the best simulated samples/s wins. ``P`` shrinks
+    while some ``M`` fits. Without ``graph_at`` only ``b = b0`` is possible (``M = S / (R b0)``).
+    ``micro_batches`` forces ``M``; ``pipeline_gpus`` forces ``P`` (a manual schedule);
+    ``replicas`` keeps ``R`` fixed (AutoPipe without AutoDP: the GPUs a shorter pipeline frees
+    stay idle). Every priced ``(P, R, M, b)`` is in ``PhasePlan.tried``.
+
+    AutoCache: where the frozen region's output can be cached (:func:`cache_cut`) and ``split``,
+    each plan's stages that mix frozen and active nodes are split on their GPU
+    (:func:`split_frozen`) at ``frozen`` layers and at ``cached_from`` (the previous phase's
+    frozen layers, whose cached outputs the newly frozen layers advance), and the split plan is
+    priced and simulated in place of the partitioner's. Plans are made for recomputing the frozen
+    forward: a phase starts with samples the cache does not hold, and whether reading beats
+    recomputing is measured when it runs. ``PhasePlan.cache`` records the levels of the frozen
+    stages and the values cached, or why the region cannot be cached.
+    """
+    G = cluster.physical_gpus
+    b0 = _micro_batch_size(graph)
+    if (samples_per_step is None) == (global_micro_batches is None):
+        raise FreezeError("plan_phase needs exactly one of samples_per_step and global_micro_batches")
+    S = samples_per_step if samples_per_step is not None else global_micro_batches * b0
+    if S < 1:
+        raise FreezeError(f"a step of {S} samples trains nothing; give a positive batch")
+    if micro_batches is not None and micro_batches < 1:
+        raise FreezeError(f"micro_batches={micro_batches}: give a positive number of micro-batches per replica")
+    base_hash = graph.source.get("freeze", {}).get("base_graph_hash") or graph.content_hash()
+    sized: dict[int, _AtSize] = {}
+
+    refused: dict[int, str] = {}
+
+    def at(b: int) -> _AtSize:
+        if b in refused:
+            raise _OtherGraph(refused[b])
+        if b not in sized:
+            g = graph
+            if b != b0:
+                try:
+                    g = graph_at(b)
+                except Exception as e:  # noqa: BLE001  a model may refuse a batch size: skip it, keep the others
+                    refused[b] = (f"the model does not trace at micro-batch size {b} "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+                    raise _OtherGraph(refused[b]) from None
+                diff = same_structure(graph, g)
+                if diff is not None:
+                    # torch.export specializes sizes of 1 (and a model may branch on its batch): another graph
+                    # would not carry node ids, cached values or layers across phases
+                    raise _OtherGraph(f"the model traced at micro-batch size {b} is not the graph traced at {b0} "
+                                      f"({diff}), so its layers and cached activations cannot be carried across")
+            sized[b] = _prepare(g, layer_paths, frozen, base_hash=base_hash, cached_from=cached_from, split=split,
+                                profile_fn=profile_fn, hardware=hardware, cluster=cluster, optimizer=optimizer)
+        return sized[b]
+
+    def counts(P: int, R: int) -> tuple[list[int], str | None]:
+        """The micro-batch counts priced for ``P x R``, or why there are none."""
+        if S % R:
+            return [], f"{S} samples per step do not split among {R} replicas"
+        per = S // R
+        if micro_batches is not None:
+            if per % micro_batches:
+                return [], f"{per} samples per replica do not split into {micro_batches} micro-batches"
+            if graph_at is None and per // micro_batches != b0:
+                return [], (f"{micro_batches} micro-batches of {per} samples are {per // micro_batches} samples "
+                            f"each, and the model can only run micro-batches of {b0}")
+            return [micro_batches], None
+        if graph_at is None:
+            if per % b0:
+                return [], f"{per} samples per replica do not split into micro-batches of {b0}"
+            return [per // b0], None
+        keep = []
+        if current is not None:
+            cm, cb = current
+            keep = [cm] + ([per // cb] if cb and per % cb == 0 else [])
+        return micro_batch_candidates(P, per, keep), None
+
+    candidates = _pipeline_candidates(G, S, counts, pipeline_gpus=pipeline_gpus, replicas=replicas,
+                                      start_pipeline=start_pipeline, forced_m=micro_batches is not None)
     tried: list[dict] = []
     best = None
     for P in candidates:
         R = G // P if replicas is None else replicas
         if P * R > G:
             continue
-        M = global_micro_batches // R
-        base = Problem(fg, prof, cluster, schedule=schedule, micro_batches=M, recompute=recompute)
-        pb = replicated_problem(base, cluster, ReplicaLayout(P, R))
-        result = compile_plan(pb, strategies, jobs=jobs)
-        row = {"P": P, "R": R, "M": M, "feasible": result.chosen is not None}
-        if result.chosen is None:
-            row["reason"] = "; ".join(f"{r.name}: {r.reason}" for r in result.results[:3])
+        ms, why = counts(P, R)
+        if not ms:
+            tried.append({"P": P, "R": R, "feasible": False, "reason": why})
+            continue
+        fits = False
+        for M in ms:
+            b = S // (R * M)
+            try:
+                sz = at(b)
+            except _OtherGraph as exc:
+                if micro_batches is not None:
+                    raise FreezeError(f"{exc}; give another micro-batch count, or keep the micro-batch size "
+                                      "(--freeze ...,micro_batches=keep-size)") from None
+                tried.append({"P": P, "R": R, "M": M, "b": b, "feasible": False, "reason": str(exc)})
+                continue
+            row, thr, make = _price_layout(sz, cluster, P, R, M, b, schedule=schedule, recompute=recompute,
+                                           strategies=strategies, jobs=jobs)
             tried.append(row)
+            if make is None:
+                continue
+            fits = True
+            if best is not None and thr <= best.samples_per_s:
+                continue    # no gain here; another M, or a shorter pipeline with more replicas, may still gain
+            best = make(frozen, tried)
+        if not fits:
             break       # a shorter pipeline holds more per GPU: it will not fit either
-        chosen = result.best()
-        split_note = _split_chosen(pb, chosen, levels) if levels else None
-        sim = chosen.sim or {}
-        thr = float(sim.get("throughput_samples_per_s", 0.0))
-        row.update(samples_per_s=round(thr, 6), strategy=chosen.name)
-        if split_note:
-            row["cache_split"] = split_note
-        tried.append(row)
-        if best is not None and thr <= best.samples_per_s:
-            continue    # no gain here; a shorter pipeline with more replicas may still gain
-        doc = plan_document(result, model=fg.source)
-        phase_cache = None
-        if cache is not None:
-            phase_cache = dict(cache)
-            if levels and split_note is None:
-                phase_cache["stages"] = {str(k): v for k, v in sorted(stage_levels(chosen.plan, levels).items())}
-            elif levels:
-                phase_cache["refused"] = f"its plan split at the frozen layers {split_note}"
-        best = PhasePlan(frozen, P, R, M, thr, float(sim.get("minibatch_ms", 0.0)), chosen.name, tried, fg, doc,
-                         phase_cache)
     if best is None:
         raise FreezeError(f"no pipeline of {candidates} GPUs fits the model with {frozen} frozen layers: "
                           + "; ".join(r.get("reason", "") for r in tried))
     best.tried = tried
     return best
+
+
+def _pipeline_candidates(G: int, S: int, counts, *, pipeline_gpus: int | None, replicas: int | None,
+                         start_pipeline: int | None, forced_m: bool) -> list[int]:
+    """The pipeline lengths :func:`plan_phase` tries: the forced one (refused with the reason when
+    ``counts(P, R)`` has no micro-batch count for it), or ``start_pipeline`` halving (every halving
+    with ``replicas`` fixed, else those whose ``R = G / P`` divides the GPUs and the step)."""
+    if pipeline_gpus is not None:
+        if replicas is not None:
+            R = replicas
+        else:
+            R = G // pipeline_gpus if pipeline_gpus >= 1 and G % pipeline_gpus == 0 else 0
+        ms, why = ([], f"{pipeline_gpus} does not divide the {G} GPUs")
+        if R and pipeline_gpus * R <= G:
+            ms, why = counts(pipeline_gpus, R)
+        if not ms:
+            raise FreezeError(f"a {pipeline_gpus}-GPU pipeline on {G} GPUs cannot train the step's {S} samples: "
+                              + why
+                              + f"; choose P among {pipeline_lengths(G, G, S)}"
+                              + (" and a micro-batch count dividing the samples per replica" if forced_m else ""))
+        return [pipeline_gpus]
+    if replicas is None:
+        return pipeline_lengths(G, start_pipeline or G, S)
+    P, out = start_pipeline or G // replicas, []
+    while P >= 1:
+        out.append(P)
+        if P % 2:
+            break
+        P //= 2
+    return out
+
+
+def _price_layout(sz: _AtSize, cluster, P: int, R: int, M: int, b: int, *, schedule: str, recompute, strategies,
+                  jobs):
+    """Partition and simulate ``sz``'s frozen graph as ``P x R`` with ``M`` micro-batches of ``b``.
+
+    Returns the ``tried`` row, the simulated samples/s and, when a plan fits,
+    ``make(frozen, tried) -> PhasePlan`` (the plan document is written only for a layout that wins)."""
+    from .compile import compile_plan, plan_document
+    from .plan import Problem
+    from .replicas import ReplicaLayout, replicated_problem
+
+    base = Problem(sz.graph, sz.profile, cluster, schedule=schedule, micro_batches=M, recompute=recompute)
+    pb = replicated_problem(base, cluster, ReplicaLayout(P, R))
+    result = compile_plan(pb, strategies, jobs=jobs)
+    row = {"P": P, "R": R, "M": M, "b": b, "feasible": result.chosen is not None}
+    if result.chosen is None:
+        row["reason"] = "; ".join(f"{r.name}: {r.reason}" for r in result.results[:3])
+        return row, 0.0, None
+    chosen = result.best()
+    split_note = _split_chosen(pb, chosen, sz.levels) if sz.levels else None
+    sim = chosen.sim or {}
+    thr = float(sim.get("throughput_samples_per_s", 0.0))
+    row.update(samples_per_s=round(thr, 6), strategy=chosen.name)
+    if split_note:
+        row["cache_split"] = split_note
+
+    def make(frozen: int, tried: list[dict]) -> PhasePlan:
+        phase_cache = None
+        if sz.cache is not None:
+            phase_cache = dict(sz.cache)
+            if sz.levels and split_note is None:
+                phase_cache["stages"] = {str(k): v for k, v in sorted(stage_levels(chosen.plan, sz.levels).items())}
+            elif sz.levels:
+                phase_cache["refused"] = f"its plan split at the frozen layers {split_note}"
+        return PhasePlan(frozen, P, R, M, thr, float(sim.get("minibatch_ms", 0.0)), chosen.name, tried, sz.graph,
+                         plan_document(result, model=sz.graph.source), phase_cache, b)
+
+    return row, thr, make
 
 
 def _split_chosen(problem, chosen, levels: Sequence[FrozenRegion]) -> str | None:
@@ -507,14 +706,19 @@ def _split_chosen(problem, chosen, levels: Sequence[FrozenRegion]) -> str | None
 
 
 def write_phase_package(phase: PhasePlan, built, layer_paths: Sequence[str], out_dir, *,
-                        rank_order: str = "pipeline-major") -> str:
+                        rank_order: str = "pipeline-major", input_ranges: dict | None = None) -> str:
     """Generate the package of ``phase`` into ``out_dir``: its stages, and in its manifest the layout
-    ``(P, R)``, the frozen layers and the base graph's hash (so the run's checkpoints load into it)."""
+    ``(P, R)``, the frozen layers and the base graph's hash (so the run's checkpoints load into it).
+
+    ``built`` is the model built at the phase's micro-batch size. ``input_ranges`` (input path ->
+    smallest and largest value; default: ``built``'s example inputs') should be the first phase's,
+    so that data drawn from the ranges (synthetic, text) is the same samples in every phase."""
     from .codegen import example_input_ranges, generate, write_package
     from .weights import weight_source
 
     g = phase.graph
-    pkg = generate(g, phase.doc, weight_source(built.model, g), input_ranges=example_input_ranges(built))
+    ranges = input_ranges if input_ranges is not None else example_input_ranges(built)
+    pkg = generate(g, phase.doc, weight_source(built.model, g), input_ranges=ranges)
     m = pkg.manifest
     m.replicas, m.rank_order = phase.replicas, rank_order
     m.generator["base_graph_hash"] = g.source["freeze"]["base_graph_hash"]

@@ -11,10 +11,19 @@ controller, on the compiler side, stands between them:
    the decision with the norms behind it in ``freeze.jsonl`` beside ``train.jsonl``;
 3. when more layers freeze, it re-plans (:func:`ftcompile.freeze.plan_phase`: the frozen graph
    re-profiled and re-partitioned, ``P`` halved while it fits and gains, ``R = G / P``
-   replicas, ``M = global / R``) and writes the next phase's package;
+   replicas, and the micro-batch count ``M`` re-picked for each ``P`` among ``P .. 6P``
+   (PipeTransformer §3.2.3), the model re-traced at each micro-batch size ``b`` it needs) and
+   writes the next phase's package at the chosen ``b``;
 4. the next phase's ranks start with the new layout and resume from the checkpoint by name:
-   no step is lost or repeated, and the data stream continues where it was (every step draws
-   the same global batch of ``R x M`` micro-batches, split among the replicas).
+   no step is lost or repeated, and the data stream continues where it was. What a step trains
+   is fixed over the run: ``S = R0 x M0 x b0`` samples (phase 0's), drawn as one global batch and
+   split into ``R x M`` micro-batches of ``b = S / (R M)``; the step's gradient is the mean over
+   its samples whatever the split (each micro-batch's mean loss weighted ``1 / M``, replicas
+   averaged), so re-picking ``M`` changes only float rounding for models without batch coupling
+   (batch norm couples a micro-batch's samples). Dropout masks are keyed by the step and the
+   micro-batch's place in the step's global batch (:func:`ftcompile.runtime.engine.micro_batch_seed`),
+   so a run whose ``M`` or ``b`` changes draws other masks than one whose does not (a different
+   random stream, the same distribution), and never reuses a mask of another step.
 
 Each transition's cost (planning, plus the launch's start-up and checkpoint load: its wall time
 less its training time) is measured and logged, and counts in the run's samples/s.
@@ -39,6 +48,7 @@ import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 from fractions import Fraction
 from pathlib import Path
 
@@ -53,27 +63,41 @@ class FreezeSpec:
 
     alpha: float | None = None
     every: int | None = None
-    at: list[tuple[int, int, int | None]] = field(default_factory=list)    # (step, frozen layers, P or None)
+    at: list = field(default_factory=list)     # Manual transitions, by step
     layers: list[str] = field(default_factory=list)
     strategy: str = "auto"
     cluster: str | None = None
     cache: str = "auto"             # AutoCache: auto (where measured faster), on, off
     cache_mb: float | None = None   # host-memory budget; None: half the free space of /dev/shm
     spill_mb: float | None = None   # disk spill budget; None: half the free space under the log folder
+    micro_batches: str = "auto"     # auto (searched per P), fixed (phase 0's M), keep-size (phase 0's b)
 
     @property
     def manual(self) -> bool:
         return bool(self.at)
 
 
-USAGE = ("give --freeze alpha=1/3,every=K (Eq. 1 every K steps) or --freeze at=STEP:LAYERS[@PxR]+... "
-         "(freeze LAYERS layers at STEP, optionally on P-GPU pipelines x R replicas), with optional "
-         "layers=CLASS+CLASS (block classes or module path prefixes), strategy=NAME, cluster=NAME, "
-         "cache=auto|on|off (AutoCache), cache_mb=N (its host memory), spill_mb=N (its disk spill)")
+USAGE = ("give --freeze alpha=1/3,every=K (Eq. 1 every K steps) or --freeze at=STEP:LAYERS[@PxR][/M]+... "
+         "(freeze LAYERS layers at STEP, optionally on P-GPU pipelines x R replicas of M micro-batches each), "
+         "with optional layers=CLASS+CLASS (block classes or module path prefixes), strategy=NAME, cluster=NAME, "
+         "micro_batches=auto|fixed|keep-size (M searched per pipeline length, kept, or sized to keep the "
+         "micro-batch size), cache=auto|on|off (AutoCache), cache_mb=N (its host memory), spill_mb=N (its disk "
+         "spill)")
+
+
+class Manual(NamedTuple):
+    """One transition of a manual schedule: ``at=STEP:LAYERS[@PxR][/M]``."""
+
+    step: int
+    layers: int
+    pipeline_gpus: int | None = None
+    replicas: int | None = None
+    micro_batches: int | None = None
 
 
 def parse_freeze(text: str) -> FreezeSpec:
-    """``alpha=1/3,every=50`` or ``at=20:1@2x2+40:2`` (plus ``layers=``, ``strategy=``, ``cluster=``)."""
+    """``alpha=1/3,every=50`` or ``at=20:1@2x2/4+40:2`` (plus ``layers=``, ``strategy=``, ``cluster=``,
+    ``micro_batches=``, ``cache=``, ``cache_mb=``, ``spill_mb=``)."""
     spec = FreezeSpec()
     for part in [p for p in text.split(",") if p.strip()]:
         key, eq, value = part.partition("=")
@@ -88,20 +112,26 @@ def parse_freeze(text: str) -> FreezeSpec:
             spec.every = int(value)
         elif key == "at":
             for item in value.split("+"):
+                item, slash, mb = item.partition("/")
                 what, _, layout = item.partition("@")
                 step, colon, n = what.partition(":")
                 if not (colon and step.strip().isdigit() and n.strip().isdigit()):
-                    raise FreezeError(f"--freeze at={value}: {item!r} is not STEP:LAYERS[@PxR]; {USAGE}")
-                P = None
+                    raise FreezeError(f"--freeze at={value}: {item!r} is not STEP:LAYERS[@PxR][/M]; {USAGE}")
+                P = R = M = None
                 if layout:
                     p, x, r = layout.partition("x")
-                    if not (x and p.isdigit() and r.isdigit()):
+                    if not (x and p.isdigit() and r.isdigit() and int(p) > 0 and int(r) > 0):
                         raise FreezeError(f"--freeze at={value}: layout {layout!r} is not PxR (e.g. 2x2)")
-                    P = int(p)
-                spec.at.append((int(step), int(n), P))
+                    P, R = int(p), int(r)
+                if slash:
+                    if not (mb.strip().isdigit() and int(mb) > 0):
+                        raise FreezeError(f"--freeze at={value}: /{mb} is not a positive number of micro-batches "
+                                          "per replica (e.g. 20:1@2x2/8)")
+                    M = int(mb)
+                spec.at.append(Manual(int(step), int(n), P, R, M))
             spec.at.sort()
-            steps = [s for s, _, _ in spec.at]
-            counts = [n for _, n, _ in spec.at]
+            steps = [t.step for t in spec.at]
+            counts = [t.layers for t in spec.at]
             if len(set(steps)) != len(steps) or counts != sorted(counts) or min(steps) < 1:
                 raise FreezeError(f"--freeze at={value}: steps must be distinct and at least 1, and frozen layer "
                                   "counts must not decrease (a frozen layer stays frozen)")
@@ -116,6 +146,12 @@ def parse_freeze(text: str) -> FreezeSpec:
                 raise FreezeError(f"--freeze cache={value}: give auto (cache where reading beats recomputing), on "
                                   "or off")
             spec.cache = value
+        elif key == "micro_batches":
+            if value not in ("auto", "fixed", "keep-size"):
+                raise FreezeError(f"--freeze micro_batches={value}: give auto (M searched among P..6P for each "
+                                  "pipeline length P), fixed (phase 0's M per replica) or keep-size (phase 0's "
+                                  "micro-batch size)")
+            spec.micro_batches = value
         elif key in ("cache_mb", "spill_mb"):
             try:
                 mb = float(value)
@@ -133,20 +169,100 @@ def parse_freeze(text: str) -> FreezeSpec:
     return spec
 
 
-def _trace_package_model(m):
-    """The package's model rebuilt and traced as it was compiled (its graph hash must match)."""
+def _trace_package_model(m, batch_size: int | None = None):
+    """The package's model rebuilt and traced as it was compiled (its graph hash must match), or at
+    another micro-batch size ``batch_size`` (the same model: weights, layers and options but the batch)."""
     from .codegen import rebuild_model
     from .trace import trace
 
-    built = rebuild_model(m.model | {"model": m.model["name"]})
+    source = m.model | {"model": m.model["name"]}
+    if batch_size is not None:
+        source = source | {"options": {**(m.model.get("options") or {}), "batch_size": batch_size}}
+    built = rebuild_model(source)
     graph = trace(built.model, built.args, built.kwargs, basic_blocks=tuple(m.model.get("basic_blocks") or ()),
                   source={"model": built.name, "options": asdict(built.options)})
+    if batch_size is not None:
+        return built, graph
     want = m.generator.get("graph_hash")
     if want and graph.content_hash() != want:
         raise FreezeError(f"the package's model {m.model['name']} traces to graph {graph.content_hash()}, the "
                           f"package was compiled from {want}; recompile the package with this ftcompile before "
                           "freeze training it")
     return built, graph
+
+
+class _Traces:
+    """The package's model traced at each micro-batch size a phase needs (each traced once)."""
+
+    def __init__(self, m0, built, graph):
+        from .models.user import is_user_spec
+
+        self.m0 = m0
+        self.by_size = {m0.micro_batch_size: (built, graph)}
+        name = str((m0.model or {}).get("name") or "")
+        self.why_not = None
+        if is_user_spec(name):
+            self.why_not = (f"the user model {name} is traced at the batch its function returns, so the "
+                            "controller cannot re-trace it at another micro-batch size")
+        self.resizable = self.why_not is None
+
+    def _get(self, b: int):
+        if b not in self.by_size:
+            if not self.resizable:
+                raise FreezeError(f"micro-batches of {b} samples: {self.why_not}; give --freeze "
+                                  "...,micro_batches=keep-size")
+            try:
+                self.by_size[b] = _trace_package_model(self.m0, batch_size=b)
+            except FreezeError:
+                raise
+            except Exception as exc:        # a model that cannot be built or traced at this size
+                raise FreezeError(f"the model {self.m0.model.get('name')} could not be re-traced at micro-batch "
+                                  f"size {b} ({type(exc).__name__}: {exc}); give --freeze ...,micro_batches=keep-size "
+                                  "to keep the size it was compiled at") from None
+        return self.by_size[b]
+
+    def graph(self, b: int):
+        return self._get(b)[1]
+
+    def built(self, b: int):
+        return self._get(b)[0]
+
+
+def _check_sizes(spec: FreezeSpec, traces: _Traces, G: int, S: int, M: int) -> None:
+    """Refuse, before any rank starts, a manual layout or micro-batch count the step's ``S`` samples
+    cannot take, and ``micro_batches=fixed`` where the micro-batch size cannot change."""
+    b0 = traces.m0.micro_batch_size
+    if spec.micro_batches == "fixed" and not traces.resizable:
+        raise FreezeError(f"--freeze micro_batches=fixed keeps M={M} per replica, so the micro-batch size changes "
+                          f"with the replicas; {traces.why_not}: give micro_batches=keep-size or auto")
+    for t in spec.at:
+        where = f"--freeze at=...{t.step}:{t.layers}"
+        if t.pipeline_gpus is not None:
+            P, R = t.pipeline_gpus, t.replicas
+            if G % P or G // P != R:
+                raise FreezeError(f"{where}@{P}x{R}: {P}-GPU pipelines on the run's {G} GPUs make "
+                                  f"{G // P if not G % P else 'no whole number of'} replicas; give PxR with P x R = "
+                                  f"{G} (e.g. {G // 2 if G > 1 else 1}x{2 if G > 1 else 1})")
+            if S % R:
+                raise FreezeError(f"{where}@{P}x{R}: a step's {S} samples (R0 x M0 x b0) do not split among {R} "
+                                  f"replicas; choose a layout whose R divides {S}, or change --micro-batches")
+            if t.micro_batches is not None:
+                per = S // R
+                if per % t.micro_batches:
+                    divs = [m for m in range(1, per + 1) if per % m == 0]
+                    raise FreezeError(f"{where}@{P}x{R}/{t.micro_batches}: each replica trains {per} samples a "
+                                      f"step, which do not split into {t.micro_batches} micro-batches; give M among "
+                                      f"{divs}")
+                if not traces.resizable and per // t.micro_batches != b0:
+                    raise FreezeError(f"{where}/{t.micro_batches}: micro-batches of {per // t.micro_batches} "
+                                      f"samples; {traces.why_not}: give M = {per // b0 if per % b0 == 0 else '?'} "
+                                      f"(micro-batches of {b0})")
+            elif spec.micro_batches == "fixed" and (S // R) % M:
+                raise FreezeError(f"{where}@{P}x{R}: micro_batches=fixed keeps M={M}, which does not divide the "
+                                  f"{S // R} samples of each of {R} replicas; give /M or micro_batches=auto")
+        elif t.micro_batches is not None and S % t.micro_batches:
+            raise FreezeError(f"{where}/{t.micro_batches}: a step's {S} samples do not split into "
+                              f"{t.micro_batches} micro-batches per replica on any number of replicas")
 
 
 def _phase_seconds(log: Path, first: int, end: int) -> tuple[float, int]:
@@ -218,7 +334,9 @@ def _available_memory() -> int | None:
 class CacheRun:
     """The run's activation cache, from the controller's side (see the module docstring)."""
 
-    def __init__(self, spec: FreezeSpec, args, manifest, work: Path, note):
+    def __init__(self, spec: FreezeSpec, args, manifest, work: Path, note, micro_batches: int = 1):
+        import torch
+
         from .runtime.cache import CacheConfig, create
         from .runtime.data import SAMPLE_INDEX, DataError, load_dataset, split_micro_batches
 
@@ -229,7 +347,7 @@ class CacheRun:
             self.device = "cuda:0"
         data = args.data or "synthetic"
         try:
-            batch = next(iter(load_dataset(data, manifest, micro_batches=1, seed=args.seed or 0)))
+            batch = next(iter(load_dataset(data, manifest, micro_batches=micro_batches, seed=args.seed or 0)))
         except (DataError, StopIteration) as exc:
             raise FreezeError(f"AutoCache could not draw a batch of --data {data}: {exc}") from None
         self.usable = SAMPLE_INDEX in batch
@@ -238,7 +356,11 @@ class CacheRun:
             "across epochs there is nothing to reuse (text data gives one; a dataset function can yield it)")
         if not self.usable and self.mode == "on":
             raise FreezeError(f"--freeze cache=on: {self.why_not}; give such data, or cache=auto|off")
-        self.micro_batch = split_micro_batches(batch, manifest, 1)[0]
+        # a step's samples, keyed by value name: each phase profiles its first micro-batch of whatever size
+        parts = split_micro_batches(batch, manifest, micro_batches)
+        self.batch = {k: torch.cat([mb[k] for mb in parts]) for k in parts[0]}
+        self.index_size: int | None = None     # the micro-batch size of the phase that left self.index
+        self.previous_package: str | None = None
         self.token = uuid.uuid4().hex
         self.memory, self._lock = (None, None)
         self.cfg = None
@@ -275,6 +397,13 @@ class CacheRun:
             rec["used"], rec["why"] = False, self.why_not
             return None, rec
         pkg = load_package(package)
+        b = pkg.manifest.micro_batch_size
+        micro_batch = {k: v[:b] for k, v in self.batch.items()}
+        if self.index is not None and self.index_size not in (None, b):
+            kept = self._resize(pkg, b)
+            rec["resized"] = kept
+            self.note(f"phase {phase}: AutoCache entries made at micro-batch size {self.index_size}, read at {b}: "
+                      + ("kept" if kept.get("kept") else f"dropped ({kept.get('why')})"))
         meta = ((pkg.manifest.model or {}).get("freeze") or {}).get("cache") or {}
         plan = cache_plan(pkg.manifest)
         if plan is None:
@@ -286,7 +415,7 @@ class CacheRun:
                       index_in=self.index, index_out=str(self.work / f"cache-index-{phase}.json"))
         check(cfg, pkg.manifest, plan, register=True)
         t0 = time.perf_counter()
-        measured = measure_apart(package, cfg, self.micro_batch, self.device)
+        measured = measure_apart(package, cfg, micro_batch, self.device)
         use, write, why = decide(self.mode, cfg, measured)
         cfg.use, cfg.write = use, write
         rec.update(used=bool(use), reads_levels=use, writes=write, why=why, measured=measured,
@@ -294,7 +423,31 @@ class CacheRun:
         path = self.work / f"phase-{phase}-autocache.json"
         atomic_write_text(path, json.dumps(cfg.to_json(), indent=1))
         self.cfg = cfg
+        self.cfg_size, self.previous_package = b, package
         return str(path), rec
+
+    def _resize(self, pkg, b: int) -> dict:
+        """Carry the cached entries over a change of micro-batch size to ``b``, or drop them.
+
+        Entries are per sample, so their size does not depend on ``b``; they are kept when the new
+        package's frozen layers give every sample the same bits at ``b`` as the previous package's did at
+        its size (:func:`ftcompile.runtime.cache_measure.compare_sizes`: kernels may round otherwise at
+        another batch size), and values shared by all samples whose shape follows the batch are dropped
+        (re-cached at ``b``). Returns the record for ``freeze.jsonl``."""
+        from .runtime.cache import CacheIndex, resize, value_folder
+        from .runtime.cache_measure import compare_sizes_apart
+
+        index = CacheIndex.load(self.index)
+        t0 = time.perf_counter()
+        same, why = compare_sizes_apart(self.previous_package, str(pkg.path), index.layers, self.batch, self.device)
+        out = {"from": self.index_size, "to": b, "layers": index.layers, "compare_s": round(time.perf_counter() - t0, 3)}
+        if not same:
+            self._keep(set())
+            self.index = None
+            return {**out, "kept": False, "why": why}
+        dropped = resize(self.base, pkg.manifest, index, self.index)
+        self._keep({value_folder(v) for v in index.values})
+        return {**out, "kept": True, "dropped_shared": dropped, "why": why}
 
     def after(self) -> None:
         """The phase ended: keep what it left cached for the next one, drop the values nobody reads any more."""
@@ -308,6 +461,7 @@ class CacheRun:
             self.index = None
             return
         self.index = cfg.index_out
+        self.index_size = self.cfg_size
         self._keep({value_folder(v) for v in CacheIndex.load(cfg.index_out).values})
 
     def _keep(self, keep: set[str]) -> None:
@@ -372,15 +526,17 @@ def run_freeze(args, spec: FreezeSpec) -> int:
         raise FreezeError(f"--freeze trains synchronous pipelines (gpipe, 1f1b), not {schedule}: give --schedule "
                           "1f1b")
     M = args.micro_batches or m0.micro_batches
-    global_mb = M * R0          # every step's micro-batches, all replicas together, fixed over the run
+    S = R0 * M * m0.micro_batch_size       # every step's samples, all replicas together, fixed over the run
     optimizer = args.optimizer or m0.optimizer
     doc = json.loads((pkg0.path / "plan.json").read_text())
     cluster = load_cluster(spec.cluster) if spec.cluster else ClusterSpec.from_json(doc["cluster"])
     cluster = cluster.with_overrides(gpus=G)
     built, graph = _trace_package_model(m0)
+    traces = _Traces(m0, built, graph)
+    _check_sizes(spec, traces, G, S, M)
     layer_paths = find_layers(graph, spec.layers or None)
     L = len(layer_paths)
-    if spec.manual and max(n for _, n, _ in spec.at) > L:
+    if spec.manual and max(t.layers for t in spec.at) > L:
         raise FreezeError(f"--freeze at=: the model has {L} layers ({layer_paths[0]} ... {layer_paths[-1]})")
     log_dir = Path(args.log_dir or pkg0.path / "runs" / schedule)
     ck_dir = Path(args.checkpoint_dir or log_dir / "checkpoints")
@@ -390,11 +546,14 @@ def run_freeze(args, spec: FreezeSpec) -> int:
     def note(text: str) -> None:
         print(f"ftcompile run --freeze: {text}", file=sys.stderr)
 
-    note(f"{L} layers ({layer_paths[0]} ... {layer_paths[-1]}); phase 0: P={P} R={R0} M={M}")
-    cache = CacheRun(spec, args, m0, work, note) if spec.cache != "off" else None
+    note(f"{L} layers ({layer_paths[0]} ... {layer_paths[-1]}); phase 0: P={P} R={R0} M={M} b={m0.micro_batch_size} "
+         f"({S} samples per step, micro_batches={spec.micro_batches})")
+    if spec.micro_batches == "auto" and not traces.resizable:
+        note(f"M follows the micro-batch size {m0.micro_batch_size}: {traces.why_not}")
+    cache = CacheRun(spec, args, m0, work, note, R0 * M) if spec.cache != "off" else None
     if cache is not None and not cache.usable:
         note(f"AutoCache off: {cache.why_not}")
-    run = _Run(args, spec, m0, steps, schedule, M, P, R0, global_mb, optimizer, cluster, built, graph, layer_paths,
+    run = _Run(args, spec, m0, steps, schedule, M, P, R0, S, optimizer, cluster, traces, graph, layer_paths,
                log_dir, ck_dir, work, note, cache)
     try:
         return _phases(run)
@@ -415,11 +574,11 @@ class _Run:
     M: int                      # micro-batches per replica in phase 0
     P: int
     R: int
-    global_mb: int
+    samples: int                # S: samples per step, all replicas together
     optimizer: str
     cluster: object
-    built: object
-    graph: object
+    traces: "_Traces"
+    graph: object               # the package's graph (phase 0's micro-batch size)
     layer_paths: list[str]
     log_dir: Path
     ck_dir: Path
@@ -444,11 +603,12 @@ def _phases(run: _Run) -> int:
     def save_log() -> None:
         atomic_write_text(log_dir / "freeze.jsonl", "".join(json.dumps(d) + "\n" for d in decisions + phases))
 
-    step, frozen, package, plan_s = 0, 0, str(args.package), 0.0
+    step, frozen, package, plan_s, b = 0, 0, str(args.package), 0.0, m0.micro_batch_size
+    ranges = {gi.path: (gi.low, gi.high) for gi in m0.inputs if gi.low is not None and gi.high is not None}
     caching = cache is not None and cache.usable
     while step < steps:
         if spec.manual:
-            end = next((s for s, _, _ in spec.at if s > step), steps)
+            end = next((t.step for t in spec.at if t.step > step), steps)
         elif math.floor(Fraction(spec.alpha).limit_denominator(10_000) * (L - frozen)) == 0:
             end = steps         # Eq. 1 can freeze no more: train to the end without checks
         else:
@@ -481,8 +641,9 @@ def _phases(run: _Run) -> int:
         if code:
             return code
         train_s, n = _phase_seconds(log_dir / "train.jsonl", step, end)
-        samples = n * R * M * m0.micro_batch_size
+        samples = n * R * M * b
         phases.append({"phase": len(phases), "steps": [step, end], "frozen_layers": frozen, "P": P, "R": R, "M": M,
+                       "b": b,
                        "package": package, "train_s": round(train_s, 4), "launch_s": round(wall, 4),
                        "transition_s": round(plan_s + max(wall - train_s, 0.0), 4),
                        "samples_per_s": round(samples / train_s, 3) if train_s else None,
@@ -490,7 +651,7 @@ def _phases(run: _Run) -> int:
         if cache_rec is not None:
             phases[-1]["cache"] = {**cache_rec, "counts": _phase_cache(log_dir / "train.jsonl", step, end)}
             cache.after()
-        note(f"phase {len(phases) - 1}: steps {step}-{end - 1}, {frozen} frozen, P={P} R={R} M={M}: "
+        note(f"phase {len(phases) - 1}: steps {step}-{end - 1}, {frozen} frozen, P={P} R={R} M={M} b={b}: "
              f"{phases[-1]['samples_per_s']} samples/s training, transition {phases[-1]['transition_s']:.1f} s")
         step = end
         save_log()
@@ -500,10 +661,11 @@ def _phases(run: _Run) -> int:
         norms = read_norms(files).get(end - 1)
         if norms is None:
             raise FreezeError(f"the ranks wrote no gradient norms for step {end - 1} into {work}")
+        forced_m = run.M if spec.micro_batches == "fixed" else None
         if spec.manual:
-            new = next(n for s, n, _ in spec.at if s == end)
-            forced = next(p for s, _, p in spec.at if s == end)
-            rule = "manual"
+            t = next(t for t in spec.at if t.step == end)
+            new, forced, rule = t.layers, t.pipeline_gpus, "manual"
+            forced_m = t.micro_batches or forced_m
         else:
             new = frozen_layers(frozen, norms[frozen:], spec.alpha)
             forced, rule = None, f"eq1 alpha={spec.alpha:.4g}"
@@ -512,19 +674,22 @@ def _phases(run: _Run) -> int:
                     "active_argmin": (layer_paths[frozen + min(range(L - frozen), key=lambda i: norms[frozen + i])]
                                       if frozen < L else None)}
         plan_s = 0.0
-        if new != frozen or (forced is not None and forced != P):
+        if new != frozen or (forced is not None and forced != P) or (spec.manual and forced_m not in (None, M)):
             t1 = time.perf_counter()
-            ph = plan_phase(run.graph, layer_paths, new, run.cluster, global_micro_batches=run.global_mb,
+            resize = run.traces.resizable and spec.micro_batches != "keep-size"
+            ph = plan_phase(run.graph, layer_paths, new, run.cluster, samples_per_step=run.samples,
                             schedule=schedule, optimizer=run.optimizer, start_pipeline=P, pipeline_gpus=forced,
-                            strategies=spec.strategy, cached_from=frozen if caching else 0)
-            package = write_phase_package(ph, run.built, layer_paths, work / f"phase-{len(phases)}-frozen-{new}")
+                            strategies=spec.strategy, cached_from=frozen if caching else 0,
+                            graph_at=run.traces.graph if resize else None, micro_batches=forced_m, current=(M, b))
+            package = write_phase_package(ph, run.traces.built(ph.micro_batch_size), layer_paths,
+                                          work / f"phase-{len(phases)}-frozen-{new}", input_ranges=ranges)
             plan_s = time.perf_counter() - t1
-            P, R, M, frozen = ph.pipeline_gpus, ph.replicas, ph.micro_batches, new
+            P, R, M, b, frozen = ph.pipeline_gpus, ph.replicas, ph.micro_batches, ph.micro_batch_size, new
             decision["plan"] = ph.row()
             decision["plan_s"] = round(plan_s, 3)
         decisions.append(decision)
         note(f"step {end}: {decision['frozen_before']} -> {new} frozen layers ({rule}); next phase P={P} R={R} "
-             f"M={M}")
+             f"M={M} b={b}")
         save_log()
     total_train = sum(p["train_s"] for p in phases)
     total_wall = sum(p["launch_s"] for p in phases) + sum(d.get("plan_s", 0.0) for d in decisions)

@@ -40,7 +40,12 @@ sample's every input; a reader checks all of them against the sample in hand and
 with :class:`CacheError` on any difference (a data source that changes a sample between epochs,
 or an index naming two samples). The folder's ``meta.json`` records the base graph, the micro-batch
 size and every value's shape, dtype and the frozen layers it was first cached at; a phase whose
-package disagrees is refused before training. Frozen stages compute a deterministic function of
+package disagrees is refused before training. Entries are per sample, so a phase that runs another
+micro-batch size (``ftcompile run --freeze`` re-picks ``M`` and so ``b`` as the pipeline changes)
+reads the entries earlier phases made, once :func:`resize` has dropped the shared values sized by
+the batch and the profiler has checked that the frozen layers give each sample the same bits at
+both sizes (:func:`ftcompile.runtime.cache_measure.compare_sizes`; where they do not, the
+controller drops the entries and logs why). Frozen stages compute a deterministic function of
 each sample (dropout off, no running statistics, no random draws: ``ftcompile.freeze.cache_cut``),
 and the profiler (:func:`ftcompile.runtime.cache_measure.measure`) checks at run time that a
 sample's frozen output does not depend on its micro-batch's other samples or its row, bit for bit;
@@ -53,6 +58,7 @@ boundary, on the run's device; the controller uses the cache only where reading 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -360,10 +366,15 @@ def check(cfg: CacheConfig, manifest: Manifest, plan: CachePlan, *, register: bo
         raise CacheError(f"stale cache: {what} belongs to another run (token {doc.get('token')}, this run's is "
                          f"{cfg.token}); a cache is never shared between runs: give the run its own, or "
                          "--freeze ...,cache=off")
-    if doc.get("base_graph_hash") != base or doc.get("micro_batch_size") != manifest.micro_batch_size:
+    if doc.get("base_graph_hash") != base:
         raise CacheError(f"stale cache: {what} holds activations of model {doc.get('model')} (graph "
-                         f"{doc.get('base_graph_hash')}, micro-batches of {doc.get('micro_batch_size')}), not of this "
-                         f"package's (graph {base}, micro-batches of {manifest.micro_batch_size})")
+                         f"{doc.get('base_graph_hash')}), not of this package's (graph {base})")
+    if doc.get("micro_batch_size") != manifest.micro_batch_size and any(
+            v in plan.shared and v in doc.get("values", {}) for vs in plan.boundary.values() for v in vs):
+        raise CacheError(f"stale cache: {what} was made for micro-batches of {doc.get('micro_batch_size')}, this "
+                         f"package runs {manifest.micro_batch_size}; its values shared by every sample may be sized "
+                         "by the batch: carry it over with ftcompile.runtime.cache.resize (`ftcompile run --freeze` "
+                         "does), or give --freeze ...,cache=off")
     values = doc.setdefault("values", {})
     for vs in plan.boundary.values():
         for v in vs:
@@ -383,6 +394,42 @@ def check(cfg: CacheConfig, manifest: Manifest, plan: CachePlan, *, register: bo
                                  f"only {plan.layers}: the activations of a later phase")
     if register:
         atomic_write_text(_meta_path(cfg), json.dumps(doc, indent=1))
+
+
+def resize(cfg: CacheConfig, manifest: Manifest, index: CacheIndex, index_path: str | os.PathLike) -> list[str]:
+    """Carry a run's cache over to a package of another micro-batch size (the controller, between phases).
+
+    Per-sample entries hold one sample's tensor, whatever the micro-batch size that computed it, and
+    stay (whether they are the bits the new size computes is the profiler's question:
+    :func:`ftcompile.runtime.cache_measure.compare_sizes`). A value shared by every sample (no
+    input feeds it) may be sized by the batch (a mask built for ``b`` rows): one whose shape differs
+    in ``manifest`` is dropped from both tiers, ``index`` (saved back to ``index_path``) and
+    ``meta.json``, to be cached again at the new size. ``meta.json`` then records the new size.
+    Returns the shared values dropped.
+    """
+    plan = cache_plan(manifest)
+    doc = _read_meta(cfg)
+    values = doc.setdefault("values", {})
+    dropped = []
+    for v, rec in sorted(values.items()):
+        if rec.get("kind") != "shared" or plan is None or v not in plan.shapes:
+            continue
+        if list(rec.get("shape") or ()) == list(plan.shapes[v]) and rec.get("dtype") == plan.dtypes[v]:
+            continue
+        for tier in TIERS:
+            d = cfg.tier_dir(tier)
+            if d is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    entry_path(d, v, None).unlink()
+        del values[v]
+        index.shared.discard(v)
+        if v in index.bytes:
+            index.bytes[v] = [0, 0]
+        dropped.append(v)
+    doc["micro_batch_size"] = manifest.micro_batch_size
+    index.save(index_path)
+    atomic_write_text(_meta_path(cfg), json.dumps(doc, indent=1))
+    return dropped
 
 
 # --------------------------------------------------------------------------- the engine's hook
@@ -516,11 +563,15 @@ class AutoCache:
             seen: set[int] = set()
             sample_values = [v for v in self.B[n] if v not in self.plan.shared]
             old = set(self.B[c]) if c else set()
+            # shared values the previous level reads but this one does not: only after a change of micro-batch
+            # size dropped them (resize); a miss computes them again, and advancing needs them
+            prev_shared = [v for v in (self.B[c] if c and self.use_c else ()) if v in self.plan.shared
+                           and v not in self.B[n]]
             for g, sids in enumerate(ids):
                 L = levels[g]
                 if L == n:
                     continue
-                for v in self.B[n]:
+                for v in [*self.B[n], *(prev_shared if L == 0 else ())]:
                     if v in self.plan.shared and v not in self.shared_known:
                         size = self.plan.entry_bytes(v)
                         if self._fits(size):
@@ -635,7 +686,8 @@ class AutoCache:
         t0 = time.perf_counter()
         cnt = self.counts.setdefault(step, _zero())
         for v, t in zip(outputs, values):
-            if v not in self.B[self.n] or self.plan.producer.get(v) != sid or not isinstance(t, torch.Tensor):
+            if (v not in self.B[self.n] and v not in shared) or self.plan.producer.get(v) != sid or \
+                    not isinstance(t, torch.Tensor):
                 continue
             if v in shared:
                 data = encode_entry(self.cfg.token, v, None, None, self.n, t)

@@ -192,12 +192,93 @@ def measure_apart(package_path: str | os.PathLike, cfg: CacheConfig, micro_batch
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def compare_sizes(previous, package, layers: int, batch: dict, device="cpu") -> tuple[bool, str]:
+    """Do entries cached by ``previous`` (a package of micro-batch size ``b0``) hold the bits ``package``
+    (size ``b1``) computes? ``(same, why)``.
+
+    Both packages' frozen stages of up to ``layers`` layers run on the first ``b0`` and the first
+    ``b1`` samples of ``batch`` (a step's inputs, keyed by value name), on ``device``; every value
+    leaving them must be bit for bit the same for the samples both saw (a value shared by every
+    sample: the same, unless its shape follows the batch, when it is cached again anyway). Kernels
+    may pick another blocking, and so another rounding, at another batch size; then a cached entry
+    is not what recomputing gives, and the cache must not carry over.
+    """
+    device = torch.device(device)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        outs = []
+        for pkg in (previous, package):
+            m = pkg.manifest
+            plan = cache_plan(m)
+            if plan is None or layers not in plan.boundary:
+                return False, f"package {pkg.path} has no frozen stages of {layers} layers to compare"
+            stages = sorted(s for s, lv in plan.levels.items() if lv <= layers)
+            modules = {s: pkg.build_stage(s, device).train(True) for s in stages}
+            b = m.micro_batch_size
+            inputs = {gi.value: batch[gi.value][:b].to(device) for gi in m.inputs if gi.shape is not None}
+            vals = run_frozen(pkg, modules, stages, inputs)
+            outs.append((plan, b, {v: vals[v].detach().to("cpu") for v in plan.boundary[layers]}))
+    finally:
+        torch.set_num_threads(threads)
+    (_, b0, v0), (plan, b1, v1) = outs
+    n = min(b0, b1)
+    for v in plan.boundary[layers]:
+        if v not in v0:
+            return False, f"{v} leaves the frozen layers at micro-batch size {b1} but not at {b0}"
+        a, c = v0[v], v1[v]
+        if v in plan.shared:
+            if a.shape != c.shape:
+                continue
+        else:
+            a, c = a[:n], c[:n]
+        if a.shape != c.shape or a.dtype != c.dtype:
+            return False, f"{v} is {a.dtype} {list(a.shape)} at size {b0}, {c.dtype} {list(c.shape)} at {b1}"
+        if not torch.equal(a, c):
+            diff = float((a.double() - c.double()).abs().max()) if a.is_floating_point() else "n/a"
+            return False, (f"{v} of a sample differs (by up to {diff}) between micro-batches of {b0} and of {b1}: "
+                           "the kernels round differently at another batch size, so entries cached at one are not "
+                           "what recomputing at the other gives")
+    return True, f"the frozen layers give the first {n} samples the same bits in micro-batches of {b0} and of {b1}"
+
+
+def compare_sizes_apart(previous_path, package_path, layers: int, batch: dict, device="cpu") -> tuple[bool, str]:
+    """:func:`compare_sizes` from package paths, in a process of its own on a GPU (as :func:`measure_apart`)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from .package import load_package
+
+    if torch.device(device).type != "cuda":
+        return compare_sizes(load_package(previous_path), load_package(package_path), layers, batch, device)
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory(prefix="ftcompile-compare-") as tmp:
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in batch.items()}, f"{tmp}/batch.safetensors")
+        r = subprocess.run([sys.executable, "-m", "ftcompile.runtime.cache_measure", "--compare", str(previous_path),
+                            str(package_path), str(layers), f"{tmp}/batch.safetensors", str(device)],
+                           capture_output=True, text=True)
+    if r.returncode:
+        last = (r.stderr.strip().splitlines() or ["no message"])[-1]
+        return False, f"comparing the frozen layers at both micro-batch sizes on {device} failed: {last}"
+    same, why = json.loads(r.stdout.strip().splitlines()[-1])
+    return bool(same), str(why)
+
+
 def _main(argv: Sequence[str]) -> None:
-    """``python -m ftcompile.runtime.cache_measure PACKAGE CONFIG MICRO_BATCH DEVICE``: :func:`measure`, as JSON."""
+    """``python -m ftcompile.runtime.cache_measure PACKAGE CONFIG MICRO_BATCH DEVICE``: :func:`measure`, as JSON;
+    ``... --compare PREVIOUS PACKAGE LAYERS BATCH DEVICE``: :func:`compare_sizes`, as JSON."""
     from safetensors.torch import load_file
 
     from .package import load_package
 
+    if argv and argv[0] == "--compare":
+        previous, package, layers, batch, device = argv[1:]
+        print(json.dumps(list(compare_sizes(load_package(previous), load_package(package), int(layers),
+                                            load_file(batch), device))))
+        return
     package, config, mb, device = argv
     print(json.dumps(measure(load_package(package), CacheConfig.load(config), load_file(mb), device)))
 

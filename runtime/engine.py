@@ -200,9 +200,12 @@ def _call(module: torch.nn.Module, weights: dict, live: dict, args: tuple, seed:
     return functional_call(module, weights, args, kwargs, strict=False)
 
 
-def micro_batch_seed(seed: int, k: int) -> int:
-    """The dropout seed of global micro-batch ``k``: the same in forward and recomputation, on any rank."""
-    return mix_seed(seed, k)
+def micro_batch_seed(seed: int, step: int, index: int) -> int:
+    """The dropout seed of micro-batch ``index`` of the run's step ``step`` (numbered across the
+    replicas' global batch): the same in forward and recomputation, on any rank. Keyed by the step
+    first so that a run whose micro-batches per step change (a resume with another ``M``, a freeze
+    phase with other replicas) never draws a mask it drew at another step."""
+    return mix_seed(mix_seed(seed, step), index)
 
 
 @dataclass
@@ -678,7 +681,7 @@ class RankEngine:
         """Micro-batch ``k`` of this segment, numbered across the replicas' global batch."""
         M, R = self.cfg.micro_batches, self.replicas
         j, i = divmod(k, M)
-        return micro_batch_seed(self.cfg.seed, (self.step_offset + j) * R * M + self.replica * M + i)
+        return micro_batch_seed(self.cfg.seed, self.step_offset + j, self.replica * M + i)
 
     def _leaf(self, v: str, x):
         if isinstance(x, torch.Tensor):

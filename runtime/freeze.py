@@ -137,12 +137,13 @@ def grad_norms_hook(args, manifest, layout) -> GradNorms | None:
 
 
 def phase_record(manifest, layout, cfg, args=None) -> dict:
-    """The step log's phase fields: frozen layers, pipeline length P, replicas R, micro-batches M
-    (in a freeze run: a package with frozen layers, or a phase measuring gradient norms)."""
+    """The step log's phase fields: frozen layers, pipeline length P, replicas R, micro-batches M per
+    replica and their size b (R x M x b samples a step; in a freeze run: a package with frozen layers,
+    or a phase measuring gradient norms)."""
     freeze = (manifest.model or {}).get("freeze")
     if not freeze and not getattr(args, "grad_norms_layers", None):
         return {}
     return {"phase": {"frozen_layers": int((freeze or {}).get("layers", 0)),
                       "layers": (freeze or {}).get("of"),
                       "P": manifest.num_gpus, "R": layout.replicas if layout is not None else 1,
-                      "M": cfg.micro_batches}}
+                      "M": cfg.micro_batches, "b": manifest.micro_batch_size}}

@@ -304,7 +304,14 @@ def resolve(args, manifest, *, restart_run_id: str | None = None, replicas: int 
                                       "pass --reset-optimizer to keep the weights and start the optimizer state "
                                       "afresh")
         was_r = int(ck.meta.get("replicas") or 1)
-        if was_r != replicas and cli.micro_batches is None and was.get("micro_batches"):
+        # a freeze run's phases may change the micro-batch size: the same samples per step is the same batch
+        was_b, b = int(ck.meta.get("micro_batch_size") or manifest.micro_batch_size), manifest.micro_batch_size
+        if was_b != b and cli.micro_batches is not None and was.get("micro_batches") and \
+                was_r * int(was["micro_batches"]) * was_b == replicas * cli.micro_batches * b:
+            changed = [c for c in changed if c[0] != "micro_batches"]
+            notes.append(f"{was_r} x {was['micro_batches']} micro-batches of {was_b} -> {replicas} x "
+                         f"{cli.micro_batches} of {b}: the same {replicas * cli.micro_batches * b} samples per step")
+        elif was_r != replicas and cli.micro_batches is None and was.get("micro_batches"):
             total = was_r * int(was["micro_batches"])
             if total % replicas == 0:
                 args.micro_batches = total // replicas

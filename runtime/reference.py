@@ -87,7 +87,7 @@ def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig,
         for i, r in ((i, r) for i in range(M) for r in range(R)):
             mb = global_batch[r * M + i]
             k = j * M + i
-            seed = micro_batch_seed(cfg.seed, j * R * M + r * M + i)
+            seed = micro_batch_seed(cfg.seed, j, r * M + i)
             values = {n: t.to(device) for n, t in mb.items()}
             saved = {}
             for s in order:

@@ -440,7 +440,7 @@ class RankRun:
     def _save(self, step: int, previous: int | None) -> None:
         args, m = self.args, self.m
         meta = {"run_id": self.run_id, "package": m.generator.get("base_graph_hash") or m.generator.get("graph_hash"),
-                "model": m.model.get("name"),
+                "model": m.model.get("name"), "micro_batch_size": m.micro_batch_size,
                 "world_size": self.launch.world_size, "replicas": self.replicas, "rank_order": self.layout.order,
                 "config": recorded_config(args)}
         if self.tuner is not None:

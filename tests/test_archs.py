@@ -178,7 +178,7 @@ def eager_training(package: Path, cfg: TrainConfig, *, delay: int = 0):
         total = 0.0
         for i, mb in enumerate(split_micro_batches(next(batches), m, cfg.micro_batches)):
             args, kwargs = call_of(m, mb)
-            with keyed_random_mode(micro_batch_seed(cfg.seed, j * cfg.micro_batches + i), enabled=cfg.dropout):
+            with keyed_random_mode(micro_batch_seed(cfg.seed, j, i), enabled=cfg.dropout):
                 loss = model(*args, **kwargs)
             loss = loss[0] if isinstance(loss, (tuple, list)) else (loss["loss"] if isinstance(loss, dict)
                                                                    else getattr(loss, "loss", loss))

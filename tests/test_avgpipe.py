@@ -133,7 +133,7 @@ def elastic_reference(package: Path, cfg: TrainConfig, parallel: int, alpha: flo
         for r, (model, (params, opt)) in enumerate(zip(models, opts)):
             for i, mb in enumerate(mbs[r * M:(r + 1) * M]):
                 args, kwargs = call_of(m, mb)
-                with keyed_random_mode(micro_batch_seed(cfg.seed, j * parallel * M + r * M + i), enabled=cfg.dropout):
+                with keyed_random_mode(micro_batch_seed(cfg.seed, j, r * M + i), enabled=cfg.dropout):
                     loss = model(*args, **kwargs)[0]
                 (loss / M).backward()
             opt.step()

@@ -84,7 +84,7 @@ def plain_training(package: Path, lrs: list[float], *, momentum: float = 0.9, se
             g["lr"] = lr
         for i, mb in enumerate(split_micro_batches(next(batches), m, M)):
             args, kwargs = call_of(m, mb)
-            with keyed_random_mode(micro_batch_seed(seed, j * M + i), enabled=True):
+            with keyed_random_mode(micro_batch_seed(seed, j, i), enabled=True):
                 loss = model(*args, **kwargs)[0]
             (loss / M).backward()
         opt.step()

@@ -91,7 +91,9 @@ def test_freeze_option_parses_both_forms_and_refuses_nonsense():
     s = parse_freeze("alpha=1/3,every=50")
     assert abs(s.alpha - 1 / 3) < 1e-12 and s.every == 50 and not s.manual
     s = parse_freeze("at=20:1@2x2+40:2,strategy=seq,layers=BertLayer")
-    assert s.at == [(20, 1, 2), (40, 2, None)] and s.strategy == "seq" and s.layers == ["BertLayer"]
+    assert s.at == [(20, 1, 2, 2, None), (40, 2, None, None, None)] and s.strategy == "seq" and s.layers == ["BertLayer"]
+    assert parse_freeze("at=20:1@2x2/8").at[0].micro_batches == 8 and parse_freeze("at=5:1/3").at == [(5, 1, None, None, 3)]
+    assert parse_freeze("at=5:1,micro_batches=fixed").micro_batches == "fixed"
     s = parse_freeze("alpha=1/3,every=5,cache=on,cache_mb=0.5,spill_mb=0")
     assert (s.cache, s.cache_mb, s.spill_mb) == ("on", 0.5, 0.0)
     assert parse_freeze("alpha=1/3,every=5").cache == "auto"
@@ -99,7 +101,8 @@ def test_freeze_option_parses_both_forms_and_refuses_nonsense():
                      ("alpha=1/3,every=2,cache=maybe", "cache=maybe"), ("alpha=1/3,every=2,cache_mb=-1", "megabytes"),
                      ("at=4:2+2:3", "must not decrease|distinct"), ("at=3:2+5:1", "must not decrease"),
                      ("at=2-1", "STEP:LAYERS"), ("speed=fast", "unknown key"),
-                     ("at=2:1,alpha=1/3,every=2", "either")]:
+                     ("at=2:1,alpha=1/3,every=2", "either"), ("at=2:1/0", "positive number of micro-batches"),
+                     ("at=2:1@0x4", "not PxR"), ("at=2:1,micro_batches=many", "micro_batches=many")]:
         with pytest.raises(FreezeError, match=msg):
             parse_freeze(bad)
 
@@ -174,6 +177,113 @@ def test_autopipe_plans_fewer_gpus_per_pipeline_as_layers_freeze():
     assert (forced.pipeline_gpus, forced.replicas, forced.micro_batches) == (2, 2, 2)
 
 
+
+def _brute_force_layouts(name: str, frozen: int, G: int, S: int) -> dict[tuple[int, int], float]:
+    """Every (P, M) with P halving from G, R = G / P, M dividing S / R in [P, 6P] (PipeTransformer's range):
+    the model traced at b = S / (R M), frozen, priced analytically, partitioned by seq, simulated."""
+    from ftcompile.replicas import ReplicaLayout, replicated_problem
+    from ftcompile.simulate import simulate
+
+    cluster = load_cluster("2xcpu").with_overrides(gpus=G)
+    hw = load_hardware(cluster.hardware)
+    layers = find_layers(traced(name)[1])
+    out = {}
+    P = G
+    while P >= 1:
+        R = G // P
+        per = S // R
+        for M in [m for m in range(P, 6 * P + 1) if per % m == 0]:
+            g = traced(name, batch_size=per // M)[1]
+            fg = freeze_graph(g, frozen_region(g, layers, frozen))
+            pb = replicated_problem(Problem(fg, analytic_profile(fg, hw, optimizer="adam"), cluster, schedule="1f1b",
+                                            micro_batches=M), cluster, ReplicaLayout(P, R))
+            plan = compile_plan(pb, "seq", jobs=1).best().plan
+            out[(P, M)] = simulate(pb, plan).throughput_samples_per_s
+        P //= 2
+    return out
+
+
+def test_autopipe_repicks_micro_batches_per_pipeline_length_as_brute_force_does():
+    """plan_phase's (P, M) is the best simulated layout over every P halving and every M in P..6P dividing
+    a replica's samples (each M at its own micro-batch size b = S / (R M)), and a deeper pipeline wants
+    more micro-batches than a shorter one (its bubble)."""
+    G, S, frozen = 4, 24, 1
+    _, g, _ = traced("bert-tiny")
+    layers = find_layers(g)
+    cluster = load_cluster("2xcpu").with_overrides(gpus=G)
+    ph = plan_phase(g, layers, frozen, cluster, samples_per_step=S, schedule="1f1b", strategies="seq", split=False,
+                    graph_at=lambda b: traced("bert-tiny", batch_size=b)[1])
+    brute = _brute_force_layouts("bert-tiny", frozen, G, S)
+    want = max(brute, key=brute.get)
+    assert (ph.pipeline_gpus, ph.micro_batches) == want
+    assert ph.samples_per_s == pytest.approx(brute[want], rel=1e-9)
+    assert ph.replicas * ph.micro_batches * ph.micro_batch_size == S
+    assert ph.graph.source["freeze"]["base_graph_hash"] == g.content_hash()     # one model whatever its b
+    # every candidate was priced, with its b
+    assert {(t["P"], t["M"]) for t in ph.tried} == set(brute)
+    assert all(t["b"] * t["M"] * t["R"] == S for t in ph.tried)
+    best_m = {P: max((m for (p, m) in brute if p == P), key=lambda m: brute[(P, m)]) for P in (4, 2, 1)}
+    assert best_m[4] > best_m[1] and best_m[4] != best_m[2], best_m
+    # fixed M (per replica) and no re-tracing (M follows the traced b) are both honoured
+    fixed = plan_phase(g, layers, frozen, cluster, samples_per_step=S, schedule="1f1b", strategies="seq", split=False,
+                       graph_at=lambda b: traced("bert-tiny", batch_size=b)[1], micro_batches=6, pipeline_gpus=2)
+    assert (fixed.micro_batches, fixed.micro_batch_size) == (6, 2)
+    keep = plan_phase(g, layers, frozen, cluster, samples_per_step=S, schedule="1f1b", strategies="seq", split=False)
+    assert keep.micro_batch_size == 2 and all(t["b"] == 2 for t in keep.tried if "b" in t)
+
+
+def test_micro_batch_candidates_follow_the_papers_range():
+    from ftcompile.freeze import micro_batch_candidates
+
+    assert micro_batch_candidates(4, 24) == [4, 6, 8, 12, 24]
+    assert micro_batch_candidates(2, 12, keep=[1, 5]) == [1, 2, 3, 4, 6, 12]     # 5 does not divide: left out
+    assert micro_batch_candidates(4, 2) == [2]                 # no divisor in 4..24: the nearest
+    many = micro_batch_candidates(8, 2 * 3 * 4 * 5 * 7)        # 840: 13 divisors in 8..48
+    assert len(many) == 6 and many[0] == 8 and many[-1] == 42 and all(840 % m == 0 and 8 <= m <= 48 for m in many)
+
+
+def test_impossible_micro_batch_settings_are_refused_clearly():
+    _, g, _ = traced("bert-tiny")
+    layers = find_layers(g)
+    cluster = load_cluster("2xcpu").with_overrides(gpus=4)
+    at = dict(schedule="1f1b", strategies="seq", graph_at=lambda b: traced("bert-tiny", batch_size=b)[1])
+    with pytest.raises(FreezeError, match="do not split among 4 replicas"):
+        plan_phase(g, layers, 1, cluster, samples_per_step=6, pipeline_gpus=1, **at)
+    with pytest.raises(FreezeError, match="do not split into 5 micro-batches"):
+        plan_phase(g, layers, 1, cluster, samples_per_step=8, pipeline_gpus=2, micro_batches=5, **at)
+    with pytest.raises(FreezeError, match="exactly one of"):
+        plan_phase(g, layers, 1, cluster, schedule="1f1b")
+    with pytest.raises(FreezeError, match="only run micro-batches of 2"):      # no re-tracing: b stays 2
+        plan_phase(g, layers, 1, cluster, samples_per_step=8, pipeline_gpus=2, micro_batches=4, schedule="1f1b",
+                   strategies="seq")
+    other = traced("llama-tiny")[1]
+    with pytest.raises(FreezeError, match="is not the graph traced at 2"):
+        plan_phase(g, layers, 1, cluster, samples_per_step=8, pipeline_gpus=2, micro_batches=4, schedule="1f1b",
+                   strategies="seq", graph_at=lambda b: other)
+
+
+def test_a_micro_batch_size_the_model_refuses_is_skipped_with_its_reason():
+    """A model that cannot trace at some batch size (it asserts on its batch, say) loses those
+    candidates, not the transition: the search prices the others and says why it skipped."""
+    _, g, _ = traced("bert-tiny")
+    layers = find_layers(g)
+    cluster = load_cluster("2xcpu").with_overrides(gpus=2)
+
+    def graph_at(b):
+        if b != 4:
+            raise RuntimeError(f"this model needs batches of 2 or 4, not {b}\nsecond line")
+        return traced("bert-tiny", batch_size=b)[1]
+
+    ph = plan_phase(g, layers, 1, cluster, samples_per_step=8, pipeline_gpus=2, schedule="1f1b", strategies="seq",
+                    graph_at=graph_at)
+    assert ph.micro_batch_size in (2, 4)
+    skipped = [r for r in ph.tried if not r.get("feasible") and "does not trace" in r.get("reason", "")]
+    assert skipped and all("not " + str(r["b"]) in r["reason"] and "second line" not in r["reason"] for r in skipped)
+    with pytest.raises(FreezeError, match="does not trace at micro-batch size 1"):
+        plan_phase(g, layers, 1, cluster, samples_per_step=8, pipeline_gpus=2, micro_batches=8, schedule="1f1b",
+                   strategies="seq", graph_at=graph_at)
+
+
 # --------------------------------------------------------------------------- equivalence
 
 def _package(out: Path, name: str, gpus: int) -> Path:
@@ -185,9 +295,11 @@ def _package(out: Path, name: str, gpus: int) -> Path:
 
 
 def freeze_reference(package: Path, schedule: dict[int, list[str]], steps: int, *, M: int, lr: float,
-                     seed: int = 0, norms_of: list[str] = (), norms: dict | None = None) -> dict[str, torch.Tensor]:
+                     seed: int = 0, norms_of: list[str] = (), norms: dict | None = None,
+                     dropout: bool = True) -> dict[str, torch.Tensor]:
     """Plain PyTorch: the original model, freezing the named submodules at the given steps
-    (``norms[step][layer]``: each of ``norms_of``'s gradient norms before each update)."""
+    (``norms[step][layer]``: each of ``norms_of``'s gradient norms before each update);
+    ``dropout=False``: the whole model in eval mode (no dropout; BERT has no batch statistics)."""
     from ftcompile.codegen import rebuild_model
     from ftcompile.runtime import optim
     from ftcompile.runtime.data import load_dataset, split_micro_batches
@@ -196,7 +308,7 @@ def freeze_reference(package: Path, schedule: dict[int, list[str]], steps: int, 
 
     m = load_package(package).manifest
     model = rebuild_model(m.model | {"model": m.model["name"]}).model
-    model.train(True)
+    model.train(dropout)
     params = [p for p in model.parameters() if p.requires_grad]
     opt, _ = optim.build(params, optim.OptimConfig("momentum", lr, 0.9, (0.9, 0.999), 1e-8, 0.0, "constant", 0,
                                                    steps))
@@ -208,7 +320,7 @@ def freeze_reference(package: Path, schedule: dict[int, list[str]], steps: int, 
             mod.eval()
         for i, mb in enumerate(split_micro_batches(next(batches), m, M)):
             args, kwargs = call_of(m, mb)
-            with keyed_random_mode(micro_batch_seed(seed, j * M + i)):
+            with keyed_random_mode(micro_batch_seed(seed, j, i)):
                 loss = model(*args, **kwargs)[0]
             (loss / M).backward()
         if norms is not None:
@@ -262,11 +374,39 @@ def test_manual_freeze_run_equals_plain_pytorch_freezing_the_same_layers(bert4, 
     assert all(x["transition_s"] >= 0 and x["samples_per_s"] > 0 for x in runs)
 
 
+@pytest.mark.slow
+def test_freeze_run_changing_micro_batches_equals_plain_pytorch(bert4, tmp_path):
+    """M (and so b) changes at both transitions: 4 x 2 samples on one 4-GPU pipeline, then 2 replicas of
+    1 micro-batch of 4 samples, then of 2 micro-batches of 2; each step trains the same 8 samples, so the
+    weights are plain PyTorch's (dropout off: its masks are keyed by micro-batch number)."""
+    steps, lr = 6, 0.05
+    log, ck = tmp_path / "log", tmp_path / "ck"
+    r = run_cli(str(bert4), "--nproc", "4", "--steps", str(steps), "--optimizer", "momentum", "--lr", str(lr),
+                "--schedule", "1f1b", "--no-dropout", "--log-dir", str(log), "--checkpoint-dir", str(ck),
+                "--freeze", "at=2:1@2x2/1+4:2@2x2/2,strategy=seq", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "another batch" not in r.stderr
+    want = freeze_reference(bert4, {2: ["bert.embeddings", "bert.encoder.layer.0"], 4: ["bert.encoder.layer.1"]},
+                            steps, M=4, lr=lr, dropout=False)
+    got = final_weights(ck)
+    for n, t in want.items():
+        err = float((got[n] - t).abs().max()) / max(float(t.abs().max()), 1e-2)
+        assert err < 2e-5, (n, err)
+    recs = [json.loads(x) for x in (log / "train.jsonl").read_text().splitlines()]
+    phases = {rec["step"]: rec["phase"] for rec in recs if "step" in rec and "phase" in rec}
+    assert [tuple(phases[s][k] for k in ("frozen_layers", "P", "R", "M", "b")) for s in range(steps)] == \
+        [(0, 4, 1, 4, 2)] * 2 + [(1, 2, 2, 1, 4)] * 2 + [(2, 2, 2, 2, 2)] * 2
+    runs = [json.loads(x) for x in (log / "freeze.jsonl").read_text().splitlines() if '"phase"' in x]
+    assert [(x["M"], x["b"]) for x in runs if "phase" in x and "steps" in x] == [(4, 2), (1, 4), (2, 2)]
+
+
 def test_freeze_run_refuses_what_it_cannot_do_before_any_rank_starts(bert4, tmp_path):
     for extra, msg in [(["--nproc", "2", "--freeze", "alpha=1/3,every=2"], "multiple of 4"),
                        (["--schedule", "async", "--freeze", "alpha=1/3,every=2"], "gpipe, 1f1b"),
                        (["--freeze", "alpha=1/3"], "needs both"),
                        (["--freeze", "at=2:3"], "has 2 layers"),
+                       (["--freeze", "at=2:1@2x3"], "P x R = 4"),
+                       (["--freeze", "at=2:1@2x2/3"], "do not split into 3 micro-batches; give M among [1, 2, 4]"),
                        (["--freeze", "at=2:1,cache=on"], "cache=on: --data synthetic gives no '__index__'")]:
         r = run_cli(str(bert4), "--steps", "4", "--log-dir", str(tmp_path / "log"), *extra, timeout=300)
         assert r.returncode == 2 and msg in r.stderr, (extra, r.stderr[-2000:])
@@ -484,11 +624,11 @@ def _cfg(root: Path, layers: int, cached_from: int = 0, **kw):
                        kw.pop("disk_budget", None), layers, cached_from, **kw)
 
 
-def _engine_run(package, steps: int, batches, *, start: int = 0, state=None, cache=None):
+def _engine_run(package, steps: int, batches, *, start: int = 0, state=None, cache=None, M: int = 2):
     """``steps`` steps of 1F1B on one process (every stage on rank 0); (losses, state)."""
     from ftcompile.runtime.engine import RankEngine, TrainConfig
 
-    cfg = TrainConfig(schedule="1f1b", micro_batches=2, steps=10, optimizer="momentum", lr=0.05, seed=3)
+    cfg = TrainConfig(schedule="1f1b", micro_batches=M, steps=10, optimizer="momentum", lr=0.05, seed=3)
     eng = RankEngine(load_package(package), cfg, cache=cache)
     if state is not None:
         eng.load_state(state)
@@ -555,6 +695,66 @@ def test_autocache_in_one_process_gives_the_same_bits_through_miss_hit_and_advan
     assert sum(r["cache"]["entries_written"] for r in recs1) == 8 * 1 + 3     # the hidden state + 3 shared
     assert sum(r["cache"]["entries_written"] for r in recs2) == 8              # advanced: the new hidden state
     assert set(plan1.shared) and set(plan1.shared) <= set(plan1.boundary[1])
+
+
+def test_autocache_carries_over_a_change_of_micro_batch_size(llama_phases, tmp_path):
+    """Phase 1 caches llama-tiny's first layer in 2 micro-batches of 2; phase 2 re-picks M = 1 micro-batch
+    of 4 samples (the same 4 samples a step) and advances those entries through its newly frozen layer:
+    the same bits as phase 2 without the cache, once the profiler found both sizes give every sample the
+    same bits; shared values sized by the batch are dropped and cached again. (At b = 1 llama-tiny traces
+    to another graph: torch.export specializes sizes of 1; such a size is refused, or skipped by the search.)"""
+    from ftcompile.freeze import write_phase_package
+    from ftcompile.runtime.cache import AutoCache, CacheIndex, cache_plan, check, create, resize
+    from ftcompile.runtime.cache_measure import compare_sizes
+
+    f1, _ = llama_phases
+    m1 = load_package(f1).manifest
+    built, g, _ = traced("llama-tiny")
+    layers = find_layers(g)
+    cluster = load_cluster("2xcpu").with_overrides(gpus=2)
+    with pytest.raises(FreezeError, match="traced at micro-batch size 1 is not the graph traced at 2"):
+        plan_phase(g, layers, 2, cluster, samples_per_step=4, schedule="1f1b", strategies="seq", pipeline_gpus=2,
+                   micro_batches=4, cached_from=1, graph_at=lambda b: traced("llama-tiny", batch_size=b)[1])
+    ph = plan_phase(g, layers, 2, cluster, samples_per_step=4, schedule="1f1b", strategies="seq", pipeline_gpus=2,
+                    micro_batches=1, cached_from=1, graph_at=lambda b: traced("llama-tiny", batch_size=b)[1])
+    assert (ph.micro_batches, ph.micro_batch_size) == (1, 4)
+    ranges = {gi.path: (gi.low, gi.high) for gi in m1.inputs if gi.low is not None}
+    f2 = Path(write_phase_package(ph, traced("llama-tiny", batch_size=4)[0], layers, tmp_path / "f2b4",
+                                  input_ranges=ranges))
+    m2 = load_package(f2).manifest
+    assert m2.micro_batch_size == 4 and [(gi.low, gi.high) for gi in m2.inputs] == [(gi.low, gi.high) for gi in m1.inputs]
+    ref1, state, _ = _engine_run(f1, 3, _epochs(m1, 2))
+    data = _epochs(m1, 2)
+    for _ in range(3):
+        next(data)
+    ref2, ref_state, _ = _engine_run(f2, 3, data, start=3, state=state, M=1)
+    # with the cache
+    root = tmp_path / "c"
+    cfg1 = _cfg(root, 1, use=[1], write=True, index_out=str(root / "index-1.json"))
+    create(cfg1, m1)
+    plan1 = cache_plan(m1)
+    check(cfg1, m1, plan1, register=True)
+    c1 = AutoCache(cfg1, plan1)
+    data = _epochs(m1, 2)
+    got1, state, _ = _engine_run(f1, 3, data, cache=c1)
+    c1.index().save(cfg1.index_out)
+    batch = next(_epochs(m1, 2))
+    same, why = compare_sizes(load_package(f1), load_package(f2), 1, batch)
+    assert same, why
+    plan2 = cache_plan(m2)
+    cfg2 = _cfg(root, 2, 1, use=[2, 1], write=True, index_in=cfg1.index_out)
+    with pytest.raises(Exception, match="micro-batches of 2"):       # not carried over: refused
+        check(cfg2, m2, plan2)
+    index = CacheIndex.load(cfg1.index_out)
+    dropped = resize(cfg2, m2, index, cfg1.index_out)
+    for v in dropped:
+        assert tuple(plan1.shapes[v]) != tuple(plan2.shapes[v])
+    check(cfg2, m2, plan2, register=True)
+    c2 = AutoCache(cfg2, plan2, CacheIndex.load(cfg1.index_out))
+    got2, got_state, recs2 = _engine_run(f2, 3, data, start=3, state=state, cache=c2, M=1)
+    assert got1 == ref1 and got2 == ref2
+    assert all(torch.equal(got_state["weights"][n], t) for n, t in ref_state["weights"].items())
+    assert sum(r["cache"]["advanced"] for r in recs2) > 0, (dropped, [r["cache"] for r in recs2], plan2.shared, plan1.shared)  # entries made at b=2 read at b=4
 
 
 def test_autocache_decides_alike_on_every_replica_within_its_budget(llama_phases, tmp_path):

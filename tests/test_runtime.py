@@ -122,7 +122,7 @@ def plain_training(package: Path, cfg: TrainConfig, steps: int, data: str = "syn
     for j in range(steps):
         for i, mb in enumerate(split_micro_batches(next(batches), m, cfg.micro_batches)):
             args, kwargs = call_of(m, mb)
-            with keyed_random_mode(micro_batch_seed(cfg.seed, j * cfg.micro_batches + i), enabled=cfg.dropout):
+            with keyed_random_mode(micro_batch_seed(cfg.seed, j, i), enabled=cfg.dropout):
                 loss = model(*args, **kwargs)[0]
             (loss / cfg.micro_batches).backward()
         if cfg.clip_grad_norm:
