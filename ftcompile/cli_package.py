@@ -88,6 +88,63 @@ def add_parsers(sub) -> None:
                         "layers' output cached per sample); see README 'Freeze training'")
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser(
+        "evaluate", help="the loss of a checkpoint's model on held-out data", formatter_class=base._Formatter,
+        description=(
+            "Load the weights of CHECKPOINT (a --checkpoint-dir folder: its latest step; or one of\n"
+            "its step folders) into every stage of PACKAGE, run the stages one after another in one\n"
+            "process in eval mode (dropout off, no gradients, no buffer updates) over --batches\n"
+            "batches of --data, and print the model's own loss averaged over the micro-batches.\n"
+            "Under AvgPipe the checkpoint holds the reference model (the average of the parallel\n"
+            "pipelines), the one this evaluates. Give data the run did not train on (e.g. --data\n"
+            "text:DIR with another folder); every evaluation with the same --data, --batches and\n"
+            "--seed sees the same samples, so checkpoints compare."),
+        epilog=(
+            "examples:\n"
+            "  ftcompile evaluate out/gpt2 runs/ckpt --data text:heldout/ --batches 16\n"
+            "  ftcompile evaluate out/gpt2 runs/ckpt/step-00000100 --data text:heldout/ --json"))
+    base._add_common(p, top=False)
+    p.add_argument("package", metavar="PACKAGE", help="a package folder written by `ftcompile compile -o`")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a --checkpoint-dir folder or one of its step folders")
+    p.add_argument("--data", default="synthetic", metavar="SPEC",
+                   help="synthetic, text, text:DIR or FILE.py:function, as for `ftcompile run` (default: synthetic)")
+    p.add_argument("--batches", type=base._positive_int, default=8,
+                   metavar="N", help="batches to evaluate (default 8)")
+    p.add_argument("--micro-batches", type=base._positive_int, default=None, metavar="M",
+                   help="micro-batches per batch (default: the package's)")
+    p.add_argument("--seed", type=int, default=0, help="the data order's seed (default 0)")
+    p.add_argument("--device", default="cpu", metavar="DEVICE", help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_evaluate)
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    import itertools
+    import json
+    from pathlib import Path
+
+    from .runtime import load_package
+    from .runtime.data import load_dataset
+    from .runtime.evaluation import evaluate_checkpoint, open_checkpoint
+
+    if not Path(args.package).is_dir():
+        raise base.UsageError(f"no package folder at {args.package}; make one with `ftcompile compile MODEL -o DIR`")
+    device = _device(args.device)
+    package = load_package(args.package)
+    ck = open_checkpoint(args.checkpoint)          # refused clearly before any data is read
+    M = args.micro_batches or package.manifest.micro_batches
+    batches = itertools.islice(load_dataset(args.data, package.manifest, micro_batches=M, seed=args.seed),
+                               args.batches)
+    result = evaluate_checkpoint(package, ck, batches, micro_batches=M, device=device)
+    out = {"package": str(args.package), "checkpoint": str(ck.folder), "step": result.step, "loss": result.loss,
+           "micro_batches": result.micro_batches, "samples": result.samples, "data": args.data, "seed": args.seed}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"step {result.step}: held-out loss {result.loss:.6f} over {result.samples} samples "
+              f"({result.micro_batches} micro-batches of --data {args.data}, seed {args.seed})")
+    return 0
+
 
 def _device(text: str) -> str:
     import torch

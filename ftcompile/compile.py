@@ -291,20 +291,23 @@ def attach_bounds(problem: Problem, results: list[StrategyResult], lower: float)
 
 @contextlib.contextmanager
 def quiet_native_stdout():
-    """Send what native libraries write to file descriptor 1 (HiGHS's banner, METIS's notes)
-    to file descriptor 2, for the duration; Python's own stdout is untouched.
+    """Discard what native libraries write to file descriptor 1 (HiGHS's copyright banner, once
+    per solver; METIS's notes), for the duration; Python's own stdout is untouched.
 
-    ``compile --json`` must print one JSON document and nothing else on stdout, and these
-    libraries write to the descriptor directly, below any Python-level redirection.
+    ``compile --json`` must print one JSON document and nothing else on stdout, these libraries
+    write to the descriptor directly, below any Python-level redirection, and what they write
+    says nothing a user acts on (errors come back as return codes), so ``-q`` stays quiet.
     """
     try:
         sys.stdout.flush()
         saved = os.dup(1)
+        sink = os.open(os.devnull, os.O_WRONLY)
     except (OSError, ValueError):          # no real descriptor 1 (embedded, captured)
         yield
         return
     try:
-        os.dup2(2, 1)
+        os.dup2(sink, 1)
+        os.close(sink)
         yield
     finally:
         try:

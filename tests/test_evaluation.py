@@ -90,3 +90,34 @@ def test_checkpoint_of_another_model_or_no_data_is_refused(seq2, tmp_path):
         evaluate(pkg, [], micro_batches=M)
     with pytest.raises(EvaluationError, match="neither a checkpoint folder"):
         evaluate_checkpoint(pkg, tmp_path, batches, micro_batches=M)
+
+
+def test_evaluate_command_prints_the_plain_models_loss(seq2, tmp_path):
+    """`ftcompile evaluate PACKAGE CHECKPOINT --data text --batches 2`: the same batches as
+    `ftcompile run --data text` draws (seed 0), the loss the plain model gives; bad input refused."""
+    import json
+    import subprocess
+    import sys
+
+    pkg = load_package(seq2)
+    M = pkg.manifest.micro_batches
+    weights = _perturbed_checkpoint(pkg, tmp_path / "ck")
+    batches = list(itertools.islice(text_batches(pkg.manifest, micro_batches=M, seed=0), 2))
+    want = _plain_loss(pkg, weights, batches, M)
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "ftcompile", "evaluate", *map(str, args)], capture_output=True,
+                              text=True)
+
+    r = cli(seq2, tmp_path / "ck", "--data", "text", "--batches", 2, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["step"] == 7 and out["micro_batches"] == 2 * M
+    assert abs(out["loss"] - want) < 1e-5 * max(1.0, abs(want)), (out, want)
+    r = cli(seq2, tmp_path / "ck", "--data", "text", "--batches", 2)
+    assert r.returncode == 0 and f"{out['loss']:.6f}" in r.stdout, r.stdout + r.stderr
+    for args, says in (((seq2, tmp_path), "neither a checkpoint folder"),
+                       ((tmp_path / "nope", tmp_path / "ck"), "no package folder"),
+                       ((seq2, tmp_path / "ck", "--batches", "0"), "--batches")):
+        r = cli(*args)
+        assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
