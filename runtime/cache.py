@@ -548,46 +548,47 @@ class AutoCache:
                                  f"dataset function yielding {SAMPLE_INDEX!r}), or --freeze ...,cache=off")
             ids.append([int(x) for x in mb[SAMPLE_INDEX].tolist()])
         n, c = self.n, self.c
-        levels = []
-        for sids in ids:
-            if self.use_n and self._holds(n, sids):
-                levels.append(n)
-            elif self.use_c and self._holds(c, sids):
-                levels.append(c)
-            else:
-                levels.append(0)
+        levels: list[int] = []
         writes: dict[int, dict[int, dict[str, str]]] = {}
         shared_writes: dict[int, dict[str, str]] = {}
-        if self.write:
-            admitted: list[int] = []
-            seen: set[int] = set()
-            sample_values = [v for v in self.B[n] if v not in self.plan.shared]
-            old = set(self.B[c]) if c else set()
-            # shared values the previous level reads but this one does not: only after a change of micro-batch
-            # size dropped them (resize); a miss computes them again, and advancing needs them
-            prev_shared = [v for v in (self.B[c] if c and self.use_c else ()) if v in self.plan.shared
-                           and v not in self.B[n]]
-            for g, sids in enumerate(ids):
-                L = levels[g]
-                if L == n:
+        admitted: list[int] = []
+        seen: set[int] = set()
+        sample_values = [v for v in self.B[n] if v not in self.plan.shared]
+        old = set(self.B[c]) if c else set()
+        # shared values the previous level reads but this one does not: only after a change of micro-batch
+        # size dropped them (resize); a miss computes them again, and advancing needs them
+        prev_shared = [v for v in (self.B[c] if c and self.use_c else ()) if v in self.plan.shared
+                       and v not in self.B[n]]
+        # In micro-batch order, so that a shared value a miss writes (after a change of micro-batch size
+        # dropped it) is known to the step's later micro-batches: they hit or advance, reading its file once
+        # written (the engine's readiness check waits for it), instead of the whole step missing.
+        for g, sids in enumerate(ids):
+            if self.use_n and self._holds(n, sids):
+                L = n
+            elif self.use_c and self._holds(c, sids):
+                L = c
+            else:
+                L = 0
+            levels.append(L)
+            if not self.write or L == n:
+                continue
+            for v in [*self.B[n], *(prev_shared if L == 0 else ())]:
+                if v in self.plan.shared and v not in self.shared_known:
+                    size = self.plan.entry_bytes(v)
+                    if self._fits(size):
+                        shared_writes.setdefault(g, {})[v] = self._tier(v, size)
+                        self.shared_known.add(v)        # (readers of this step wait for its file)
+            for row, s in enumerate(sids):
+                if s in self.known_n or s in seen:
                     continue
-                for v in [*self.B[n], *(prev_shared if L == 0 else ())]:
-                    if v in self.plan.shared and v not in self.shared_known:
-                        size = self.plan.entry_bytes(v)
-                        if self._fits(size):
-                            shared_writes.setdefault(g, {})[v] = self._tier(v, size)
-                            self.shared_known.add(v)        # (readers of this step wait for its file)
-                for row, s in enumerate(sids):
-                    if s in self.known_n or s in seen:
-                        continue
-                    seen.add(s)
-                    need = [v for v in sample_values if not (v in old and s in self.known_c)]
-                    size = sum(self.plan.entry_bytes(v) for v in need)
-                    if not need or not self._fits(size):
-                        continue
-                    writes.setdefault(g, {})[row] = {v: self._tier(v, self.plan.entry_bytes(v)) for v in need}
-                    admitted.append(s)
-            self.known_n.update(admitted)   # cached from the next step on
+                seen.add(s)
+                need = [v for v in sample_values if not (v in old and s in self.known_c)]
+                size = sum(self.plan.entry_bytes(v) for v in need)
+                if not need or not self._fits(size):
+                    continue
+                writes.setdefault(g, {})[row] = {v: self._tier(v, self.plan.entry_bytes(v)) for v in need}
+                admitted.append(s)
+        self.known_n.update(admitted)   # cached from the next step on
         local = micro_batches[self.replica * M:(self.replica + 1) * M]
         self.steps[step] = _Step(ids, levels, writes, shared_writes, local)
         if self.counter:
