@@ -404,6 +404,12 @@ class CacheRun:
             rec["resized"] = kept
             self.note(f"phase {phase}: AutoCache entries made at micro-batch size {self.index_size}, read at {b}: "
                       + ("kept" if kept.get("kept") else f"dropped ({kept.get('why')})"))
+        if self.index is None:
+            # Nothing is cached (the run's first frozen phase, or the entries were dropped): the cache starts
+            # again at this package's micro-batch size. Left at the size it was made at, meta.json would
+            # register this phase's values (shared ones sized by the batch) under the old size, and every
+            # rank would refuse it as stale whenever the transition re-picked b.
+            self._start_again(pkg.manifest)
         meta = ((pkg.manifest.model or {}).get("freeze") or {}).get("cache") or {}
         plan = cache_plan(pkg.manifest)
         if plan is None:
@@ -463,6 +469,15 @@ class CacheRun:
         self.index = cfg.index_out
         self.index_size = self.cfg_size
         self._keep({value_folder(v) for v in CacheIndex.load(cfg.index_out).values})
+
+    def _start_again(self, manifest) -> None:
+        """The cache holds no entry: empty both tiers and write ``meta.json`` afresh for ``manifest``'s package
+        (its micro-batch size, no value registered), as :func:`ftcompile.runtime.cache.create` does at the start."""
+        from .runtime.cache import create
+
+        self._keep(set())
+        self.index = self.index_size = None
+        create(self.base, manifest)
 
     def _keep(self, keep: set[str]) -> None:
         """Remove every value's entries but those of ``keep`` (folder names) from both tiers."""

@@ -297,10 +297,11 @@ def _package(out: Path, name: str, gpus: int) -> Path:
 
 def freeze_reference(package: Path, schedule: dict[int, list[str]], steps: int, *, M: int, lr: float,
                      seed: int = 0, norms_of: list[str] = (), norms: dict | None = None,
-                     dropout: bool = True) -> dict[str, torch.Tensor]:
+                     dropout: bool = True, data: str = "synthetic") -> dict[str, torch.Tensor]:
     """Plain PyTorch: the original model, freezing the named submodules at the given steps
     (``norms[step][layer]``: each of ``norms_of``'s gradient norms before each update);
-    ``dropout=False``: the whole model in eval mode (no dropout; BERT has no batch statistics)."""
+    ``dropout=False``: the whole model in eval mode (no dropout; BERT has no batch statistics);
+    ``data``: a ``--data`` spec, drawn in this process as a rank draws it."""
     from ftcompile.codegen import rebuild_model
     from ftcompile.runtime import optim
     from ftcompile.runtime.data import load_dataset, split_micro_batches
@@ -313,7 +314,7 @@ def freeze_reference(package: Path, schedule: dict[int, list[str]], steps: int, 
     params = [p for p in model.parameters() if p.requires_grad]
     opt, _ = optim.build(params, optim.OptimConfig("momentum", lr, 0.9, (0.9, 0.999), 1e-8, 0.0, "constant", 0,
                                                    steps))
-    batches = load_dataset("synthetic", m, micro_batches=M, seed=seed)
+    batches = load_dataset(data, m, micro_batches=M, seed=seed)
     for j in range(steps):
         for path in schedule.get(j, []):
             mod = model.get_submodule(path)
@@ -992,6 +993,61 @@ def test_autocache_on_and_off_give_the_same_bits_on_four_ranks(bert4, tmp_path):
         assert [p.get("cache", {}).get("used") for p in phases] == [None, True, True]
         assert phases[2]["cache"]["reads_levels"] == [2, 1] and phases[2]["cache"]["measured"]["exact"]
         assert phases[1]["cache"]["counts"]["hits"] == 4 and phases[2]["cache"]["counts"]["advanced"] == 4
+
+
+# What plain PyTorch freezes by hand at steps 2 and 4 of at=2:1...+4:2...: the modules before the first layer, then
+# each layer in turn (neither model ties its embedding to its head)
+HAND_FROZEN = {"vit-tiny": {2: ["vit.embeddings", "vit.layers.0"], 4: ["vit.layers.1"]},
+               "llama-tiny": {2: ["model.embed_tokens", "model.layers.0"], 4: ["model.layers.1"]}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["vit-tiny", "llama-tiny"])
+def test_autocache_on_four_ranks_carries_over_transitions_that_change_the_micro_batch_size(name, tmp_path):
+    """ViT (the class token expanded to the batch) and Llama (rotary tables and the causal mask) cache values
+    shared by every sample whose shape follows the micro-batch size. On 4 real ranks over gloo, with (M, b)
+    per replica (4, 2) -> (1, 4) -> (2, 2): the first frozen phase runs another size than the one the run's
+    cache was made at, with nothing cached yet (what a freeze that re-picks M does at its first transition,
+    as ViT's in benchmarks/freeze.py), and the second carries phase 1's entries from b = 4 back to b = 2.
+    With AutoCache on the run finishes with the losses and weights of the run without it, bit for bit, and
+    with plain PyTorch's weights."""
+    from ftcompile.runtime.cache import cache_plan
+
+    package = _package(tmp_path / "pkg", name, 4)
+    steps, lr, data = 6, 0.05, f"{EPOCHS_DATA}:epochs"
+    runs = {}
+    for cache in ("off", "on"):
+        log = tmp_path / cache
+        r = run_cli(str(package), "--nproc", "4", "--steps", str(steps), "--optimizer", "momentum", "--lr", str(lr),
+                    "--schedule", "1f1b", "--no-dropout", "--log-dir", str(log), "--checkpoint-dir", str(log / "ck"),
+                    "--data", data, "--freeze", f"at=2:1@2x2/1+4:2@2x2/2,strategy=seq,cache={cache}", timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        recs = [json.loads(x) for x in (log / "train.jsonl").read_text().splitlines()]
+        runs[cache] = ([x for x in recs if "step" in x], final_weights(log / "ck"),
+                       [json.loads(x) for x in (log / "freeze.jsonl").read_text().splitlines()])
+    (off, off_w, _), (on, on_w, freeze) = runs["off"], runs["on"]
+    for steps_of in (off, on):
+        assert [tuple(x["phase"][k] for k in ("frozen_layers", "M", "b")) for x in steps_of] == \
+            [(0, 4, 2)] * 2 + [(1, 1, 4)] * 2 + [(2, 2, 2)] * 2
+    assert [x["loss"] for x in on] == [x["loss"] for x in off]
+    assert set(on_w) == set(off_w) and all(torch.equal(on_w[n], off_w[n]) for n in on_w)
+    want = freeze_reference(package, HAND_FROZEN[name], steps, M=4, lr=lr, dropout=False, data=data)
+    assert set(want) <= set(on_w)                                 # (the checkpoint holds buffers too)
+    for n, t in want.items():
+        err = float((on_w[n] - t).abs().max()) / max(float(t.abs().max()), 1e-2)
+        assert err < 2e-5, (n, err)
+    # the path this test is for: phase 1 caches a shared value whose shape is not the one at phase 0's size
+    phases = [x for x in freeze if "phase" in x and not x.get("decision")]
+    plans = [cache_plan(load_package(p["package"]).manifest) for p in phases[1:]]
+    shared = [v for v in plans[0].shared if any(v in vs for vs in plans[0].boundary.values())]
+    assert shared and any(plans[0].shapes[v] != plans[1].shapes[v] for v in shared), (plans[0].shared, plans[0].shapes)
+    # the cache was used in both frozen phases: phase 1 wrote at b = 4, phase 2 read those entries at b = 2
+    assert [p.get("cache", {}).get("used") for p in phases] == [None, True, True]
+    assert "resized" not in phases[1]["cache"]                     # nothing cached before phase 1
+    resized = phases[2]["cache"]["resized"]
+    assert resized["kept"] and (resized["from"], resized["to"]) == (4, 2), resized
+    assert [sum(x["cache"][k] for x in on[2:4]) for k in ("misses", "hits")] == [2, 2]   # 2 micro-batches a step
+    assert sum(x["cache"]["advanced"] for x in on[4:]) > 0         # b = 4 entries advanced at b = 2
 
 
 @pytest.mark.cuda
