@@ -271,6 +271,16 @@ def _stats(xs: list[float], sign: str = "") -> str:
     return f"mean {mean:{sign}.4f}  sd {sd:.4f}  min {min(xs):{sign}.4f}  max {max(xs):{sign}.4f}"
 
 
+def _reach(edges: list[int], curve: list[float], target: float) -> float:
+    """Sequences after which ``curve`` (held-out loss at ``edges``) first reaches ``target``, linear between
+    checkpoints; nan where it never does."""
+    for i in range(1, len(edges)):
+        if curve[i] <= target:
+            lo, hi = curve[i - 1], curve[i]
+            return edges[i - 1] + (edges[i] - edges[i - 1]) * (lo - target) / (lo - hi)
+    return float("nan")
+
+
 def _report_seeds(by_seed: dict[int, dict]) -> None:
     """Final held-out loss of every run for every seed, the paired differences between runs (same seed: same
     initial weights and data order) and their spread over seeds, per learning rate."""
@@ -295,6 +305,15 @@ def _report_seeds(by_seed: dict[int, dict]) -> None:
             row = "".join(f" {f[k]:>9.4f}" if k in f else f" {'-':>9}" for k in keys)
             row += "".join(f" {f[a] - f[b]:>+10.4f}" if a in f and b in f else f" {'-':>10}" for a, b, _ in shown)
             print(f"{seed:>6} {by_seed[seed]['init_heldout']:>8.4f}{row}")
+        reach = []                    # sequences (b) needs to reach (c)'s final loss
+        for res in by_seed.values():
+            c, b = res["runs"].get(f"n2-lr{lr:g}"), res["runs"].get(f"n1x2-lr{lr:g}")
+            if c and b:
+                reach.append(_reach(edges, b["heldout"], c["heldout"][-1]))
+        if reach:
+            print("  (b) reaches (c)'s final held-out loss after " + ", ".join(f"{x:.0f}" for x in reach)
+                  + f" sequences (seeds in order): (c) takes {edges[-1] / max(reach):.2f}x to "
+                    f"{edges[-1] / min(reach):.2f}x the samples")
         for k in keys:
             xs = [f[k] for f in finals.values() if k in f]
             print(f"  {names[k]:<9} over {len(xs)} seeds: {_stats(xs)}")
