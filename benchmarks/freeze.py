@@ -49,10 +49,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,117 +120,174 @@ def cap_micro_batches(limit: int | None) -> None:
     fz.micro_batch_candidates = functools.partial(fz.micro_batch_candidates, limit=limit)
 
 
+@dataclass
+class Study:
+    """What every system's phases are planned from: one model, traced at ``b0``, on one cluster, with its
+    freeze schedule; ``micro`` says how a transition picks the micro-batches (``"auto"``: M re-picked with
+    the step's ``batch`` samples fixed, the model traced at each b; ``"fixed"``: micro-batches of ``b0``)."""
+
+    micro: str
+    batch: int
+    b0: int
+    traces: Traces
+    graph: Any
+    cluster: Any
+    hw: Any
+    layers: list
+    sched: list[int]
+    common: dict
+    profiles: dict = field(default_factory=dict)    # frozen layers -> (frozen graph, its analytic profile)
+
+    @property
+    def fixed(self) -> dict:
+        """plan_phase's arguments for micro-batches of ``b0``: a package as compiled."""
+        return dict(global_micro_batches=self.batch // self.b0, **self.common)
+
+    def start(self, **kw):
+        """The no-freeze phase of a package compiled at ``b0`` (the runtime's first phase)."""
+        from ftcompile.freeze import plan_phase
+
+        return plan_phase(self.graph, self.layers, 0, self.cluster, **self.fixed, **kw)
+
+    def replan(self, n: int, current: tuple[int, int], **kw):
+        """One transition's plan, as the controller makes it (``fixed``: M follows b0)."""
+        from ftcompile.freeze import plan_phase
+
+        if self.micro == "fixed":
+            return plan_phase(self.graph, self.layers, n, self.cluster, **self.fixed, **kw)
+        return plan_phase(self.graph, self.layers, n, self.cluster, samples_per_step=self.batch,
+                          graph_at=self.traces.graph, current=current, **self.common, **kw)
+
+    def layout(self, ph) -> tuple:
+        """A phase's (P, R, M, b)."""
+        return (ph.pipeline_gpus, ph.replicas, ph.micro_batches, ph.micro_batch_size or self.b0)
+
+
+def study_of(name: str, cluster_name: str, alpha: float, intervals: int, strategy: str, micro: str) -> Study:
+    """``name`` traced at its start micro-batch size on ``cluster_name``, its schedule of frozen layers
+    (:func:`schedule_of`), and the graph and analytic profile of each frozen depth the schedule reaches."""
+    from ftcompile.cluster import load_cluster
+    from ftcompile.freeze import find_layers
+    from ftcompile.hardware import load_hardware
+
+    batch, b0, extra = SETTINGS[name]
+    traces = Traces(name, extra)
+    graph = traces.graph(b0)
+    cluster = load_cluster(cluster_name)
+    hw = load_hardware(cluster.hardware)
+    layers = find_layers(graph)
+    return Study(micro, batch, b0, traces, graph, cluster, hw, layers, schedule_of(len(layers), alpha, intervals),
+                 dict(schedule="gpipe", optimizer="adam", strategies=strategy, hardware=hw))
+
+
+def frozen_profiles(st: Study) -> dict:
+    """Frozen layers -> (the graph with that prefix frozen, its analytic profile), for each depth of the schedule."""
+    from ftcompile.freeze import freeze_graph, frozen_region
+    from ftcompile.profile import analytic_profile
+
+    out = {}
+    for n in set(st.sched):
+        fg = freeze_graph(st.graph, frozen_region(st.graph, st.layers, n))
+        out[n] = (fg, analytic_profile(fg, st.hw, optimizer="adam"))
+    return out
+
+
+def autocache(st: Study, dp, n: int, prev: int) -> tuple[float, bool]:
+    """The +AutoDP plan ``dp``, one pass over the data with the cache: read what the previous phase cached,
+    run the newly frozen layers, write their output (at the plan's micro-batch size). Its samples/s, and
+    whether the cache is used (else +AutoDP's)."""
+    from ftcompile.freeze import cached_profile, frozen_region
+    from ftcompile.plan import Plan, Problem
+    from ftcompile.profile import analytic_profile
+    from ftcompile.replicas import ReplicaLayout, replicated_problem
+
+    fg = dp.graph
+    prof = analytic_profile(fg, st.hw, optimizer="adam")
+    region = frozen_region(fg, st.layers, n)
+    before = frozen_region(fg, st.layers, prev) if prev else None
+    cprof, used = cached_profile(fg, prof, region, before, host_bandwidth=st.hw.host_bandwidth, write=True)
+    if not (used and (dp.cache or {}).get("stages")):
+        return dp.samples_per_s, False
+    cpb = replicated_problem(Problem(fg, cprof, st.cluster, schedule="gpipe", micro_batches=dp.micro_batches),
+                             st.cluster, ReplicaLayout(dp.pipeline_gpus, dp.replicas))
+    cached = simulate_fixed(cpb, Plan.from_json(dp.doc["plan"]))
+    return (cached, True) if cached > 0 else (dp.samples_per_s, False)
+
+
+def frozen_phase(st: Study, base, n: int, prev: int, run_ap: tuple, run_dp: tuple) -> dict:
+    """The row of a phase with ``n`` layers frozen (``prev`` before it), from the no-freeze layout ``base``:
+    each system's samples/s, +AutoPipe planned from its running layout ``run_ap`` (R kept), +AutoDP and
+    +AutoCache from ``run_dp``."""
+    from ftcompile.plan import Plan, Problem
+    from ftcompile.replicas import ReplicaLayout, replicated_problem
+
+    fg, prof = st.profiles[n]
+    pb = replicated_problem(Problem(fg, prof, st.cluster, schedule="gpipe", micro_batches=base.micro_batches),
+                            st.cluster, ReplicaLayout(base.pipeline_gpus, base.replicas))
+    only = simulate_fixed(pb, Plan.from_json(base.doc["plan"]))
+    ap = st.replan(n, run_ap[2:], replicas=base.replicas, start_pipeline=run_ap[0])
+    dp = st.replan(n, run_dp[2:], start_pipeline=run_dp[0], cached_from=prev)
+    cached, used = autocache(st, dp, n, prev)
+    return {"frozen": n, "cached_prefix": prev if used and prev else 0, "freeze_only": only,
+            "autopipe": ap.samples_per_s, "autopipe_PRMb": st.layout(ap),
+            "autodp": dp.samples_per_s, "autodp_PRMb": st.layout(dp),
+            "autocache": cached, "cache_used": used}
+
+
+def breakdown(st: Study, base) -> dict:
+    """Throughput per interval of each system, starting from the no-freeze layout ``base``; each
+    system's next phase is planned from its running one (P to halve from, and ``current=(M, b)``)."""
+    per: dict[str, list[float]] = {k: [] for k in ("freeze_only", "autopipe", "autodp", "autocache")}
+    rows, memo = [], {}
+    start = st.layout(base)
+    run_ap, run_dp = start, start       # the running phase of +AutoPipe and of +AutoDP/+AutoCache
+    for i, n in enumerate(st.sched):
+        prev = st.sched[i - 1] if i else 0
+        if n == 0:          # before the first freeze every system runs the baseline
+            row = {"frozen": 0, "cached_prefix": 0, "freeze_only": base.samples_per_s,
+                   "autopipe": base.samples_per_s, "autopipe_PRMb": start,
+                   "autodp": base.samples_per_s, "autodp_PRMb": start,
+                   "autocache": base.samples_per_s, "cache_used": False}
+        else:
+            key = (prev, n, run_ap, run_dp)
+            if key not in memo:
+                memo[key] = frozen_phase(st, base, n, prev, run_ap, run_dp)
+            row = memo[key]
+            run_ap, run_dp = row["autopipe_PRMb"], row["autodp_PRMb"]
+        row = {**row, "interval": i}
+        rows.append(row)
+        for k in per:
+            per[k].append(row[k])
+    # equal samples per interval: time ~ sum of 1 / throughput
+    base_t = len(st.sched) / base.samples_per_s
+    return {"layout": {"P": base.pipeline_gpus, "R": base.replicas, "M": base.micro_batches, "b": st.b0,
+                       "samples_per_s": base.samples_per_s},
+            "phases": rows, **{f"speedup_{k}": base_t / sum(1.0 / x for x in v) for k, v in per.items()}}
+
+
 def predict(name: str, cluster_name: str, alpha: float, intervals: int, strategy: str,
             micro: str = "auto") -> dict:
     """The breakdown for ``name`` on ``cluster_name``: ``micro="auto"`` re-picks M at every transition as
     the runtime's controller does (samples per step fixed, the model traced at each b); ``"fixed"``
     keeps the traced micro-batch size (M = samples per replica / b0)."""
-    from ftcompile.cluster import load_cluster
-    from ftcompile.freeze import cached_profile, find_layers, freeze_graph, frozen_region, plan_phase
-    from ftcompile.hardware import load_hardware
-    from ftcompile.plan import Plan, Problem
-    from ftcompile.profile import analytic_profile
-    from ftcompile.replicas import ReplicaLayout, replicated_problem
-
-    batch, b0, extra = SETTINGS[name]
     t0 = time.perf_counter()
-    traces = Traces(name, extra)
-    graph = traces.graph(b0)
-    cluster = load_cluster(cluster_name)
-    hw = load_hardware(cluster.hardware)
-    G, Mg = cluster.physical_gpus, batch // b0
-    layers = find_layers(graph)
-    L = len(layers)
-    sched = schedule_of(L, alpha, intervals)
-    common = dict(schedule="gpipe", optimizer="adam", strategies=strategy, hardware=hw)
-    fixed = dict(global_micro_batches=Mg, **common)     # micro-batches of b0: a package as compiled
-
-    def replan(n: int, current: tuple[int, int], **kw):
-        """One transition's plan, as the controller makes it (``fixed``: M follows b0)."""
-        if micro == "fixed":
-            return plan_phase(graph, layers, n, cluster, **fixed, **kw)
-        return plan_phase(graph, layers, n, cluster, samples_per_step=batch, graph_at=traces.graph,
-                          current=current, **common, **kw)
-
+    st = study_of(name, cluster_name, alpha, intervals, strategy, micro)
+    G = st.cluster.physical_gpus
     # the no-freeze start: a package compiled at b0 (the runtime's first phase), best layout or the paper's
-    best = plan_phase(graph, layers, 0, cluster, **fixed)
-    paper = plan_phase(graph, layers, 0, cluster, pipeline_gpus=G, **fixed)
+    best = st.start()
+    paper = st.start(pipeline_gpus=G)
     tuned = {}
     if micro == "auto":     # the same layouts with M (and b) re-picked too: what tuning M alone gives
-        tuned = {"best_layout": replan(0, (best.micro_batches, b0)),
-                 "paper_layout": replan(0, (paper.micro_batches, b0), pipeline_gpus=G)}
-    regions = {n: frozen_region(graph, layers, n) for n in set(sched)}
-    profiles = {}
-    for n, region in regions.items():
-        fg = freeze_graph(graph, region)
-        profiles[n] = (fg, analytic_profile(fg, hw, optimizer="adam"))
-
-    def lay(ph) -> tuple:
-        return (ph.pipeline_gpus, ph.replicas, ph.micro_batches, ph.micro_batch_size or b0)
-
-    def autocache(dp, n: int, prev: int) -> tuple[float, bool]:
-        """The +AutoDP plan, one pass over the data with the cache: read what the previous phase cached,
-        run the newly frozen layers, write their output (at the plan's micro-batch size)."""
-        fg = dp.graph
-        prof = analytic_profile(fg, hw, optimizer="adam")
-        region = frozen_region(fg, layers, n)
-        before = frozen_region(fg, layers, prev) if prev else None
-        cprof, used = cached_profile(fg, prof, region, before, host_bandwidth=hw.host_bandwidth, write=True)
-        if not (used and (dp.cache or {}).get("stages")):
-            return dp.samples_per_s, False
-        cpb = replicated_problem(Problem(fg, cprof, cluster, schedule="gpipe", micro_batches=dp.micro_batches),
-                                 cluster, ReplicaLayout(dp.pipeline_gpus, dp.replicas))
-        cached = simulate_fixed(cpb, Plan.from_json(dp.doc["plan"]))
-        return (cached, True) if cached > 0 else (dp.samples_per_s, False)
-
-    def breakdown(base) -> dict:
-        """Throughput per interval of each system, starting from the no-freeze layout ``base``; each
-        system's next phase is planned from its running one (P to halve from, and ``current=(M, b)``)."""
-        per: dict[str, list[float]] = {k: [] for k in ("freeze_only", "autopipe", "autodp", "autocache")}
-        rows, memo = [], {}
-        start = lay(base)
-        run_ap, run_dp = start, start       # the running phase of +AutoPipe and of +AutoDP/+AutoCache
-        for i, n in enumerate(sched):
-            prev = sched[i - 1] if i else 0
-            if n == 0:          # before the first freeze every system runs the baseline
-                row = {"frozen": 0, "cached_prefix": 0, "freeze_only": base.samples_per_s,
-                       "autopipe": base.samples_per_s, "autopipe_PRMb": start,
-                       "autodp": base.samples_per_s, "autodp_PRMb": start,
-                       "autocache": base.samples_per_s, "cache_used": False}
-            else:
-                key = (prev, n, run_ap, run_dp)
-                if key not in memo:
-                    fg, prof = profiles[n]
-                    pb = replicated_problem(Problem(fg, prof, cluster, schedule="gpipe",
-                                                    micro_batches=base.micro_batches),
-                                            cluster, ReplicaLayout(base.pipeline_gpus, base.replicas))
-                    only = simulate_fixed(pb, Plan.from_json(base.doc["plan"]))
-                    ap = replan(n, run_ap[2:], replicas=base.replicas, start_pipeline=run_ap[0])
-                    dp = replan(n, run_dp[2:], start_pipeline=run_dp[0], cached_from=prev)
-                    cached, used = autocache(dp, n, prev)
-                    memo[key] = {"frozen": n, "cached_prefix": prev if used and prev else 0, "freeze_only": only,
-                                 "autopipe": ap.samples_per_s, "autopipe_PRMb": lay(ap),
-                                 "autodp": dp.samples_per_s, "autodp_PRMb": lay(dp),
-                                 "autocache": cached, "cache_used": used}
-                row = memo[key]
-                run_ap, run_dp = row["autopipe_PRMb"], row["autodp_PRMb"]
-            row = {**row, "interval": i}
-            rows.append(row)
-            for k in per:
-                per[k].append(row[k])
-        # equal samples per interval: time ~ sum of 1 / throughput
-        base_t = len(sched) / base.samples_per_s
-        return {"layout": {"P": base.pipeline_gpus, "R": base.replicas, "M": base.micro_batches, "b": b0,
-                           "samples_per_s": base.samples_per_s},
-                "phases": rows, **{f"speedup_{k}": base_t / sum(1.0 / x for x in v) for k, v in per.items()}}
-
-    out = {"model": name, "cluster": cluster_name, "layers": L, "alpha": alpha, "schedule": sched,
-           "batch": batch, "micro_batch": b0, "micro_batches": micro,
-           "best_layout": breakdown(best), "paper_layout": breakdown(paper)}
+        tuned = {"best_layout": st.replan(0, (best.micro_batches, st.b0)),
+                 "paper_layout": st.replan(0, (paper.micro_batches, st.b0), pipeline_gpus=G)}
+    st.profiles = frozen_profiles(st)
+    out = {"model": name, "cluster": cluster_name, "layers": len(st.layers), "alpha": alpha, "schedule": st.sched,
+           "batch": st.batch, "micro_batch": st.b0, "micro_batches": micro,
+           "best_layout": breakdown(st, best), "paper_layout": breakdown(st, paper)}
     for key, ph in tuned.items():
         out[key]["tuned_start"] = {"P": ph.pipeline_gpus, "R": ph.replicas, "M": ph.micro_batches,
                                    "b": ph.micro_batch_size, "samples_per_s": ph.samples_per_s}
-    out["trace_sizes"] = sorted(traces.by_size)
+    out["trace_sizes"] = sorted(st.traces.by_size)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -267,24 +326,10 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
-# A finite dataset of N fixed samples (each drawn once from the package's synthetic recipe), visited in a
-# fresh order every epoch, every row named by its index: what AutoCache needs to reuse activations.
-EPOCHS = """
-import torch
-from ftcompile.runtime.data import SAMPLE_INDEX, synthetic_batches
-
-
-def epochs(manifest, micro_batches, seed, n={n}):
-    rows = micro_batches * manifest.micro_batch_size
-    table = next(synthetic_batches(manifest, micro_batches=n // manifest.micro_batch_size, seed=seed + 1000))
-    g = torch.Generator().manual_seed(seed)
-    order = torch.empty(0, dtype=torch.int64)
-    while True:
-        while len(order) < rows:
-            order = torch.cat([order, torch.randperm(n, generator=g)])
-        take, order = order[:rows], order[rows:]
-        yield {{**{{k: v[take] for k, v in table.items()}}, SAMPLE_INDEX: take.clone()}}
-"""
+# A finite dataset of fixed samples (drawn once from the package's synthetic recipe), visited in a fresh
+# order every epoch, every row named by its index: what AutoCache needs to reuse activations. Its size is
+# the environment variable EPOCHS_DATA_SAMPLES of the process loading it (the file's docstring says why).
+EPOCHS_DATA = ROOT / "examples" / "epochs_data.py"
 
 
 def cpu_run(model: str, pretrained: str, work: Path, steps: int, every: int, cache: str = "off",
@@ -300,15 +345,14 @@ def cpu_run(model: str, pretrained: str, work: Path, steps: int, every: int, cac
                              "--schedule", "1f1b", "--strategy", "seq", "--replicas", "1", "--optimizer", "momentum",
                              "-o", str(pkg), "-q"],
                        check=True, stdout=subprocess.DEVNULL)
-    data = []
-    if samples:
-        (work / "epochs.py").write_text(EPOCHS.format(n=samples))
-        data = ["--data", f"{work / 'epochs.py'}:epochs"]
+    data, env = [], None
+    if samples:     # its size reaches every rank through their environment
+        data, env = ["--data", f"{EPOCHS_DATA}:epochs"], {**os.environ, "EPOCHS_DATA_SAMPLES": str(samples)}
     log = work / f"{Path(pretrained).name}-run-{cache}"
     r = subprocess.run(py + ["run", str(pkg), "--nproc", "4", "--steps", str(steps), "--optimizer", "momentum",
                              "--lr", "0.01", "--schedule", "1f1b", "--log-dir", str(log), "--overwrite-checkpoints",
                              *data, "--freeze", f"alpha=1/3,every={every},strategy=seq,cache={cache}"],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, env=env)
     if r.returncode:
         raise SystemExit(r.stderr[-3000:])
     lines = [json.loads(x) for x in (log / "freeze.jsonl").read_text().splitlines()]

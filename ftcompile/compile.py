@@ -342,8 +342,10 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
         return replace(problem, cluster=replace(problem.cluster, gpu_memory=int(m)))
 
     def seq_fits(pb: Problem) -> bool:
-        # as compile judges a plan: priced, and its simulated run within the limit
-        return _run_one("seq", pb, True).feasible
+        # as compile judges a plan: priced, and its simulated run within the limit. The DP alone
+        # (no MIP): a bisection probes many limits at which nothing fits, and the MIP would spend
+        # its whole time limit on each.
+        return _run_one("seq", pb, True, {"mip": False}).feasible
 
     if seq_fits(problem):
         # The strategies asked for failed, but the cluster is big enough.
@@ -352,7 +354,7 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
         return "; ".join(parts)
     relaxed = with_memory(10**18)
     try:
-        need = evaluate(relaxed, run_strategy("seq", relaxed)).max_memory_bytes
+        need = evaluate(relaxed, run_strategy("seq", relaxed, mip=False)).max_memory_bytes
     except (Infeasible, PlanError, ValueError):
         need = None
     if need is not None:

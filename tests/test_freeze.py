@@ -9,6 +9,7 @@ with gradient accumulation on the same samples and dropout masks.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -513,40 +514,62 @@ def batchnorm():
     return Net(bn=True), (torch.randn(4, 16), torch.randint(0, 4, (4,)))
 '''
 
-# A finite dataset of N fixed samples visited in a fresh order every epoch, naming each sample by its index.
-EPOCHS = '''
-import torch
-from ftcompile.runtime.data import SAMPLE_INDEX, synthetic_batches
-
-N = 8
+# A finite dataset of 8 fixed samples visited in a fresh order every epoch, naming each sample by its index
+# (`--data EPOCHS_DATA:epochs`; 8 unless EPOCHS_DATA_SAMPLES says otherwise, and the tests leave it unset).
+EPOCHS_DATA = Path(__file__).resolve().parents[1] / "examples" / "epochs_data.py"
 
 
-def epochs(manifest, micro_batches, seed):
-    rows = micro_batches * manifest.micro_batch_size
-    table = next(synthetic_batches(manifest, micro_batches=N // manifest.micro_batch_size, seed=seed + 1000))
-    g = torch.Generator().manual_seed(seed)
-    order = torch.empty(0, dtype=torch.int64)
-    while True:
-        while len(order) < rows:
-            order = torch.cat([order, torch.randperm(N, generator=g)])
-        take, order = order[:rows], order[rows:]
-        yield {**{k: v[take] for k, v in table.items()}, SAMPLE_INDEX: take.clone()}
-'''
+@pytest.fixture(autouse=True)
+def _epochs_of_8(monkeypatch):
+    """EPOCHS_DATA's default size, 8, in this process and the ranks it starts, whatever the caller's environment."""
+    monkeypatch.delenv("EPOCHS_DATA_SAMPLES", raising=False)
 
 
-def _epochs(manifest, micro_batches: int, seed: int = 0, n: int = 8):
-    """EPOCHS in this process."""
-    from ftcompile.runtime.data import SAMPLE_INDEX, synthetic_batches
+def _epochs(manifest, micro_batches: int, seed: int = 0):
+    """EPOCHS_DATA in this process, loaded as a rank loads it."""
+    from ftcompile.runtime.data import load_dataset
 
-    rows = micro_batches * manifest.micro_batch_size
-    table = next(synthetic_batches(manifest, micro_batches=n // manifest.micro_batch_size, seed=seed + 1000))
-    g = torch.Generator().manual_seed(seed)
-    order = torch.empty(0, dtype=torch.int64)
-    while True:
-        while len(order) < rows:
-            order = torch.cat([order, torch.randperm(n, generator=g)])
-        take, order = order[:rows], order[rows:]
-        yield {**{k: v[take] for k, v in table.items()}, SAMPLE_INDEX: take.clone()}
+    return load_dataset(f"{EPOCHS_DATA}:epochs", manifest, micro_batches=micro_batches, seed=seed)
+
+
+def _measured_setup(package: Path, root: Path, layers: int, cached_from: int = 0, batches=None):
+    """What the AutoCache profiler measures on: the package, a fresh cache for it under ``root`` (``layers``
+    frozen, ``cached_from`` cached before) and the first micro-batch of ``batches(manifest)`` (EPOCHS_DATA's
+    by default)."""
+    from ftcompile.runtime.cache import create
+    from ftcompile.runtime.data import split_micro_batches
+
+    pkg = load_package(package)
+    cfg = _cfg(root, layers, cached_from)
+    create(cfg, pkg.manifest)
+    data = batches(pkg.manifest) if batches else _epochs(pkg.manifest, 1)
+    return pkg, cfg, split_micro_batches(next(data), pkg.manifest, 1)[0]
+
+
+def test_epochs_data_visits_its_samples_once_an_epoch_and_refuses_a_bad_size(llama_phases, monkeypatch):
+    """examples/epochs_data.py: every epoch a permutation of the n samples (8, or EPOCHS_DATA_SAMPLES), a sample
+    the same tensors whenever it comes back; a size that is no multiple of the micro-batch size refused."""
+    from ftcompile.runtime.data import SAMPLE_INDEX, DataError
+
+    m = load_package(llama_phases[0]).manifest
+    b = m.micro_batch_size
+    for n, env in ((8, None), (6 * b, str(6 * b))):
+        if env:
+            monkeypatch.setenv("EPOCHS_DATA_SAMPLES", env)
+        rows, seen = [], {}
+        for batch in itertools.islice(_epochs(m, 3), -(-4 * n // (3 * b))):  # 4 epochs, 3 micro-batches a step
+            for r, i in enumerate(batch[SAMPLE_INDEX].tolist()):
+                rows.append(i)
+                for k, v in batch.items():
+                    if k != SAMPLE_INDEX:
+                        assert torch.equal(seen.setdefault((i, k), v[r]), v[r])
+        assert len(rows) >= 4 * n
+        assert all(sorted(rows[e * n:(e + 1) * n]) == list(range(n)) for e in range(4))
+        assert rows[:n] != rows[n:2 * n]                                   # a fresh order every epoch
+    monkeypatch.setenv("EPOCHS_DATA_SAMPLES", str(b + 1))
+    with pytest.raises(DataError, match=f"EPOCHS_DATA_SAMPLES='{b + 1}': the dataset's size must be a positive "
+                                        f"multiple of the package's micro-batch size {b}"):
+        _epochs(m, 1)
 
 
 def test_cache_cut_says_where_activations_can_be_cached(tmp_path):
@@ -874,9 +897,8 @@ def test_a_rank_refuses_a_stale_cache_before_training(llama_phases, tmp_path):
     check(cfg, m1, cache_plan(m1), register=True)
     cfg.token = "not-this-run"
     (tmp_path / "autocache.json").write_text(json.dumps(cfg.to_json()))
-    (tmp_path / "data.py").write_text(EPOCHS)
     r = subprocess.run([sys.executable, "-m", "ftcompile.runtime", str(f1), "--steps", "1", "--log-dir",
-                        str(tmp_path / "log"), "--data", f"{tmp_path / 'data.py'}:epochs", "--autocache",
+                        str(tmp_path / "log"), "--data", f"{EPOCHS_DATA}:epochs", "--autocache",
                         str(tmp_path / "autocache.json")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "stale cache" in r.stderr and "belongs to another run" in r.stderr and "Traceback" not in r.stderr
@@ -885,15 +907,11 @@ def test_a_rank_refuses_a_stale_cache_before_training(llama_phases, tmp_path):
 
 def test_autocache_profiler_measures_and_checks_exactness(llama_phases, tmp_path):
     from ftcompile.freeze import write_phase_package
-    from ftcompile.runtime.cache import cache_plan, create
+    from ftcompile.runtime.cache import cache_plan
     from ftcompile.runtime.cache_measure import decide, measure
-    from ftcompile.runtime.data import split_micro_batches
 
     _, f2 = llama_phases
-    pkg = load_package(f2)
-    cfg = _cfg(tmp_path, 2, 1)
-    create(cfg, pkg.manifest)
-    mb = split_micro_batches(next(_epochs(pkg.manifest, 1)), pkg.manifest, 1)[0]
+    pkg, cfg, mb = _measured_setup(f2, tmp_path, 2, 1)
     got = measure(pkg, cfg, mb)
     assert got["exact"] and got["tier"] == "memory"
     assert got["forward_ms"] > 0 and got["advance_ms"] > 0 and got["read_ms"] > 0 and got["read_previous_ms"] > 0
@@ -928,12 +946,10 @@ def test_autocache_profiler_measures_and_checks_exactness(llama_phases, tmp_path
     layers = find_layers(g)
     ph = plan_phase(g, layers, 1, load_cluster("2xcpu").with_overrides(gpus=1), global_micro_batches=1,
                     schedule="1f1b", strategies="seq")
-    mixing = load_package(write_phase_package(ph, built, layers, tmp_path / "mixing"))
     from ftcompile.runtime.data import synthetic_batches
 
-    mb = split_micro_batches(next(synthetic_batches(mixing.manifest, micro_batches=1)), mixing.manifest, 1)[0]
-    cfg = _cfg(tmp_path / "m", 1)
-    create(cfg, mixing.manifest)
+    mixing, cfg, mb = _measured_setup(write_phase_package(ph, built, layers, tmp_path / "mixing"), tmp_path / "m", 1,
+                                      batches=lambda m: synthetic_batches(m, micro_batches=1))
     got = measure(mixing, cfg, mb)
     assert not got["exact"] and "changes when its micro-batch is reversed" in got["reason"]
 
@@ -943,13 +959,12 @@ def test_autocache_on_and_off_give_the_same_bits_on_four_ranks(bert4, tmp_path):
     """BERT on 4 real ranks over gloo, two freeze transitions (P 4 -> 2, R 1 -> 2): with AutoCache (in host
     memory; and with a budget of 0, every entry spilled to disk) the losses and weights are those without
     it, bit for bit, while steps miss, hit and advance the cache through the newly frozen layer."""
-    (tmp_path / "data.py").write_text(EPOCHS)
     runs = {}
     for name, cache in [("off", "off"), ("on", "on"), ("spill", "on,cache_mb=0")]:
         log = tmp_path / name
         r = run_cli(str(bert4), "--nproc", "4", "--steps", "6", "--optimizer", "momentum", "--lr", "0.05",
                     "--schedule", "1f1b", "--log-dir", str(log), "--checkpoint-dir", str(log / "ck"),
-                    "--data", f"{tmp_path / 'data.py'}:epochs",
+                    "--data", f"{EPOCHS_DATA}:epochs",
                     "--freeze", f"at=2:1@2x2+4:2@2x2,strategy=seq,cache={cache}", timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
         recs = [json.loads(x) for x in (log / "train.jsonl").read_text().splitlines()]
@@ -982,15 +997,10 @@ def test_autocache_on_and_off_give_the_same_bits_on_four_ranks(bert4, tmp_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_autocache_measures_on_a_gpu_in_a_process_of_its_own(llama_phases, tmp_path):
-    from ftcompile.runtime.cache import create
     from ftcompile.runtime.cache_measure import measure_apart
-    from ftcompile.runtime.data import split_micro_batches
 
     _, f2 = llama_phases
-    pkg = load_package(f2)
-    cfg = _cfg(tmp_path, 2, 1)
-    create(cfg, pkg.manifest)
-    mb = split_micro_batches(next(_epochs(pkg.manifest, 1)), pkg.manifest, 1)[0]
+    _, cfg, mb = _measured_setup(f2, tmp_path, 2, 1)
     before = torch.cuda.memory_reserved(0)
     got = measure_apart(f2, cfg, mb, "cuda:0")
     assert got["exact"] and got["forward_ms"] > 0 and got["read_ms"] > 0

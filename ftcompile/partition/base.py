@@ -39,11 +39,13 @@ STRATEGIES: dict[str, str] = {
 
 
 class Infeasible(Exception):
-    """A strategy cannot produce a plan; ``reason`` says why (memory, size, missing library)."""
+    """A strategy cannot produce a plan; ``reason`` says why (memory, size, missing library).
+    ``proven``: the strategy proved that no plan of its space fits (rather than finding none)."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, proven: bool = False):
         super().__init__(reason)
         self.reason = reason
+        self.proven = proven
 
 
 def get_strategy(name: str) -> Callable[..., Plan]:

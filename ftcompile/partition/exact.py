@@ -238,7 +238,8 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     warm_start:
         In ``mixed`` space, start from the best convex split (``warm_plan``, else
         :func:`~ftcompile.partition.seq.partition_seq` in a quarter of the time), which
-        also stands in if no better plan found fits.
+        also stands in if no better plan found fits. In ``seq`` space, ``warm_plan`` (a convex
+        split, stage ``k`` on GPU ``k``) is the starting incumbent when given.
     max_stages:
         Only plans with at most this many stages are returned.
     simulate_top:
@@ -249,7 +250,9 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
 
     ``Plan.info`` reports ``mip_objective_ms`` (the MIP value of the plan found),
     ``mip_bound_ms`` (the proven lower bound on the MIP objective, hence on the
-    Eq. 1 objective of any plan in the space), ``optimal``, ``gap`` and
+    Eq. 1 objective of any plan in the space, less assignments cut off for memory),
+    ``space_bound_ms`` (the first solve's bound, before any cut: it holds for every plan
+    of ``space_bound_covers``), ``optimal``, ``gap`` and
     ``objective_ms`` (the returned plan's :func:`~ftcompile.plan.evaluate` value).
 
     Raises
@@ -418,8 +421,19 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     act_coef = 1 if rec_mid else k_min
     act_ok = [not rec_mid or blocks.recompute_ms[b] > 0 for b in range(B)]
     limit = limit - problem.memory_reserve
+    own_max: list = [None] * P
+    if space == "seq":
+        # A task's transient holds at least the working memory of the node it runs (evaluate's
+        # working sets add each node's own activations), on top of the rebuilt activations when
+        # the stage recomputes and of what it keeps otherwise: own_max[g] >= that of g's nodes.
+        own = [float(max(problem.profile.nodes[n].activation_bytes for n in m)) for m in blocks.members]
+        for g in range(P):
+            own_max[g] = h.addVariable(lb=0.0)
+            for b in range(B):
+                if own[b] > 0:
+                    h.addConstr(own_max[g] - own[b] * x[b][g] >= 0)
     for g in range(P):
-        terms = []
+        terms = [own_max[g]] if own_max[g] is not None else []
         for q in readers:
             if blocks.param_total[q] == 0:
                 continue
@@ -438,9 +452,21 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
                 else:
                     h.addConstr(params <= float(limit))
 
+    if space == "seq" and P > 1 and np.isfinite(limit):
+        _depth_memory(h, problem, seq, blocks, x, y, own_max, P, float(limit), rec_mid, act_ok, edge_pairs)
+
     h.setObjective(T)
     h.setMinimize()
     warm = None
+    if space == "seq" and warm_plan is not None and P > 1:
+        # A convex split found by other means (Seq-pipe's DP): its stage k on GPU k.
+        order = sorted(warm_plan.stages, key=lambda st: st.id)
+        k_of = {n: k for k, st in enumerate(order) for n in st.nodes}
+        ks = [{k_of.get(n) for n in m} for m in blocks.members]
+        if len(order) <= P and all(len(k) == 1 and None not in k for k in ks):
+            idx = np.array([x[b][next(iter(ks[b]))].index for b in range(B)], dtype=np.int32)
+            h.setSolution(len(idx), idx, np.ones(len(idx)))
+            warm = (warm_plan, evaluate(problem, warm_plan), warm_plan.info.get("mip_objective_ms"))
     if space == "mixed" and warm_start and P > 1:
         # A Seq-pipe is a Mixed-pipe: the best convex split is a good incumbent that fits memory.
         sp = warm_plan
@@ -476,6 +502,17 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
                 warm = (sp, evaluate(problem, sp), sp.info.get("mip_objective_ms"))
     rounds, cut_off = 0, 0
     best = None
+    # In seq space an assignment is one plan, so cutting it off loses nothing once it is priced:
+    # the fitting ones are kept, and the search goes on below the best of them until the MIP's
+    # bound meets it (lazy memory cuts). Its bound then holds for every convex split that fits.
+    lazy = space == "seq"
+    kept: list[tuple] = []
+    if warm is not None:
+        plan, cost, mip_value = warm
+        if cost.feasible:
+            kept.append((Plan("exact", plan.num_gpus, plan.stages), cost, mip_value, "convex warm start"))
+    space_bound = None
+    fit_bound = best_bound = None
     while True:
         rounds += 1
         h.setOptionValue("time_limit", max(1.0, time_limit - (time.perf_counter() - t0)))
@@ -484,15 +521,27 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         info = h.getInfo()
         has_solution = info.primal_solution_status == 2   # kSolutionStatusFeasible
         if not has_solution:
+            if lazy and kept:
+                if status == highspy.HighsModelStatus.kInfeasible:
+                    fit_bound = min(f[1].objective_ms for f in kept)   # nothing else is left
+                best = _pick(problem, kept, simulate_top)
+                break
             if status == highspy.HighsModelStatus.kInfeasible:
-                why = ("no assignment fits weights, gradients and optimizer state in "
-                       f"{format_bytes(limit)} per GPU" if cut_off == 0 else
+                what = ("weights, gradients and optimizer state, and the activations and working memory "
+                        "every plan keeps (in-flight micro-batches at each stage's depth)" if space == "seq" else
+                        "weights, gradients and optimizer state, and one micro-batch of each block's activations")
+                why = (f"no assignment fits {what} in {format_bytes(limit)} per GPU (besides the reserve)"
+                       + ("" if B == seq.n else f", with the graph coarsened into {B} blocks")
+                       if cut_off == 0 else
                        f"every assignment that fits its weights ran out of memory once activations "
                        f"were counted ({cut_off} cut off)")
-                raise Infeasible(f"exact ({space}): {why}")
+                # in seq space every assignment cut off was priced and did not fit: still a proof
+                raise Infeasible(f"exact ({space}): {why}", proven=(cut_off == 0 or lazy) and B == seq.n)
             raise Infeasible(f"exact ({space}): no plan found in {time_limit:.0f} s "
                              f"(HiGHS: {h.modelStatusToString(status)})")
         mip_obj, bound = info.objective_function_value, info.mip_dual_bound
+        if rounds == 1:
+            space_bound = bound         # before any assignment is cut off: it covers the whole space
         # The incumbent may not fit once activations are counted; so may the solutions the
         # solver improved on, but one of them may, and it is the best plan HiGHS saw.
         candidates = [np.array(h.vals([x[b][g] for b in range(B) for g in range(P)]))]
@@ -513,17 +562,29 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
                 cost = evaluate(problem, plan)
                 if cost.feasible and (max_stages is None or len(plan.stages) <= max_stages):
                     found.append((plan, cost, mip_value, "mip"))
-        if warm is not None:
+        if lazy:
+            kept += found
+            found = list(kept)
+        elif warm is not None:
             plan, cost, mip_value = warm
             found.append((Plan("exact", plan.num_gpus, plan.stages), cost, mip_value, "convex warm start"))
+        # (lazy cuts go on past 20 rounds only while they improve on a plan that fits)
+        out_of_time = (rounds >= (max_rounds if kept else min(max_rounds, 20))
+                       or time.perf_counter() - t0 > time_limit)
         if found:
-            best = _pick(problem, found, simulate_top)
-            break
+            best_fit = min(f[1].objective_ms for f in found)
+            if lazy:
+                # a fitting split never cut is above every round's bound; one cut off is kept
+                best_bound = bound if best_bound is None else max(best_bound, bound)
+                fit_bound = min(best_bound, best_fit)
+            if not lazy or bound >= best_fit * (1 - 1e-9) or out_of_time or status != highspy.HighsModelStatus.kOptimal:
+                best = _pick(problem, found, simulate_top)
+                break
         # Cut these assignments off: in each, at least one block must move.
         for gpu_of in tried:
             cut_off += 1
             h.addConstr(h.qsum([x[b][gpu_of[b]] for b in range(B)]) <= B - 1)
-        if rounds >= max_rounds or time.perf_counter() - t0 > time_limit:
+        if out_of_time:
             raise Infeasible(f"exact ({space}): the {cut_off} best assignments the solver found do not "
                              f"fit once all activations are counted ({cost.reason})")
     plan, cost, plan_mip, source = best
@@ -532,15 +593,22 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     if B < seq.n:
         covers = f"{what} that keep its {B} blocks (contiguous runs of the graph's order) whole"
     else:
-        covers = "every plan" if space == "mixed" else f"every {what[:-1]}"
+        covers = "every plan" if space == "mixed" else "every convex split with one stage per GPU"
     plan.info = {
         "space": space,
-        "bound_space": covers + ("; assignments cut off for activation memory excluded" if cut_off else ""),
+        "bound_space": covers + ("; assignments cut off for activation memory excluded"
+                                 if cut_off and not lazy else ""),
         "mip_objective_ms": mip_obj,
         "mip_bound_ms": bound,
+        # A bound over all of `covers` that fit: in seq space, the last solve's bound (or the best
+        # plan priced, every cut assignment having been priced); else the first solve's, before
+        # any assignment was cut off.
+        "space_bound_ms": fit_bound if lazy and fit_bound is not None else space_bound,
+        "space_bound_covers": covers + (" that fit" if lazy else ""),
         "mip_solved": solved,
         # the plan meets the proven bound: optimal over the space the bound covers
-        "optimal": cost.objective_ms <= bound * (1 + 1e-9) and not cut_off,
+        "optimal": (cost.objective_ms <= fit_bound * (1 + 1e-9) if lazy and fit_bound is not None
+                    else cost.objective_ms <= bound * (1 + 1e-9) and not cut_off),
         "mip_gap": (mip_obj - bound) / mip_obj if mip_obj > 0 else 0.0,
         "gap": (cost.objective_ms - bound) / cost.objective_ms if cost.objective_ms > 0 else 0.0,
         # The MIP ranks plans by a relaxation of Eq. 1, so the plan returned is the best by
@@ -559,11 +627,91 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         "bound_note": ("lower bound on the Eq. 1 objective of " + covers
                        + (f" (graph coarsened from {seq.n} op nodes: optimal for the coarsened graph only)"
                           if B < seq.n else "")
-                       + ("; assignments cut off for activation memory are excluded" if cut_off else "")),
+                       + ("; assignments cut off for activation memory are excluded"
+                          if cut_off and not lazy else "")),
     }
     if "simulated_period_ms" in getattr(best[0], "info", {}):
         plan.info["simulated_period_ms"] = best[0].info["simulated_period_ms"]
     return plan
+
+
+def _depth_memory(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, own_max, P: int, limit: float,
+                  rec_mid: bool, act_ok: list[bool], edge_pairs: list[tuple[int, int]]) -> None:
+    """Memory at each stage's depth, for ``seq`` space (stage g on GPU g).
+
+    A stage at depth ``d`` (its longest path to a sink of the stage graph) keeps
+    ``in_flight(d)`` micro-batches of what it needs for backward (its received values and
+    graph inputs when it recomputes, else its activations) and ``extra_versions(d)`` more
+    copies of its weights: :meth:`~ftcompile.partition.base.MemoryModel.stage_lower`, a proven
+    lower bound of what evaluate charges. The depth is modelled exactly: ``f[g, h]`` marks a
+    value flowing from GPU g to GPU h, ``depth_g >= depth_h + 1`` where it does, and
+    ``delta[g, d]`` (depth_g >= d) switches on the bound for depth d. Stages at depth 0 keep
+    the constraint above (the last stage may skip recomputation). So the MIP stays a
+    relaxation of every convex split, now tight where in-flight activations bind.
+    """
+    from ..runtime.schedules import ScheduleError
+
+    mm = MemoryModel.of(problem)
+    ks: list[int] = []
+    xs: list[int] = []
+    for d in range(P):
+        try:
+            ks.append(min(mm.in_flight(d, g0) for g0 in (False, True)))
+            xs.append(min(mm.extra_versions(d, g0) for g0 in (False, True)))
+        except ScheduleError:               # no pipeline this deep (2bw: depth < M): the deepest holds
+            ks.append(ks[-1])
+            xs.append(xs[-1])
+    if ks[-1] <= ks[0] and xs[-1] <= xs[0]:
+        return                              # depth changes nothing the d = 0 constraint misses
+    B = blocks.n
+    pos = {n: i for i, n in enumerate(seq.ids)}
+    inputs = [float(sum(int(seq.input_bytes[pos[n]]) for n in m)) for m in blocks.members]
+    act = [float(blocks.activation_bytes[b]) for b in range(B)]
+    # received values: rv[v, g] >= 1 when a block on g reads v and v is made on an earlier GPU
+    recv: list[list] = [[] for _ in range(P)]
+    recv_all = 0.0
+    for p, cs, nbytes, _fl in blocks.values:
+        if nbytes == 0 or not cs:
+            continue
+        recv_all += nbytes
+        for g in range(1, P):
+            rv = h.addVariable(lb=0.0, ub=1.0)
+            before = h.qsum([x[p][k] for k in range(g)])
+            for c in cs:
+                h.addConstr(rv - x[c][g] - before >= -1)
+            recv[g].append(float(nbytes) * rv)
+    f = {}
+    for g in range(P):
+        for k in range(g + 1, P):
+            f[g, k] = h.addVariable(lb=0.0, ub=1.0)
+            for p, c in edge_pairs:
+                h.addConstr(f[g, k] - x[p][g] - x[c][k] >= -1)
+    depth = [h.addVariable(lb=0.0, ub=float(P - 1 - g)) for g in range(P)]
+    for (g, k), fv in f.items():
+        h.addConstr(depth[g] - depth[k] - P * fv >= 1 - P)
+    ptot = {q: float(blocks.param_total[q]) for q in {q for (q, _g) in y}}
+    pw = {q: float(seq.param_bytes[q]) for q in ptot}
+    big = (sum(ptot.values()) + max(xs) * sum(pw.values())
+           + (ks[-1] + 1) * (recv_all + sum(inputs) + sum(act)) + max(float(a) for a in blocks.activation_bytes)
+           + max(float(problem.profile.nodes[n].activation_bytes) for m in blocks.members for n in m))
+    if big <= limit:
+        return                              # nothing can exceed the memory: no constraint binds
+    for g in range(P - 1):
+        params = [ptot[q] * v for (q, gg), v in y.items() if gg == g and ptot[q] > 0]
+        for d in range(1, P - g):
+            delta = h.addBinary()
+            h.addConstr(depth[g] - P * delta <= d - 1)
+            terms = list(params) + [own_max[g]]
+            if xs[d]:
+                terms += [xs[d] * pw[q] * v for (q, gg), v in y.items() if gg == g and pw[q] > 0]
+            if rec_mid:
+                terms += [(ks[d] + 1) * t for t in recv[g]]
+                terms += [ks[d] * inputs[b] * x[b][g] for b in range(B) if inputs[b] > 0]
+                terms += [act[b] * x[b][g] for b in range(B) if act_ok[b] and act[b] > 0]
+            else:
+                terms += list(recv[g])
+                terms += [ks[d] * act[b] * x[b][g] for b in range(B) if act[b] > 0]
+            h.addConstr(h.qsum(terms) + big * delta <= limit + big)
 
 
 def _fewest_stages(problem: Problem, members: list[list[int]], gpu_of_block: list[int]) -> Plan:

@@ -114,7 +114,7 @@ def _plan_from_cuts(strategy: str, problem: Problem, seq: OpSequence, starts: li
 
 def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: int | None = None,
                   time_limit: float = 20.0, max_upsets: int = 200_000, attach_share: float = 0.02,
-                  simulate_top: int = 4) -> Plan:
+                  simulate_top: int = 4, mip: bool = True, mip_max_nodes: int = 1000) -> Plan:
     """The best Seq-pipe: convex stages of the DAG, one per GPU (a chain of ideals).
 
     Two searches, the second started from the first:
@@ -127,7 +127,13 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
        upsets, which considers every convex split and proves a lower bound for
        them. When the DAG has too many upsets (side nodes multiply them), side
        nodes are attached to their only neighbour and the DP runs on what is left;
-       its result and bound then hold for the splits that keep them attached.
+       its result and bound then hold for the splits that keep them attached;
+    3. when the DP did not prove its plan optimal over every convex split (side nodes
+       attached, or stopped), :func:`~ftcompile.partition.exact.partition_exact` in
+       ``seq`` space (a MIP whose constraints are exactly convexity, started from the
+       best split so far) spends the rest of ``time_limit`` (at least 40% of it) on
+       every op node, side nodes included; its first bound holds for every convex split
+       too. Graphs of more than ``mip_max_nodes`` op nodes skip it (``mip=False``: always).
 
     Every candidate is priced by :func:`~ftcompile.plan.evaluate`; the ``simulate_top``
     best by objective are simulated and the fastest simulated run that fits memory wins
@@ -175,8 +181,11 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
     searches = []
     convex_plan = None
     proven: dict | None = None
+    use_mip = mip and stages is None and problem.num_gpus > 1 and 1 < N <= mip_max_nodes
+    # The MIP needs time of its own: the DP stops at 60% when it would run.
+    dp_limit = time_limit * (0.6 if use_mip else 1.0)
     for attach in (False, True):
-        left = time_limit - (time.perf_counter() - t0)
+        left = dp_limit - (time.perf_counter() - t0)
         if left <= 0:
             searches.append({"result": "stopped", "stopped": "time limit"})
             break
@@ -189,7 +198,7 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
             searches.append({"units": units.n, "attached": units.attached,
                              "result": f"more than {max_upsets} upsets"})
             continue
-        r = _probe(problem, units, incumbent[0] if incumbent else None, t0 + time_limit,
+        r = _probe(problem, units, incumbent[0] if incumbent else None, t0 + dp_limit,
                    max_stages=max_stages, stages=stages, max_upsets=max_upsets)
         if r is None:
             searches.append({"units": units.n, "attached": units.attached, "result": "no split fits"})
@@ -208,13 +217,28 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
         if r.complete:
             break
     options = feasible + ([convex_plan] if convex_plan else [])
+    best_so_far = min(options, key=lambda r: (r[0], r[1])) if options else None
+    exhaustive = (proven is not None and proven["complete"] and not proven["attached"]
+                  and best_so_far is not None and best_so_far[0] <= proven["bound_ms"] * (1 + 1e-9))
+    # the DP on every node proved that no split fits: nothing for the MIP to find
+    exhaustive = exhaustive or any(x.get("result") == "no split fits" and not x.get("attached") for x in searches)
+    if use_mip and not exhaustive:
+        found_mip = _convex_mip(problem, best_so_far[2] if best_so_far else None,
+                                time_limit - (time.perf_counter() - t0), max_stages, searches)
+        if found_mip is not None:
+            mplan, mcost, mbound = found_mip
+            if mcost is not None:
+                options.append((mcost.objective_ms, len(mplan.stages), mplan, mcost, None, "convex MIP"))
+            if mbound is not None and (proven is None or mbound > proven["bound_ms"]):
+                proven = {"bound_ms": mbound, "attached": 0, "complete": True, "by": "MIP"}
     if not options:
         gb = format_bytes(problem.cluster.gpu_memory)
         S = stages or min(problem.num_gpus, max_stages or problem.num_gpus, N)
         params = format_bytes(int(seq.param_total.sum()))
         acts = format_bytes(int(seq.activation_bytes.sum()))
         k_in = MemoryModel.of(problem).in_flight_max(min(S - 1, problem.micro_batches))
-        proven_none = any(x.get("result") == "no split fits" for x in searches)
+        # (a DP that kept side nodes attached proves nothing about the splits that move them)
+        proven_none = any(x.get("result") == "no split fits" and not x.get("attached") for x in searches)
         lead = "no" if proven_none else "found no"
         why = "" if proven_none else (
             f"; the search over convex splits did not finish in {time_limit:g} s, so one may exist"
@@ -269,8 +293,10 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
         info["gap"] = (obj - bound) / obj if obj > 0 else 0.0
         info["best_objective_gap"] = (best_obj - bound) / best_obj if best_obj > 0 else 0.0
         info["optimal"] = info["gap"] <= 1e-9
-        info["search"] = ("exhaustive" if proven["complete"] else "stopped at the time limit") + (
-            f", {proven['attached']} side nodes attached" if proven["attached"] else "")
+        info["search"] = (
+            "the convex-split MIP's bound (every op node)" if proven.get("by") == "MIP" else
+            ("exhaustive" if proven["complete"] else "stopped at the time limit")
+            + (f", {proven['attached']} side nodes attached" if proven["attached"] else ""))
     else:
         info["optimal"] = False
         stopped = any("stopped" in x for x in searches)
@@ -279,6 +305,38 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
     info["seconds"] = round(time.perf_counter() - t0, 3)
     plan.info = info
     return plan
+
+
+def _convex_mip(problem: Problem, warm: Plan | None, seconds: float, max_stages: int | None,
+                searches: list) -> tuple[Plan, object, float | None] | None:
+    """Exact's MIP over convex splits (``space="seq"``), warm-started from ``warm``: the best
+    plan it found that fits (and its cost, None when none fits) and its bound over every convex
+    split (None when it proved none). Appends what it did to ``searches``."""
+    from .exact import partition_exact
+
+    if seconds < 0.5:
+        searches.append({"method": "MIP", "result": "no time left"})
+        return None
+    t = time.perf_counter()
+    try:
+        plan = partition_exact(problem, space="seq", time_limit=seconds, max_nodes=10**9,
+                               warm_plan=warm, simulate_top=0, max_stages=max_stages,
+                               max_rounds=50)       # lazy memory cuts (each round prices ~20 splits)
+    except Infeasible as exc:
+        searches.append({"method": "MIP", "result": "no split fits" if exc.proven else str(exc),
+                         **({"why": exc.reason} if exc.proven else {}),
+                         "seconds": round(time.perf_counter() - t, 3)})
+        return None
+    info = plan.info
+    bound = info.get("space_bound_ms") if not info.get("coarsened") else None
+    searches.append({"method": "MIP", "status": info.get("status"), "bound_ms": bound,
+                     "objective_ms": info.get("objective_ms"), "seconds": round(time.perf_counter() - t, 3)})
+    from .convex import plan_from_stages
+
+    # In seq space GPU g holds the chain's g-th stage: stages in that order, as the DP gives them.
+    plan = plan_from_stages("seq", problem, [st.nodes for st in sorted(plan.stages, key=lambda st: st.gpu)], {})
+    cost = evaluate(problem, plan)
+    return plan, (cost if cost.feasible else None), bound
 
 
 def _probe(problem: Problem, units, upper: float | None, deadline: float, **options):
