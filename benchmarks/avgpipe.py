@@ -8,7 +8,12 @@ computes); (c) N = 2 parallel pipelines, alpha = 1/2, each taking B per step. Ev
 ``--eval-every`` sequences; each checkpoint's model (under AvgPipe the reference model, the average of the
 N parallel models: what a checkpoint saves) is evaluated on the same held-out sequences with
 :func:`ftcompile.runtime.evaluation.evaluate_checkpoint`. Prints training loss per window and held-out loss
-against sequences seen, for each learning rate in ``--lrs``, and writes ``avgpipe_convergence.png``.
+against sequences seen, for each learning rate in ``--lrs``, and writes ``avgpipe_convergence.png`` (seed 0;
+``avgpipe_convergence_seedS.png`` for another). ``--seed`` seeds both the initial weights (``compile --seed``)
+and the training data's order (``run --seed``); ``--runs`` trains only some of (a), (b), (c). ``--load`` of
+``--save`` files of several seeds reports each seed's final held-out losses, the paired differences between
+the runs (same seed: same initial weights, same data order) with their mean and spread over the seeds, and
+writes ``avgpipe_convergence_seeds.png``.
 
 ``simulate``: BERT-large and a GNMT-like model (8 + 8 LSTM layers of 1024, the shape of GNMT-8)
 on 8 GPUs of a memory limit, compiled with Seq-pipe for 1F1B; the same plan simulated under
@@ -22,6 +27,8 @@ after the first step, each rank's peak tensor bytes), then the adaptive run with
 between the fixed runs' peaks at advance 1 and 2; prints every step's advance, time, peaks and decision.
 
     python benchmarks/avgpipe.py convergence --sequences 12800 --lrs 1e-3,2e-3,4e-3
+    python benchmarks/avgpipe.py convergence --sequences 12800 --lrs 1e-3 --seed 1 --runs n1x2,n2 --save s1.json
+    python benchmarks/avgpipe.py convergence --load s0.json s1.json s2.json
     python benchmarks/avgpipe.py adapt --micro-batches 8 --steps 12
     python benchmarks/avgpipe.py simulate --models bert-large,gnmt --gpu-memory 16GB
 """
@@ -53,6 +60,16 @@ def sh(*cmd: str) -> str:
 RUNS = (("n1", "N = 1, batch B (1F1B)", 1, 1),
         ("n1x2", "N = 1, batch 2B (= data parallel x2)", 1, 2),
         ("n2", "N = 2 AvgPipe, alpha 1/2", 2, 1))
+
+
+def _run_keys(text: str) -> list[str]:
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    known = [k for k, *_ in RUNS]
+    bad = [k for k in keys if k not in known]
+    if bad or not keys:
+        raise argparse.ArgumentTypeError(f"unknown run {', '.join(bad) or '(none given)'}; choose among "
+                                         f"{', '.join(known)} (a, b, c), comma-separated")
+    return keys
 
 
 def _split_corpus(folder: Path, every: int) -> tuple[Path, Path, dict]:
@@ -104,8 +121,10 @@ def _run_all(args, tmp: Path) -> dict:
     M, b = args.micro_batches, 2                        # gpt2-tiny's zoo micro-batch: 2 sequences of 32 bytes
     pkg = tmp / "pkg"
     # --replicas 1: a real 2-stage pipeline (left alone, the compiler keeps gpt2-tiny whole on each GPU)
+    # --seed twice: the compiled package's initial weights (the zoo's seed; 0 is its default) and, below, the
+    # run's data order (and dropout masks, off here). The held-out sequences do not depend on it.
     sh(py, "compile", "gpt2-tiny", "--cluster", "2xcpu", "--gpus", "2", "--schedule", "1f1b", "--strategy", "seq",
-       "--replicas", "1", "--micro-batches", str(M), "-o", str(pkg), "--quiet")
+       "--replicas", "1", "--micro-batches", str(M), "--seed", str(args.seed), "-o", str(pkg), "--quiet")
     train, heldout, split = _split_corpus(tmp, args.heldout_every)
     package = load_package(pkg)
     per = 2 * M * b                                    # sequences per step of N = 2 (and of N = 1 at 2B)
@@ -114,10 +133,12 @@ def _run_all(args, tmp: Path) -> dict:
     hb = max(1, args.heldout_sequences // (M * b))
     held = list(itertools.islice(text_batches(package.manifest, micro_batches=M, seed=12345, root=str(heldout)), hb))
     edges = list(range(0, args.sequences + 1, args.eval_every))
-    res = {"split": split, "M": M, "b": b, "edges": edges, "heldout_sequences": hb * M * b,
+    res = {"seed": args.seed, "split": split, "M": M, "b": b, "edges": edges, "heldout_sequences": hb * M * b,
            "init_heldout": evaluate(package, held, micro_batches=M).loss, "runs": {}}
     for lr in args.lrs:
         for key, label, n, mult in RUNS:
+            if key not in args.runs:
+                continue
             seqs = n * mult * M * b                    # per optimizer step
             steps, every = args.sequences // seqs, args.eval_every // seqs
             name = f"{key}-lr{lr:g}"
@@ -176,10 +197,10 @@ def _report(res: dict, args) -> None:
             if k != "n2" and k in best:
                 d = best["n2"][1] - best[k][1]
                 print(f"  N = 2 (best lr) against {lab} (best lr): {d:+.4f} ({d / best[k][1]:+.1%})")
-    _plot(res)
+    _plot(res, args.seed)
 
 
-def _plot(res: dict) -> None:
+def _plot(res: dict, seed: int) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -209,30 +230,162 @@ def _plot(res: dict) -> None:
     for row in axes:
         row[0].set_ylabel("loss (solid: held-out;\ndotted: training)")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("gpt2-tiny on the text corpus, 2 processes: held-out loss of the checkpointed model, "
-                 "training loss per window", fontsize=9)
+    fig.suptitle(f"gpt2-tiny on the text corpus, 2 processes, seed {seed}: held-out loss of the checkpointed "
+                 "model, training loss per window", fontsize=9)
     fig.tight_layout()
-    out = Path(__file__).with_name("avgpipe_convergence.png")
+    # seed 0's figure is benchmarks/README.md's; another seed's goes beside it
+    out = Path(__file__).with_name("avgpipe_convergence.png" if seed == 0 else f"avgpipe_convergence_seed{seed}.png")
+    fig.savefig(out, dpi=100)
+    print(f"wrote {out}")
+
+
+def _load(files: list[str], default_seed: int) -> dict[int, dict]:
+    """The ``--save`` files' results by seed: files of one seed (say, more learning rates) merged into one."""
+    by_seed: dict[int, dict] = {}
+    first: dict[int, str] = {}
+    for f in files:
+        try:
+            got = json.loads(Path(f).read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"cannot read {f} ({e}); give files written by convergence --save")
+        seed = got.setdefault("seed", default_seed)      # files saved before the seed was recorded: --seed
+        res = by_seed.get(seed)
+        if res is None:
+            by_seed[seed], first[seed] = got, f
+        elif any(got[k] != res[k] for k in ("edges", "split", "M", "heldout_sequences", "init_heldout")):
+            raise SystemExit(f"{f} measured another setting than {first[seed]} (same seed {seed}); report them apart")
+        else:
+            res["runs"].update(got["runs"])
+    some = next(iter(by_seed.values()))
+    for seed, res in by_seed.items():
+        if any(res[k] != some[k] for k in ("edges", "split", "M", "heldout_sequences")):
+            raise SystemExit(f"seed {seed}'s files measured another setting (sequences, checkpoints, corpus split, M "
+                             "or held-out sequences) than the others; compare seeds of one setting only")
+    return dict(sorted(by_seed.items()))
+
+
+def _stats(xs: list[float], sign: str = "") -> str:
+    """Mean, sample standard deviation, min and max of ``xs``."""
+    mean = sum(xs) / len(xs)
+    sd = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else float("nan")
+    return f"mean {mean:{sign}.4f}  sd {sd:.4f}  min {min(xs):{sign}.4f}  max {max(xs):{sign}.4f}"
+
+
+def _reach(edges: list[int], curve: list[float], target: float) -> float:
+    """Sequences after which ``curve`` (held-out loss at ``edges``) first reaches ``target``, linear between
+    checkpoints; nan where it never does."""
+    for i in range(1, len(edges)):
+        if curve[i] <= target:
+            lo, hi = curve[i - 1], curve[i]
+            return edges[i - 1] + (edges[i] - edges[i - 1]) * (lo - target) / (lo - hi)
+    return float("nan")
+
+
+def _report_seeds(by_seed: dict[int, dict]) -> None:
+    """Final held-out loss of every run for every seed, the paired differences between runs (same seed: same
+    initial weights and data order) and their spread over seeds, per learning rate."""
+    some = next(iter(by_seed.values()))
+    edges = some["edges"]
+    print(f"gpt2-tiny (2 stages, 2 processes, gloo) on the text corpus split by file; Adam, constant lr, M = "
+          f"{some['M']} micro-batches of {some['b']} sequences of 32 bytes per pipeline, dropout off. Seeds "
+          f"{', '.join(map(str, by_seed))}: each seed its own initial weights and training data order; the same "
+          f"{some['heldout_sequences']} held-out sequences for all. Held-out loss of each run's model after "
+          f"{edges[-1]} sequences (N = 2: the reference model).")
+    lrs = sorted({r["lr"] for res in by_seed.values() for r in res["runs"].values()})
+    names = {"n1": "(a) n1", "n1x2": "(b) n1x2", "n2": "(c) n2"}
+    pairs = [("n2", "n1x2", "(c) - (b)"), ("n2", "n1", "(c) - (a)"), ("n1x2", "n1", "(b) - (a)")]
+    for lr in lrs:
+        print(f"\nlr {lr:g}")
+        finals = {seed: {r["key"]: r["heldout"][-1] for r in res["runs"].values() if r["lr"] == lr}
+                  for seed, res in by_seed.items()}
+        keys = [k for k, *_ in RUNS if any(k in f for f in finals.values())]
+        shown = [p for p in pairs if p[0] in keys and p[1] in keys]
+        print(f"{'seed':>6} {'init':>8}" + "".join(f" {names[k]:>9}" for k in keys) + "".join(f" {p[2]:>10}" for p in shown))
+        for seed, f in finals.items():
+            row = "".join(f" {f[k]:>9.4f}" if k in f else f" {'-':>9}" for k in keys)
+            row += "".join(f" {f[a] - f[b]:>+10.4f}" if a in f and b in f else f" {'-':>10}" for a, b, _ in shown)
+            print(f"{seed:>6} {by_seed[seed]['init_heldout']:>8.4f}{row}")
+        reach = []                    # sequences (b) needs to reach (c)'s final loss
+        for res in by_seed.values():
+            c, b = res["runs"].get(f"n2-lr{lr:g}"), res["runs"].get(f"n1x2-lr{lr:g}")
+            if c and b:
+                reach.append(_reach(edges, b["heldout"], c["heldout"][-1]))
+        if reach:
+            print("  (b) reaches (c)'s final held-out loss after " + ", ".join(f"{x:.0f}" for x in reach)
+                  + f" sequences (seeds in order): (c) takes {edges[-1] / max(reach):.2f}x to "
+                    f"{edges[-1] / min(reach):.2f}x the samples")
+        for k in keys:
+            xs = [f[k] for f in finals.values() if k in f]
+            print(f"  {names[k]:<9} over {len(xs)} seeds: {_stats(xs)}")
+        for a, b, lab in shown:
+            xs = [f[a] - f[b] for f in finals.values() if a in f and b in f]
+            rel = [(f[a] - f[b]) / f[b] for f in finals.values() if a in f and b in f]
+            mean = sum(xs) / len(xs)
+            sd = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else float("nan")
+            t = mean / (sd / len(xs) ** 0.5) if len(xs) > 1 and sd > 0 else float("nan")
+            print(f"  {lab} over {len(xs)} seeds: {_stats(xs, '+')}  (relative: mean {sum(rel) / len(rel):+.2%}, "
+                  f"{sum(x > 0 for x in xs)} of {len(xs)} positive; paired t = {t:.2f}, {len(xs) - 1} dof)")
+    _plot_seeds(by_seed, lrs)
+
+
+def _plot_seeds(by_seed: dict[int, dict], lrs: list[float]) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    edges = next(iter(by_seed.values()))["edges"]
+    colors = {"n1": "tab:blue", "n1x2": "tab:green", "n2": "tab:red"}
+    fig, axes = plt.subplots(len(lrs), 2, figsize=(10.4, 3.4 * len(lrs) + 0.5), squeeze=False)
+    for (ax, dax), lr in zip(axes, lrs):
+        for k, lab, _, _ in RUNS:
+            first = True
+            for seed, res in by_seed.items():
+                r = res["runs"].get(f"{k}-lr{lr:g}")
+                if r is None:
+                    continue
+                ax.plot(edges[1:], r["heldout"][1:], color=colors[k], lw=1, alpha=0.7,
+                        label=lab + (" (reference model)" if k == "n2" else "") if first else None)
+                first = False
+        ax.set_title(f"held-out loss, one line per seed (Adam, lr {lr:g})", fontsize=9)
+        ax.set_xlabel("sequences seen")
+        ax.set_ylabel("held-out loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        for seed, res in by_seed.items():
+            c, b = res["runs"].get(f"n2-lr{lr:g}"), res["runs"].get(f"n1x2-lr{lr:g}")
+            if c and b:
+                dax.plot(edges[1:], [x - y for x, y in zip(c["heldout"][1:], b["heldout"][1:])], marker=".",
+                         lw=1, label=f"seed {seed}")
+        dax.axhline(0, color="black", lw=0.8)
+        dax.set_title("(c) N = 2 reference model minus (b) N = 1 at 2B, same seed", fontsize=9)
+        dax.set_xlabel("sequences seen")
+        dax.set_ylabel("held-out loss difference")
+        dax.grid(alpha=0.3)
+        dax.legend(fontsize=7, ncol=2)
+    fig.suptitle("gpt2-tiny on the text corpus, 2 processes: seeds (initial weights and data order)", fontsize=9)
+    fig.tight_layout()
+    out = Path(__file__).with_name("avgpipe_convergence_seeds.png")
     fig.savefig(out, dpi=100)
     print(f"wrote {out}")
 
 
 def convergence(args) -> None:
     if args.load:
-        res = None
-        for f in args.load:                 # runs of several invocations (e.g. more learning rates) together
-            got = json.loads(Path(f).read_text())
-            if res is None:
-                res = got
-            elif any(got[k] != res[k] for k in ("edges", "split", "M", "heldout_sequences", "init_heldout")):
-                raise SystemExit(f"{f} measured another setting than {args.load[0]}; report them apart")
-            else:
-                res["runs"].update(got["runs"])
+        by_seed = _load(args.load, args.seed)
+        if len(by_seed) > 1:
+            _report_seeds(by_seed)
+            return
+        res = next(iter(by_seed.values()))
+        args.seed = res["seed"]
     else:
+        from ftcompile.runtime.atomic import atomic_write_text
+
         with tempfile.TemporaryDirectory() as tmp:
             res = _run_all(args, Path(tmp))
         if args.save:
-            Path(args.save).write_text(json.dumps(res, indent=1))
+            atomic_write_text(Path(args.save), json.dumps(res, indent=1))
     _report(res, args)
 
 
@@ -396,7 +549,11 @@ def main() -> None:
     c.add_argument("--eval-every", type=int, default=800, help="sequences between checkpoints evaluated")
     c.add_argument("--micro-batches", type=int, default=4, help="M per pipeline (B = 2M sequences)")
     c.add_argument("--lrs", type=lambda s: [float(x) for x in s.split(",")], default=[1e-3, 2e-3])
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0,
+                   help="seeds the initial weights (compile --seed) and the training data's order (run --seed)")
+    c.add_argument("--runs", type=_run_keys, default=[k for k, *_ in RUNS],
+                   help="which of the runs to train, comma-separated: n1 (a: N = 1, batch B), n1x2 (b: N = 1, "
+                        "batch 2B), n2 (c: N = 2 AvgPipe); default all three")
     c.add_argument("--heldout-every", type=int, default=20, help="one file in this many goes to the held-out part")
     c.add_argument("--heldout-sequences", type=int, default=512)
     c.add_argument("--save", help="write the measured curves to this JSON file")
