@@ -251,8 +251,9 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     ``Plan.info`` reports ``mip_objective_ms`` (the MIP value of the plan found),
     ``mip_bound_ms`` (the proven lower bound on the MIP objective, hence on the
     Eq. 1 objective of any plan in the space, less assignments cut off for memory),
-    ``space_bound_ms`` (the first solve's bound, before any cut: it holds for every plan
-    of ``space_bound_covers``), ``optimal``, ``gap`` and
+    ``space_bound_ms`` (a bound over every plan of ``space_bound_covers``: in ``seq`` space
+    every convex split that fits, since each assignment cut off was priced; in ``mixed``
+    space every plan, from the first solve, before any cut), ``optimal``, ``gap`` and
     ``objective_ms`` (the returned plan's :func:`~ftcompile.plan.evaluate` value).
 
     Raises
@@ -692,7 +693,7 @@ def _depth_memory(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, ow
     ptot = {q: float(blocks.param_total[q]) for q in {q for (q, _g) in y}}
     pw = {q: float(seq.param_bytes[q]) for q in ptot}
     big = (sum(ptot.values()) + max(xs) * sum(pw.values())
-           + (ks[-1] + 1) * (recv_all + sum(inputs) + sum(act)) + max(float(a) for a in blocks.activation_bytes)
+           + (ks[-1] + 1) * (recv_all + sum(inputs) + sum(act))
            + max(float(problem.profile.nodes[n].activation_bytes) for m in blocks.members for n in m))
     if big <= limit:
         return                              # nothing can exceed the memory: no constraint binds

@@ -132,8 +132,8 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
        attached, or stopped), :func:`~ftcompile.partition.exact.partition_exact` in
        ``seq`` space (a MIP whose constraints are exactly convexity, started from the
        best split so far) spends the rest of ``time_limit`` (at least 40% of it) on
-       every op node, side nodes included; its first bound holds for every convex split
-       too. Graphs of more than ``mip_max_nodes`` op nodes skip it (``mip=False``: always).
+       every op node, side nodes included; its bound holds for every convex split that
+       fits. Graphs of more than ``mip_max_nodes`` op nodes skip it (``mip=False``: always).
 
     Every candidate is priced by :func:`~ftcompile.plan.evaluate`; the ``simulate_top``
     best by objective are simulated and the fastest simulated run that fits memory wins
@@ -218,10 +218,11 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
             break
     options = feasible + ([convex_plan] if convex_plan else [])
     best_so_far = min(options, key=lambda r: (r[0], r[1])) if options else None
-    exhaustive = (proven is not None and proven["complete"] and not proven["attached"]
-                  and best_so_far is not None and best_so_far[0] <= proven["bound_ms"] * (1 + 1e-9))
-    # the DP on every node proved that no split fits: nothing for the MIP to find
-    exhaustive = exhaustive or any(x.get("result") == "no split fits" and not x.get("attached") for x in searches)
+    # (a DP that kept side nodes attached proves nothing about the splits that move them)
+    dp_proved_none = any(x.get("result") == "no split fits" and not x.get("attached") for x in searches)
+    exhaustive = dp_proved_none or (
+        proven is not None and proven["complete"] and not proven["attached"]
+        and best_so_far is not None and best_so_far[0] <= proven["bound_ms"] * (1 + 1e-9))
     if use_mip and not exhaustive:
         found_mip = _convex_mip(problem, best_so_far[2] if best_so_far else None,
                                 time_limit - (time.perf_counter() - t0), max_stages, searches)
@@ -237,8 +238,9 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
         params = format_bytes(int(seq.param_total.sum()))
         acts = format_bytes(int(seq.activation_bytes.sum()))
         k_in = MemoryModel.of(problem).in_flight_max(min(S - 1, problem.micro_batches))
-        # (a DP that kept side nodes attached proves nothing about the splits that move them)
-        proven_none = any(x.get("result") == "no split fits" and not x.get("attached") for x in searches)
+        # the DP on every node, or the MIP, proved it
+        proven_none = dp_proved_none or any(x.get("method") == "MIP" and x.get("result") == "no split fits"
+                                            for x in searches)
         lead = "no" if proven_none else "found no"
         why = "" if proven_none else (
             f"; the search over convex splits did not finish in {time_limit:g} s, so one may exist"
@@ -311,7 +313,9 @@ def _convex_mip(problem: Problem, warm: Plan | None, seconds: float, max_stages:
                 searches: list) -> tuple[Plan, object, float | None] | None:
     """Exact's MIP over convex splits (``space="seq"``), warm-started from ``warm``: the best
     plan it found that fits (and its cost, None when none fits) and its bound over every convex
-    split (None when it proved none). Appends what it did to ``searches``."""
+    split that fits (None when it has none). None when it found no plan (``searches`` says
+    whether it proved that none fits). Appends what it did to ``searches``."""
+    from .convex import plan_from_stages
     from .exact import partition_exact
 
     if seconds < 0.5:
@@ -331,8 +335,6 @@ def _convex_mip(problem: Problem, warm: Plan | None, seconds: float, max_stages:
     bound = info.get("space_bound_ms") if not info.get("coarsened") else None
     searches.append({"method": "MIP", "status": info.get("status"), "bound_ms": bound,
                      "objective_ms": info.get("objective_ms"), "seconds": round(time.perf_counter() - t, 3)})
-    from .convex import plan_from_stages
-
     # In seq space GPU g holds the chain's g-th stage: stages in that order, as the DP gives them.
     plan = plan_from_stages("seq", problem, [st.nodes for st in sorted(plan.stages, key=lambda st: st.gpu)], {})
     cost = evaluate(problem, plan)
