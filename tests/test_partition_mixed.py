@@ -148,9 +148,12 @@ def test_mixed_plans_are_valid_and_feasible(name, gpus):
 
 
 def test_refinement_never_loses_to_the_unrefined_plans():
+    # Mixed-pipe's own candidates, refined or not. The convex split it also considers is left out
+    # on both sides: seq's search gets the time refinement leaves, so with refinement it has less
+    # time than without, which is not what this compares.
     pr = _problem("t5-tiny", 3)
-    raw = evaluate(pr, partition_mixed(pr, refine=False)).objective_ms
-    ref = evaluate(pr, partition_mixed(pr, refine=True)).objective_ms
+    raw = evaluate(pr, partition_mixed(pr, refine=False, with_convex=False)).objective_ms
+    ref = evaluate(pr, partition_mixed(pr, refine=True, with_convex=False)).objective_ms
     assert ref <= raw + 1e-9
 
 
