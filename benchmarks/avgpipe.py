@@ -10,7 +10,9 @@ N parallel models: what a checkpoint saves) is evaluated on the same held-out se
 :func:`ftcompile.runtime.evaluation.evaluate_checkpoint`. Prints training loss per window and held-out loss
 against sequences seen, for each learning rate in ``--lrs``, and writes ``avgpipe_convergence.png`` (seed 0;
 ``avgpipe_convergence_seedS.png`` for another). ``--seed`` seeds both the initial weights (``compile --seed``)
-and the training data's order (``run --seed``); ``--runs`` trains only some of (a), (b), (c). ``--load`` of
+and the training data's order (``run --seed``); ``--runs`` trains only some of (a), (b), (c); ``--alpha`` runs
+(c) at each given elastic coefficient (``run --elastic-alpha``; results keyed ``n2-aA-lrL``, alpha 1/2 keeping
+the key ``n2-lrL``) and reports each as a run of its own. ``--load`` of
 ``--save`` files of several seeds reports each seed's final held-out losses, the paired differences between
 the runs (same seed: same initial weights, same data order) with their mean and spread over the seeds, and
 writes ``avgpipe_convergence_seeds.png``.
@@ -29,6 +31,7 @@ between the fixed runs' peaks at advance 1 and 2; prints every step's advance, t
     python benchmarks/avgpipe.py convergence --sequences 12800 --lrs 1e-3,2e-3,4e-3
     python benchmarks/avgpipe.py convergence --sequences 12800 --lrs 1e-3 --seed 1 --runs n1x2,n2 --save s1.json
     python benchmarks/avgpipe.py convergence --load s0.json s1.json s2.json
+    python benchmarks/avgpipe.py convergence --sequences 12800 --lrs 1e-3 --runs n2 --alpha 1,0.25 --save a.json
     python benchmarks/avgpipe.py adapt --micro-batches 8 --steps 12
     python benchmarks/avgpipe.py simulate --models bert-large,gnmt --gpu-memory 16GB
 """
@@ -60,6 +63,34 @@ def sh(*cmd: str) -> str:
 RUNS = (("n1", "N = 1, batch B (1F1B)", 1, 1),
         ("n1x2", "N = 1, batch 2B (= data parallel x2)", 1, 2),
         ("n2", "N = 2 AvgPipe, alpha 1/2", 2, 1))
+
+
+def _n2_key(alpha: float) -> str:
+    """The result key of (c) at elastic coefficient ``alpha``; 1/2, the paper's 1/N and the only one measured
+    before ``--alpha`` existed, keeps the plain key so older result files read as they did."""
+    return "n2" if alpha == 0.5 else f"n2-a{alpha:g}"
+
+
+def _columns(runs: dict) -> list[tuple[str, str, str]]:
+    """(key, label, short name) of every run present in ``runs`` (a ``res["runs"]``): (a), (b), (c), then (c)
+    at other elastic coefficients by alpha (files older than ``--alpha`` have no ``"alpha"``: 1/2)."""
+    present = {r["key"]: r.get("alpha", 0.5) for r in runs.values()}
+    names = {"n1": "(a) n1", "n1x2": "(b) n1x2", "n2": "(c) n2"}
+    out = [(k, lab, names[k]) for k, lab, _, _ in RUNS if k in present]
+    for k, a in sorted(((k, a) for k, a in present.items() if k not in names), key=lambda x: x[1]):
+        out.append((k, f"N = 2 AvgPipe, alpha {a:g}", f"(c) a{a:g}"))
+    return out
+
+
+def _alphas(text: str) -> list[float]:
+    try:
+        xs = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        xs = []
+    if not xs or any(not 0.0 <= x <= 1.0 for x in xs):
+        raise argparse.ArgumentTypeError(f"--alpha takes elastic coefficients in [0, 1], comma-separated "
+                                         f"(e.g. 0.5,1), got {text!r}")
+    return xs
 
 
 def _run_keys(text: str) -> list[str]:
@@ -135,10 +166,11 @@ def _run_all(args, tmp: Path) -> dict:
     edges = list(range(0, args.sequences + 1, args.eval_every))
     res = {"seed": args.seed, "split": split, "M": M, "b": b, "edges": edges, "heldout_sequences": hb * M * b,
            "init_heldout": evaluate(package, held, micro_batches=M).loss, "runs": {}}
+    todo = [(key, label, n, mult, None) for key, label, n, mult in RUNS if key in args.runs and n == 1]
+    if "n2" in args.runs:
+        todo += [(_n2_key(a), RUNS[2][1] if a == 0.5 else f"N = 2 AvgPipe, alpha {a:g}", 2, 1, a) for a in args.alpha]
     for lr in args.lrs:
-        for key, label, n, mult in RUNS:
-            if key not in args.runs:
-                continue
+        for key, label, n, mult, alpha in todo:
             seqs = n * mult * M * b                    # per optimizer step
             steps, every = args.sequences // seqs, args.eval_every // seqs
             name = f"{key}-lr{lr:g}"
@@ -147,7 +179,8 @@ def _run_all(args, tmp: Path) -> dict:
             sh(py, "run", str(pkg), "--nproc", "2", "--schedule", "avgpipe", "--parallel-pipelines", str(n),
                "--advance", "1", "--micro-batches", str(mult * M), "--steps", str(steps), "--data", f"text:{train}",
                "--optimizer", "adam", "--lr", str(lr), "--seed", str(args.seed), "--log-dir", str(log),
-               "--checkpoint-dir", str(ck), "--checkpoint-every", str(every), "--progress", "off", "--no-dropout")
+               "--checkpoint-dir", str(ck), "--checkpoint-every", str(every), "--progress", "off", "--no-dropout",
+               *(("--elastic-alpha", str(alpha)) if alpha is not None else ()))
             seconds = time.perf_counter() - t0
             curve = _train_curve(log / "train.jsonl", seqs)
             held_loss = [res["init_heldout"]] + [
@@ -155,6 +188,8 @@ def _run_all(args, tmp: Path) -> dict:
                 for s in edges[1:]]
             res["runs"][name] = {"key": key, "lr": lr, "label": label, "steps": steps, "seconds": seconds,
                                  "train": _window_means(curve, edges), "heldout": held_loss}
+            if alpha is not None:
+                res["runs"][name]["alpha"] = alpha    # files older than --alpha have none: 1/2
             print(f"  {name}: {steps} steps in {seconds:.0f} s, held-out {held_loss[-1]:.4f}", file=sys.stderr)
             shutil.rmtree(ck)
     return res
@@ -174,7 +209,7 @@ def _report(res: dict, args) -> None:
           f"two) on the same {res['heldout_sequences']} held-out sequences.")
     for lr in lrs:
         print(f"\nlr {lr:g}")
-        cols = [(k, lab) for k, lab, _, _ in RUNS if f"{k}-lr{lr:g}" in runs]
+        cols = [(k, lab) for k, lab, _ in _columns(runs) if f"{k}-lr{lr:g}" in runs]
         head = "".join(f" {'train ' + k:>12} {'held ' + k:>12}" for k, _ in cols)
         print(f"{'sequences':>10}{head}")
         for i, e in enumerate(edges):
@@ -185,19 +220,27 @@ def _report(res: dict, args) -> None:
                 row += f" {tr:>12.4f} {r['heldout'][i]:>12.4f}"
             print(f"{e:>10}{row}")
     print(f"\nat {edges[-1]} sequences, held-out loss (N = 2 against each: the difference, relative to it):")
-    best = {}
-    for k, lab, _, _ in RUNS:
+    best, cols = {}, _columns(runs)
+    for k, lab, _ in cols:
         got = {r["lr"]: r["heldout"][-1] for r in runs.values() if r["key"] == k}
-        if got:
-            best[k] = min(got.items(), key=lambda x: x[1])
-            print(f"  {lab:<40} " + ", ".join(f"lr {lr:g}: {v:.4f}" for lr, v in sorted(got.items()))
-                  + f"; best lr {best[k][0]:g}")
-    if "n2" in best:
-        for k, lab, _, _ in RUNS:
-            if k != "n2" and k in best:
-                d = best["n2"][1] - best[k][1]
-                print(f"  N = 2 (best lr) against {lab} (best lr): {d:+.4f} ({d / best[k][1]:+.1%})")
+        best[k] = min(got.items(), key=lambda x: x[1])
+        print(f"  {lab:<40} " + ", ".join(f"lr {lr:g}: {v:.4f}" for lr, v in sorted(got.items()))
+              + f"; best lr {best[k][0]:g}")
+    for c, clab, _ in cols:
+        if c.startswith("n2"):
+            for k, lab, _ in cols:
+                if not k.startswith("n2"):
+                    d = best[c][1] - best[k][1]
+                    print(f"  {'N = 2' if c == 'n2' else clab} (best lr) against {lab} (best lr): {d:+.4f} "
+                          f"({d / best[k][1]:+.1%})")
     _plot(res, args.seed)
+
+
+def _colors(runs: dict) -> dict[str, str]:
+    """A line colour per run key: (a), (b), (c) as before ``--alpha``, (c) at other alphas after them."""
+    more = iter(["tab:purple", "tab:orange", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray"] * 4)
+    fixed = {"n1": "tab:blue", "n1x2": "tab:green", "n2": "tab:red"}
+    return {k: fixed.get(k) or next(more) for k, _, _ in _columns(runs)}
 
 
 def _plot(res: dict, seed: int) -> None:
@@ -212,17 +255,17 @@ def _plot(res: dict, seed: int) -> None:
     cols = min(2, len(lrs))
     rows = -(-len(lrs) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.4 * rows + 0.5), sharey=True, squeeze=False)
-    colors = {"n1": "tab:blue", "n1x2": "tab:green", "n2": "tab:red"}
+    colors = _colors(runs)
     for ax in axes.flat[len(lrs):]:
         ax.set_visible(False)
     for ax, lr in zip(axes.flat, lrs):
-        for k, lab, _, _ in RUNS:
+        for k, lab, _ in _columns(runs):
             r = runs.get(f"{k}-lr{lr:g}")
             if r is None:
                 continue
             ax.plot(edges[1:], r["train"], color=colors[k], ls=":", lw=1)
             ax.plot(edges, r["heldout"], color=colors[k], marker=".", lw=1.5,
-                    label=lab + (" (reference model)" if k == "n2" else ""))
+                    label=lab + (" (reference model)" if k.startswith("n2") else ""))
         ax.set_title(f"Adam, lr {lr:g}", fontsize=10)
         ax.set_xlabel("sequences seen")
         ax.set_ylim(top=min(3.6, max(res["init_heldout"], 1.0)))
@@ -292,18 +335,24 @@ def _report_seeds(by_seed: dict[int, dict]) -> None:
           f"{some['heldout_sequences']} held-out sequences for all. Held-out loss of each run's model after "
           f"{edges[-1]} sequences (N = 2: the reference model).")
     lrs = sorted({r["lr"] for res in by_seed.values() for r in res["runs"].values()})
-    names = {"n1": "(a) n1", "n1x2": "(b) n1x2", "n2": "(c) n2"}
-    pairs = [("n2", "n1x2", "(c) - (b)"), ("n2", "n1", "(c) - (a)"), ("n1x2", "n1", "(b) - (a)")]
+    cols = _columns({n: r for res in by_seed.values() for n, r in res["runs"].items()})
+    names = {k: short for k, _, short in cols}
+    tags = {k: "(c)" if k == "n2" else f"({short})" for k, _, short in cols}       # "(c)", "((c) a1)"
+    pairs = [(k, base, f"{tags[k]} - {tag}") for base, tag in (("n1x2", "(b)"), ("n1", "(a)"))
+             for k, _, _ in cols if k.startswith("n2")] + [("n1x2", "n1", "(b) - (a)")]
     for lr in lrs:
         print(f"\nlr {lr:g}")
         finals = {seed: {r["key"]: r["heldout"][-1] for r in res["runs"].values() if r["lr"] == lr}
                   for seed, res in by_seed.items()}
-        keys = [k for k, *_ in RUNS if any(k in f for f in finals.values())]
+        keys = [k for k, _, _ in cols if any(k in f for f in finals.values())]
         shown = [p for p in pairs if p[0] in keys and p[1] in keys]
-        print(f"{'seed':>6} {'init':>8}" + "".join(f" {names[k]:>9}" for k in keys) + "".join(f" {p[2]:>10}" for p in shown))
+        w = [max(10, len(lab)) for _, _, lab in shown]
+        print(f"{'seed':>6} {'init':>8}" + "".join(f" {names[k]:>9}" for k in keys)
+              + "".join(f" {lab:>{n}}" for (_, _, lab), n in zip(shown, w)))
         for seed, f in finals.items():
             row = "".join(f" {f[k]:>9.4f}" if k in f else f" {'-':>9}" for k in keys)
-            row += "".join(f" {f[a] - f[b]:>+10.4f}" if a in f and b in f else f" {'-':>10}" for a, b, _ in shown)
+            row += "".join(f" {f[a] - f[b]:>+{n}.4f}" if a in f and b in f else f" {'-':>{n}}"
+                           for (a, b, _), n in zip(shown, w))
             print(f"{seed:>6} {by_seed[seed]['init_heldout']:>8.4f}{row}")
         reach = []                    # sequences (b) needs to reach (c)'s final loss
         for res in by_seed.values():
@@ -319,6 +368,8 @@ def _report_seeds(by_seed: dict[int, dict]) -> None:
             print(f"  {names[k]:<9} over {len(xs)} seeds: {_stats(xs)}")
         for a, b, lab in shown:
             xs = [f[a] - f[b] for f in finals.values() if a in f and b in f]
+            if not xs:                # both measured, never in one seed
+                continue
             rel = [(f[a] - f[b]) / f[b] for f in finals.values() if a in f and b in f]
             mean = sum(xs) / len(xs)
             sd = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else float("nan")
@@ -336,17 +387,18 @@ def _plot_seeds(by_seed: dict[int, dict], lrs: list[float]) -> None:
     except ImportError:
         return
     edges = next(iter(by_seed.values()))["edges"]
-    colors = {"n1": "tab:blue", "n1x2": "tab:green", "n2": "tab:red"}
+    every = {n: r for res in by_seed.values() for n, r in res["runs"].items()}
+    colors = _colors(every)
     fig, axes = plt.subplots(len(lrs), 2, figsize=(10.4, 3.4 * len(lrs) + 0.5), squeeze=False)
     for (ax, dax), lr in zip(axes, lrs):
-        for k, lab, _, _ in RUNS:
+        for k, lab, _ in _columns(every):
             first = True
             for seed, res in by_seed.items():
                 r = res["runs"].get(f"{k}-lr{lr:g}")
                 if r is None:
                     continue
                 ax.plot(edges[1:], r["heldout"][1:], color=colors[k], lw=1, alpha=0.7,
-                        label=lab + (" (reference model)" if k == "n2" else "") if first else None)
+                        label=lab + (" (reference model)" if k.startswith("n2") else "") if first else None)
                 first = False
         ax.set_title(f"held-out loss, one line per seed (Adam, lr {lr:g})", fontsize=9)
         ax.set_xlabel("sequences seen")
@@ -554,6 +606,9 @@ def main() -> None:
     c.add_argument("--runs", type=_run_keys, default=[k for k, *_ in RUNS],
                    help="which of the runs to train, comma-separated: n1 (a: N = 1, batch B), n1x2 (b: N = 1, "
                         "batch 2B), n2 (c: N = 2 AvgPipe); default all three")
+    c.add_argument("--alpha", type=_alphas, default=[0.5],
+                   help="elastic coefficients to run (c) with, comma-separated (run --elastic-alpha); default 0.5 "
+                        "(the paper's 1/N). Each is a run of its own, keyed n2-aA-lrL (0.5: n2-lrL)")
     c.add_argument("--heldout-every", type=int, default=20, help="one file in this many goes to the held-out part")
     c.add_argument("--heldout-sequences", type=int, default=512)
     c.add_argument("--save", help="write the measured curves to this JSON file")
