@@ -14,8 +14,9 @@ and the training data's order (``run --seed``); ``--runs`` trains only some of (
 (c) at each given elastic coefficient (``run --elastic-alpha``; results keyed ``n2-aA-lrL``, alpha 1/2 keeping
 the key ``n2-lrL``) and reports each as a run of its own. ``--load`` of
 ``--save`` files of several seeds reports each seed's final held-out losses, the paired differences between
-the runs (same seed: same initial weights, same data order) with their mean and spread over the seeds, and
-writes ``avgpipe_convergence_seeds.png``.
+the runs (same seed: same initial weights, same data order) with their mean and spread over the seeds (with
+several learning rates, also (c) against (b) each at its own best one), and writes
+``avgpipe_convergence_seeds.png``.
 
 ``simulate``: BERT-large and a GNMT-like model (8 + 8 LSTM layers of 1024, the shape of GNMT-8)
 on 8 GPUs of a memory limit, compiled with Seq-pipe for 1F1B; the same plan simulated under
@@ -337,7 +338,7 @@ def _report_seeds(by_seed: dict[int, dict]) -> None:
     lrs = sorted({r["lr"] for res in by_seed.values() for r in res["runs"].values()})
     cols = _columns({n: r for res in by_seed.values() for n, r in res["runs"].items()})
     names = {k: short for k, _, short in cols}
-    tags = {k: "(c)" if k == "n2" else f"({short})" for k, _, short in cols}       # "(c)", "((c) a1)"
+    tags = {k: "(c)" if k == "n2" else f"(c {short[4:]})" for k, _, short in cols}       # "(c)", "(c a1)"
     pairs = [(k, base, f"{tags[k]} - {tag}") for base, tag in (("n1x2", "(b)"), ("n1", "(a)"))
              for k, _, _ in cols if k.startswith("n2")] + [("n1x2", "n1", "(b) - (a)")]
     for lr in lrs:
@@ -367,16 +368,40 @@ def _report_seeds(by_seed: dict[int, dict]) -> None:
             xs = [f[k] for f in finals.values() if k in f]
             print(f"  {names[k]:<9} over {len(xs)} seeds: {_stats(xs)}")
         for a, b, lab in shown:
-            xs = [f[a] - f[b] for f in finals.values() if a in f and b in f]
-            if not xs:                # both measured, never in one seed
-                continue
-            rel = [(f[a] - f[b]) / f[b] for f in finals.values() if a in f and b in f]
-            mean = sum(xs) / len(xs)
-            sd = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else float("nan")
-            t = mean / (sd / len(xs) ** 0.5) if len(xs) > 1 and sd > 0 else float("nan")
-            print(f"  {lab} over {len(xs)} seeds: {_stats(xs, '+')}  (relative: mean {sum(rel) / len(rel):+.2%}, "
-                  f"{sum(x > 0 for x in xs)} of {len(xs)} positive; paired t = {t:.2f}, {len(xs) - 1} dof)")
+            _paired(lab, [(f[a], f[b]) for f in finals.values() if a in f and b in f])
+    # each run at its own best learning rate, as a user who tunes each would compare them: among the learning
+    # rates every seed measured, the one of lowest mean final loss; only runs measured at two or more
+    full: dict[str, dict[float, dict[int, float]]] = {}
+    for seed, res in by_seed.items():
+        for r in res["runs"].values():
+            full.setdefault(r["key"], {}).setdefault(r["lr"], {})[seed] = r["heldout"][-1]
+    tuned = {}                        # key -> (its best lr, {seed: final loss at it})
+    for k, per in full.items():
+        every_seed = {lr: v for lr, v in per.items() if len(v) == len(by_seed)}
+        if len(every_seed) > 1:
+            tuned[k] = min(every_seed.items(), key=lambda x: sum(x[1].values()))
+    if "n1x2" in tuned and any(k.startswith("n2") for k in tuned):
+        b = tuned["n1x2"]
+        print(f"\neach at its best learning rate (lowest mean over the seeds, among those all {len(by_seed)} "
+              "measured):")
+        for k, _, _ in cols:
+            if k.startswith("n2") and k in tuned:
+                c = tuned[k]
+                _paired(f"{tags[k]} at lr {c[0]:g} - (b) at lr {b[0]:g}", [(c[1][s], b[1][s]) for s in by_seed])
     _plot_seeds(by_seed, lrs)
+
+
+def _paired(label: str, pairs: list[tuple[float, float]]) -> None:
+    """Prints the spread of ``a - b`` over ``pairs`` (one per seed) with its relative mean and paired t."""
+    if not pairs:                     # both measured, never in one seed
+        return
+    xs = [a - b for a, b in pairs]
+    rel = [(a - b) / b for a, b in pairs]
+    mean = sum(xs) / len(xs)
+    sd = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else float("nan")
+    t = mean / (sd / len(xs) ** 0.5) if len(xs) > 1 and sd > 0 else float("nan")
+    print(f"  {label} over {len(xs)} seeds: {_stats(xs, '+')}  (relative: mean {sum(rel) / len(rel):+.2%}, "
+          f"{sum(x > 0 for x in xs)} of {len(xs)} positive; paired t = {t:.2f}, {len(xs) - 1} dof)")
 
 
 def _plot_seeds(by_seed: dict[int, dict], lrs: list[float]) -> None:
@@ -410,6 +435,9 @@ def _plot_seeds(by_seed: dict[int, dict], lrs: list[float]) -> None:
             if c and b:
                 dax.plot(edges[1:], [x - y for x, y in zip(c["heldout"][1:], b["heldout"][1:])], marker=".",
                          lw=1, label=f"seed {seed}")
+        if not dax.lines:             # a learning rate without both (b) and (c)
+            dax.set_visible(False)
+            continue
         dax.axhline(0, color="black", lw=0.8)
         dax.set_title("(c) N = 2 reference model minus (b) N = 1 at 2B, same seed", fontsize=9)
         dax.set_xlabel("sequences seen")
