@@ -45,7 +45,7 @@ def strategy_options(name: str, *, max_stages: int | None = None, time_limit: fl
     if name in ("seq", "exact"):
         opts["time_limit"] = t
     elif name == "mixed":
-        opts["time_budget_s"] = t / 2        # refinement budget; the whole run stays near it
+        opts["time_budget_s"] = t            # refinement, its seq search and its MIP share it
     return opts
 
 

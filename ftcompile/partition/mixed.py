@@ -28,6 +28,10 @@ from .base import Infeasible, MemoryModel
 from .coarsen import Quotient, coarsen, grow_around_centers, split_contiguous
 
 EPS_MS = 1e-9
+#: Shares of Mixed-pipe's time budget (fractions of it, where each step ends): refinement by
+#: objective, seq's convex search, the mixed-space MIP, then refinement by simulation to the end.
+#: seq and the MIP get at least MIN_SHARE each, refinement by simulation at least SIM_SHARE.
+REFINE_UNTIL, SEQ_UNTIL, MIP_UNTIL, MIN_SHARE, SIM_SHARE = 0.4, 0.6, 0.85, 0.2, 0.15
 
 
 # --------------------------------------------------------------------------- step 2: LPT
@@ -491,7 +495,7 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
                     refine: bool = True, cap_ms: float | None = None, refine_top: int = 2,
                     simulate_top: int = 6,
                     time_budget_s: float = 10.0, max_stages: int | None = None,
-                    with_convex: bool = True, exact_max_nodes: int = 300) -> Plan:
+                    with_convex: bool = True, exact_max_nodes: int = 300, sim_refine: bool = True) -> Plan:
     """Mixed-pipe partitioning of ``problem`` (FTPipe §4.1); see the module docstring.
 
     ``l_factors`` gives the candidate numbers of coarse blocks ``L = f * P`` (at
@@ -500,18 +504,26 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
     Each candidate is assigned by LPT twice (by compute, and by the larger of the
     compute and memory shares). The ``refine_top`` best unrefined candidates of
     each ``L`` and its contiguous one are refined, then further candidates, best
-    first, while the run is within ``time_budget_s`` (the best one is always
-    refined). Every coarsening step keeps blocks that fit one GPU alone. With
+    first, while the run is within its share of ``time_budget_s`` (the best one is
+    always refined). Every coarsening step keeps blocks that fit one GPU alone. With
     ``with_convex`` the best convex split (:func:`~ftcompile.partition.seq.partition_seq`,
     a Seq-pipe being a Mixed-pipe too) joins the candidates, so a plan is found
     whenever a Seq-pipe fits; on graphs of at most ``exact_max_nodes`` op nodes, so
     does the best plan the mixed-space MIP (:func:`~ftcompile.partition.exact.partition_exact`)
-    finds from it in a third of the time budget. The ``simulate_top`` best plans by objective are
-    simulated and the fastest in simulation is returned: stages sharing a GPU wait
-    on one another in ways Eq. 1 does not see. ``max_stages``: no plan with more
+    finds from it. The ``simulate_top`` best plans by objective are simulated and the
+    fastest in simulation is kept: stages sharing a GPU wait on one another in ways Eq. 1
+    does not see; with ``sim_refine`` it is then improved by single-node moves that lower
+    its simulated period (:func:`~ftcompile.partition.simrefine.refine_simulated`).
+    ``time_budget_s`` is the whole search's, in shares (:data:`REFINE_UNTIL` and the
+    others): refinement by objective up to 40% of it, seq's search to 60%, the MIP to 85%,
+    refinement by simulation the rest; seq and the MIP get at least 20% each and the last
+    step 15%, so none of them gets only what an earlier one left. ``max_stages``: no plan with more
     stages. Raises :class:`Infeasible` when no candidate fits in GPU memory.
     """
     t0 = time.perf_counter()
+    # Fixed shares, so that seq's convex search and the MIP never get only the scraps that
+    # refinement (which refines further candidates while it has time) leaves over.
+    refine_until = time_budget_s * (REFINE_UNTIL if with_convex else 1.0 - SIM_SHARE)
     P = problem.num_gpus
     limit = problem.cluster.gpu_memory
     base = coarsen(problem.graph, problem.profile, cap_ms=cap_ms, memory_limit=limit)
@@ -572,7 +584,7 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
         must.sort(key=lambda c: (c[0], c[1]))
         extra.sort(key=lambda c: (c[0], c[1]))
         for i, (obj, mem, seed, stages, plan, cost) in enumerate(must + extra):
-            left = time_budget_s - (time.perf_counter() - t0)
+            left = refine_until - (time.perf_counter() - t0)
             if i > 0 and left <= 0:
                 break
             rstages = refine_stages(problem, stages, max_seconds=max(left, 1.0))
@@ -599,7 +611,7 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
 
         sp = None
         try:
-            left = max(1.0, time_budget_s - (time.perf_counter() - t0))
+            left = max(1.0, time_budget_s * SEQ_UNTIL - (time.perf_counter() - t0), time_budget_s * MIN_SHARE)
             sp = partition_seq(problem, max_stages=max_stages, time_limit=left)
             consider(sp, "convex split (seq)")
         except Infeasible as exc:
@@ -608,7 +620,8 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
             try:
                 from .exact import partition_exact
 
-                consider(partition_exact(problem, time_limit=max(1.0, time_budget_s / 3), max_stages=max_stages,
+                left = max(1.0, time_budget_s * MIP_UNTIL - (time.perf_counter() - t0), time_budget_s * MIN_SHARE)
+                consider(partition_exact(problem, time_limit=left, max_stages=max_stages,
                                          simulate_top=0, warm_plan=sp, max_variables=100_000), "mixed-space MIP")
             except Infeasible as exc:
                 worst_reason = worst_reason or exc.reason
@@ -622,6 +635,11 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
                          f"{P} x {format_bytes(limit)}"
                          + (f" (at most {max_stages} stages)" if max_stages is not None else ""))
     plan = _best_simulated(problem, finals, simulate_top) if simulate_top else best[1]
+    if simulate_top and sim_refine:
+        from .simrefine import refine_simulated
+
+        left = max(time_budget_s - (time.perf_counter() - t0), time_budget_s * SIM_SHARE)
+        plan = refine_simulated(problem, plan, left)
     plan.info["seconds"] = round(time.perf_counter() - t0, 3)
     return plan
 

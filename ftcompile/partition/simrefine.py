@@ -1,0 +1,106 @@
+"""Simulation-guided refinement: local search on a plan's *simulated* period.
+
+Every partitioner minimises FTPipe's Eq. 1 objective, the largest GPU load per
+micro-batch. The simulator (:func:`ftcompile.simulate.simulate`) replays the
+schedule's dependencies and shows what Eq. 1 leaves out: the waits between stages
+sharing a GPU, an optimizer step that stalls its neighbours, the wait for a tied
+tensor's other gradient. Where those waits set the period, a plan with a slightly
+worse objective can run faster; :func:`refine_simulated` searches for it directly.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import networkx as nx
+
+from ..plan import Plan, Problem, Stage, evaluate, ordered, stage_graph
+
+
+def simulated_score(problem: Problem, plan: Plan) -> tuple[float, float] | None:
+    """``(simulated period, objective)`` per micro-batch of ``plan``, or None if it does not fit
+    (by :func:`~ftcompile.plan.evaluate` or in the simulated run's memory replay)."""
+    from ..simulate import simulate
+
+    cost = evaluate(problem, plan)
+    if not cost.feasible:
+        return None
+    sim = simulate(problem, plan)
+    if not getattr(sim, "memory_feasible", True):
+        return None
+    return sim.period_ms, cost.objective_ms
+
+
+def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: int = 0) -> Plan:
+    """``plan`` improved by single-node moves that lower its simulated period.
+
+    A move takes one op node from its stage to a stage that holds one of its producers or
+    consumers (on any GPU), leaving no stage empty and the stage graph acyclic. It is
+    accepted when the plan still fits and ``(simulated period, objective)`` decreases
+    lexicographically (so among plans of equal period the lower objective wins). Moves are
+    tried in an order shuffled by ``seed``; after each accepted move the candidates are
+    listed again. The search stops when a whole list brings no improvement or after
+    ``time_limit`` seconds, and returns the best plan found (``plan`` itself when none is
+    better), its stages renumbered in topological order. Deterministic for a given seed
+    except where the time limit cuts it short.
+
+    A stage count is never changed and an accepted plan always fits, so the result is a
+    valid plan of the same kind: stages that are convex (one per GPU) may become stages
+    that share a GPU only if ``plan`` already had them. ``info["simulated_refinement"]``
+    says what happened: the period and objective before and after, moves accepted,
+    simulations run.
+    """
+    t0 = time.perf_counter()
+    graph = problem.graph
+    start = simulated_score(problem, plan)
+    if start is None or time_limit <= 0 or len(plan.stages) < 2:
+        return plan
+    neighbours: dict[int, set[int]] = {}
+    for e in graph.edges:
+        neighbours.setdefault(e.src, set()).add(e.dst)
+        neighbours.setdefault(e.dst, set()).add(e.src)
+    stages = [(s.gpu, set(s.nodes)) for s in plan.stages]
+    best, moves, sims = start, 0, 0
+    rng = random.Random(seed)
+    improved = True
+    while improved and time.perf_counter() - t0 < time_limit:
+        improved = False
+        where = {n: i for i, (_g, ns) in enumerate(stages) for n in ns}
+        cands = sorted({(n, where[m]) for n in where for m in neighbours.get(n, ())
+                        if m in where and where[m] != where[n]})
+        rng.shuffle(cands)
+        for n, t in cands:
+            if time.perf_counter() - t0 >= time_limit:
+                break
+            s = where[n]
+            if len(stages[s][1]) == 1:
+                continue
+            trial = [(g, set(ns)) for g, ns in stages]
+            trial[s][1].discard(n)
+            trial[t][1].add(n)
+            candidate = _as_plan(plan, trial)
+            if not nx.is_directed_acyclic_graph(stage_graph(graph, candidate)):
+                continue
+            score = simulated_score(problem, candidate)
+            sims += 1
+            if score is not None and score < best:
+                best, stages, improved = score, trial, True
+                moves += 1
+                break
+    report = {"from_period_ms": round(start[0], 6), "from_objective_ms": round(start[1], 6),
+              "period_ms": round(best[0], 6), "objective_ms": round(best[1], 6),
+              "moves": moves, "simulations": sims, "seconds": round(time.perf_counter() - t0, 3)}
+    if moves == 0:
+        plan.info["simulated_refinement"] = report
+        return plan
+    out = ordered(_as_plan(plan, stages), graph)
+    out.info["simulated_refinement"] = report
+    out.info["simulated_period_ms"] = round(best[0], 6)
+    out.info["simulated_memory_fits"] = True
+    return out
+
+
+def _as_plan(plan: Plan, stages: list[tuple[int, set[int]]]) -> Plan:
+    return Plan(plan.strategy, plan.num_gpus, [Stage(i, g, sorted(ns)) for i, (g, ns) in enumerate(stages)],
+                dict(plan.info))
