@@ -25,6 +25,7 @@ from dags import branchy_problem, convex_splits  # noqa: E402
 
 
 def _score(problem, plan):
+    # written out rather than imported from simrefine: the reference must not share the code under test
     cost = evaluate(problem, plan)
     if not cost.feasible:
         return None
