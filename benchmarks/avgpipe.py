@@ -9,7 +9,8 @@ computes); (c) N = 2 parallel pipelines, alpha = 1/2, each taking B per step. Ev
 N parallel models: what a checkpoint saves) is evaluated on the same held-out sequences with
 :func:`ftcompile.runtime.evaluation.evaluate_checkpoint`. Prints training loss per window and held-out loss
 against sequences seen, for each learning rate in ``--lrs``, and writes ``avgpipe_convergence.png`` (seed 0;
-``avgpipe_convergence_seedS.png`` for another). ``--seed`` seeds both the initial weights (``compile --seed``)
+``avgpipe_convergence_seedS.png`` for another) in ``--figures`` (default: the current folder; ``--figures
+benchmarks`` replaces benchmarks/README.md's). ``--seed`` seeds both the initial weights (``compile --seed``)
 and the training data's order (``run --seed``); ``--runs`` trains only some of (a), (b), (c); ``--alpha`` runs
 (c) at each given elastic coefficient (``run --elastic-alpha``; results keyed ``n2-aA-lrL``, alpha 1/2 keeping
 the key ``n2-lrL``) and reports each as a run of its own. ``--load`` of
@@ -234,7 +235,7 @@ def _report(res: dict, args) -> None:
                     d = best[c][1] - best[k][1]
                     print(f"  {'N = 2' if c == 'n2' else clab} (best lr) against {lab} (best lr): {d:+.4f} "
                           f"({d / best[k][1]:+.1%})")
-    _plot(res, args.seed)
+    _plot(res, args.seed, Path(args.figures))
 
 
 def _colors(runs: dict) -> dict[str, str]:
@@ -244,7 +245,7 @@ def _colors(runs: dict) -> dict[str, str]:
     return {k: fixed.get(k) or next(more) for k, _, _ in _columns(runs)}
 
 
-def _plot(res: dict, seed: int) -> None:
+def _plot(res: dict, seed: int, folder: Path) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -277,8 +278,8 @@ def _plot(res: dict, seed: int) -> None:
     fig.suptitle(f"gpt2-tiny on the text corpus, 2 processes, seed {seed}: held-out loss of the checkpointed "
                  "model, training loss per window", fontsize=9)
     fig.tight_layout()
-    # seed 0's figure is benchmarks/README.md's; another seed's goes beside it
-    out = Path(__file__).with_name("avgpipe_convergence.png" if seed == 0 else f"avgpipe_convergence_seed{seed}.png")
+    # seed 0's is named as benchmarks/README.md's (written there only with --figures benchmarks)
+    out = folder / ("avgpipe_convergence.png" if seed == 0 else f"avgpipe_convergence_seed{seed}.png")
     fig.savefig(out, dpi=100)
     print(f"wrote {out}")
 
@@ -308,10 +309,15 @@ def _load(files: list[str], default_seed: int) -> dict[int, dict]:
     return dict(sorted(by_seed.items()))
 
 
+def _mean_sd(xs: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (nan for one value) of ``xs``."""
+    mean = sum(xs) / len(xs)
+    return mean, (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else float("nan")
+
+
 def _stats(xs: list[float], sign: str = "") -> str:
     """Mean, sample standard deviation, min and max of ``xs``."""
-    mean = sum(xs) / len(xs)
-    sd = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else float("nan")
+    mean, sd = _mean_sd(xs)
     return f"mean {mean:{sign}.4f}  sd {sd:.4f}  min {min(xs):{sign}.4f}  max {max(xs):{sign}.4f}"
 
 
@@ -325,7 +331,7 @@ def _reach(edges: list[int], curve: list[float], target: float) -> float:
     return float("nan")
 
 
-def _report_seeds(by_seed: dict[int, dict]) -> None:
+def _report_seeds(by_seed: dict[int, dict], folder: Path) -> None:
     """Final held-out loss of every run for every seed, the paired differences between runs (same seed: same
     initial weights and data order) and their spread over seeds, per learning rate."""
     some = next(iter(by_seed.values()))
@@ -388,7 +394,7 @@ def _report_seeds(by_seed: dict[int, dict]) -> None:
             if k.startswith("n2") and k in tuned:
                 c = tuned[k]
                 _paired(f"{tags[k]} at lr {c[0]:g} - (b) at lr {b[0]:g}", [(c[1][s], b[1][s]) for s in by_seed])
-    _plot_seeds(by_seed, lrs)
+    _plot_seeds(by_seed, lrs, folder)
 
 
 def _paired(label: str, pairs: list[tuple[float, float]]) -> None:
@@ -397,14 +403,13 @@ def _paired(label: str, pairs: list[tuple[float, float]]) -> None:
         return
     xs = [a - b for a, b in pairs]
     rel = [(a - b) / b for a, b in pairs]
-    mean = sum(xs) / len(xs)
-    sd = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else float("nan")
+    mean, sd = _mean_sd(xs)
     t = mean / (sd / len(xs) ** 0.5) if len(xs) > 1 and sd > 0 else float("nan")
     print(f"  {label} over {len(xs)} seeds: {_stats(xs, '+')}  (relative: mean {sum(rel) / len(rel):+.2%}, "
           f"{sum(x > 0 for x in xs)} of {len(xs)} positive; paired t = {t:.2f}, {len(xs) - 1} dof)")
 
 
-def _plot_seeds(by_seed: dict[int, dict], lrs: list[float]) -> None:
+def _plot_seeds(by_seed: dict[int, dict], lrs: list[float], folder: Path) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -446,16 +451,18 @@ def _plot_seeds(by_seed: dict[int, dict], lrs: list[float]) -> None:
         dax.legend(fontsize=7, ncol=2)
     fig.suptitle("gpt2-tiny on the text corpus, 2 processes: seeds (initial weights and data order)", fontsize=9)
     fig.tight_layout()
-    out = Path(__file__).with_name("avgpipe_convergence_seeds.png")
+    out = folder / "avgpipe_convergence_seeds.png"
     fig.savefig(out, dpi=100)
     print(f"wrote {out}")
 
 
 def convergence(args) -> None:
+    if not Path(args.figures).is_dir():     # before hours of training, not after
+        raise SystemExit(f"--figures {args.figures}: no such folder; create it or name another")
     if args.load:
         by_seed = _load(args.load, args.seed)
         if len(by_seed) > 1:
-            _report_seeds(by_seed)
+            _report_seeds(by_seed, Path(args.figures))
             return
         res = next(iter(by_seed.values()))
         args.seed = res["seed"]
@@ -640,6 +647,9 @@ def main() -> None:
     c.add_argument("--heldout-every", type=int, default=20, help="one file in this many goes to the held-out part")
     c.add_argument("--heldout-sequences", type=int, default=512)
     c.add_argument("--save", help="write the measured curves to this JSON file")
+    c.add_argument("--figures", default=".", metavar="DIR",
+                   help="folder for the figures (default: the current one; benchmarks/README.md's are in benchmarks/, "
+                        "so --figures benchmarks replaces them)")
     c.add_argument("--load", nargs="+", help="report and plot the curves of --save files instead of training")
     a = sub.add_parser("adapt")
     a.add_argument("--micro-batches", type=int, default=8)
