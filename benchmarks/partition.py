@@ -272,6 +272,8 @@ def suite_row(label: str, problem: Problem, result) -> dict:
         "mixed_over_optimum": m / exact_opt if m and exact_opt else None,
         "chosen": result.chosen, "rows": [r.row() for r in result.results],
         "exact_reason": exact.reason if exact and not exact.feasible else None,
+        # some op node alone needs more than a GPU has: no plan of any strategy fits (memory_floor)
+        "proven_no_fit": result.info.get("proven_no_fit"),
     }
     row["mixed_goal"] = (None if m is None else bool(row["mixed_over_bound"] <= MIXED_OVER_BOUND
                          or (row["mixed_over_optimum"] is not None and row["mixed_over_optimum"] <= MIXED_OVER_OPTIMUM)))
@@ -298,7 +300,9 @@ def run_suite(time_limit: float, jobs: int, models=None, gpus=(3, 6), memory=(No
     knapsack, or exact's MIP bound when higher: "M"); *exact* exact's objective in the mixed
     space ("*" proven optimal); *chosen* compile's choice (best simulated throughput), its
     objective (Eq. 1), simulated period, their ratio, and the ratio the same plan simulates at
-    with its tied tensors untied (no tied-weight exchange), when its stages share one.
+    with its tied tensors untied (no tied-weight exchange), when its stages share one. *chosen*
+    "no fit!": no plan of any strategy fits, proven (an op node alone needs more than a GPU has);
+    "none": no strategy found a plan, nothing proven.
     """
     rows = []
     print(f"{'case':34}{'ops':>5}{'seq best':>10}{'cvx bound':>10}{'cvx opt':>8}{'mixed':>9}{'bound':>9}"
@@ -321,10 +325,11 @@ def run_suite(time_limit: float, jobs: int, models=None, gpus=(3, 6), memory=(No
         if row["seq_best_ms"] is not None and not row["seq_is_best_convex"]:
             proof += "!"
         exact = f(row["exact_ms"], ".3f") + ("*" if row["exact_proven_optimum_ms"] else "")
+        chosen = str(row["chosen"]) if row["chosen"] else ("no fit!" if row["proven_no_fit"] else "none")
         bound = f(row["every_plan_bound_ms"], ".3f") + ("M" if row["bound_source"] != "total/P (knapsack)" else "")
         print(f"{label:34}{row['op_nodes']:>5}{f(row['seq_best_ms'], '.3f'):>10}{f(row['convex_bound_ms'], '.3f'):>10}"
               f"{proof:>8}{f(row['mixed_ms'], '.3f'):>9}{bound:>9}{f(row['mixed_over_bound'], '.3f'):>7}"
-              f"{exact:>10}{f(row['mixed_over_optimum'], '.3f'):>7}{str(row['chosen']):>8}"
+              f"{exact:>10}{f(row['mixed_over_optimum'], '.3f'):>7}{chosen:>8}"
               f"{f(row.get('chosen_objective_ms'), '.3f'):>9}{f(row.get('chosen_simulated_ms'), '.3f'):>9}"
               f"{f(row.get('chosen_sim_over_objective'), '.3f'):>8}"
               f"{f(row.get('chosen_untied_sim_over_objective'), '.3f'):>7}{secs:>7.1f}", flush=True)

@@ -294,7 +294,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
             package = _generate_package(args, graph, doc, built, ui)
             t = lap("codegen", t)
     if result.chosen is None:
-        reasons = "; ".join(f"{r.name}: {r.reason}" for r in result.results) or "; ".join(
+        reasons = result.failure_reasons() or "; ".join(
             f"{o.layout.pipeline_gpus} GPUs x {o.layout.replicas} replicas: {o.reason}" for o in options)
         raise CompileError(f"no strategy found a plan that fits ({reasons}). To fit: {doc['requirements']}. "
                            f"The table is in {paths['report']}")

@@ -20,6 +20,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from .partition import STRATEGIES, Infeasible, run_strategy
+from .partition.base import memory_floor, memory_floor_reason
 from .runtime.atomic import atomic_path
 from .plan import PLAN_FORMAT, PLAN_VERSION, Plan, PlanCost, PlanError, Problem, evaluate, lower_bound, save_json
 
@@ -103,6 +104,16 @@ class CompileResult:
 
     def best(self) -> StrategyResult:
         return next(r for r in self.results if r.name == self.chosen)
+
+    def failure_reasons(self, most: int | None = None) -> str:
+        """Why the strategies found no plan, one reason once: "mixed, seq: reason; exact: other".
+        ``most``: only the first ``most`` distinct reasons."""
+        by: dict[str, list[str]] = {}
+        for r in self.results:
+            if not r.feasible:
+                by.setdefault(r.reason or "no reason given", []).append(r.name)
+        items = list(by.items())[:most] if most else list(by.items())
+        return "; ".join(f"{', '.join(names)}: {reason}" for reason, names in items)
 
 
 def plan_figures(problem: Problem, plan: Plan, cost: PlanCost) -> dict:
@@ -227,7 +238,15 @@ def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs
     options = {n: strategy_options(n, max_stages=max_stages, time_limit=time_limit) for n in names}
     search, searched = search_problem(problem, max_stages)
     results: dict[str, StrategyResult] = {}
-    if jobs > 1 and len(names) > 1:
+    # Some op node's own weights, state and activations exceed a GPU: no strategy can fit, proven,
+    # so none is run (a search would spend its whole time limit finding nothing).
+    floor_reason = memory_floor_reason(problem)
+    if floor_reason is not None:
+        for n in names:
+            results[n] = StrategyResult(n, False, floor_reason)
+            if progress:
+                progress(results[n])
+    elif jobs > 1 and len(names) > 1:
         ctx = multiprocessing.get_context("fork")
         with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
             futs = {pool.submit(_run_one, n, problem, simulate_plans, options[n], search): n for n in names}
@@ -251,7 +270,7 @@ def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs
             thr = r.sim["throughput_samples_per_s"] if r.sim else 0.0
             return (-thr, r.cost.objective_ms) if simulate_plans else (r.cost.objective_ms,)
         chosen = min(feasible, key=score).name
-    info = {"max_stages": max_stages, "searched_gpus": searched, "time_limit_s": options[names[0]].get("time_limit", DEFAULT_TIME_LIMIT)
+    info = {"max_stages": max_stages, "searched_gpus": searched, "proven_no_fit": floor_reason, "time_limit_s": options[names[0]].get("time_limit", DEFAULT_TIME_LIMIT)
             if names else None}
     return CompileResult(problem, ordered_results, chosen, bound, time.perf_counter() - t0, info=info)
 
@@ -337,6 +356,16 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
     limit = problem.cluster.gpu_memory
     static = sum(p.total for p in problem.profile.params.values())
     parts = [f"weights, gradients and optimizer state take {format_bytes(static)} in all"]
+    floor, floor_node = memory_floor(problem)
+    if floor > limit:
+        # No number of GPUs helps: one operator's own needs exceed a GPU (memory_floor).
+        parts.append(f"op node {problem.graph.node(floor_node).name!r} alone needs at least "
+                     f"{format_bytes(floor)} on its GPU, more than the {format_bytes(limit)} a GPU has, so no "
+                     f"plan fits on any number of GPUs: raise --gpu-memory above {format_bytes(floor)}, or lower "
+                     "the micro-batch size")
+        limit_floor = floor
+    else:
+        limit_floor = 0
 
     def with_memory(m: int) -> Problem:
         return replace(problem, cluster=replace(problem.cluster, gpu_memory=int(m)))
@@ -347,7 +376,7 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
         # its whole time limit on each.
         return _run_one("seq", pb, True, {"mip": False}).feasible
 
-    if seq_fits(problem):
+    if not limit_floor and seq_fits(problem):
         # The strategies asked for failed, but the cluster is big enough.
         parts.append(f"a Seq-pipe plan fits these {P} GPUs of {format_bytes(limit)}: use --strategy seq "
                      "(or auto)")
@@ -359,13 +388,17 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
         need = None
     if need is not None:
         reserve = problem.memory_reserve                # kept free on every GPU (hardware preset)
-        lo, hi = max(limit, reserve + static // P), need  # lo does not fit (else we would not be here)
+        # lo does not fit (else we would not be here); neither does anything below the floor
+        lo, hi = max(limit, reserve + static // P, limit_floor), need
         while hi - lo > precision * (hi - reserve):     # (precision on what the plan itself uses)
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if seq_fits(with_memory(mid)) else (mid, hi)
         parts.append(f"on {P} GPUs a Seq-pipe plan fits in {format_bytes(hi)} per GPU (have "
                      f"{format_bytes(limit)}, of which {format_bytes(reserve)} stay free as the hardware's "
                      f"reserve): use --gpu-memory {format_bytes(hi + max(0.005 * (hi - reserve), 10_000))} or more")
+
+    if limit_floor:
+        return "; ".join(parts)         # more GPUs of this memory cannot help (the floor is per node)
 
     def fits(p: int) -> bool:
         return seq_fits(replace(problem, cluster=problem.cluster.with_overrides(gpus=p)))

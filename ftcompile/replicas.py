@@ -289,8 +289,7 @@ def _plan_layout(pb, lay: ReplicaLayout, cluster: ClusterSpec, strategies, *, jo
     result = compile_plan(pb, names, jobs=jobs, progress=strategy_progress, **compile_options)
     opt = ReplicaOption(lay, result.chosen is not None, result=result, problem=pb)
     if result.chosen is None:
-        opt.reason = "no strategy found a pipeline plan that fits: " + "; ".join(
-            f"{r.name}: {r.reason}" for r in result.results[:3])
+        opt.reason = "no strategy found a pipeline plan that fits: " + result.failure_reasons(most=3)
     else:
         best = result.best()
         sim = best.sim or {}

@@ -204,30 +204,6 @@ def test_non_adjacent_stages_may_share_a_gpu_for_t5():
 
 # --------------------------------------------------------------------------- full size (meta)
 
-def _contiguous_best(pr: Problem) -> float:
-    """Best objective of a compute-balanced contiguous split (the seq baseline when seq.py is absent)."""
-    from ftcompile.partition.coarsen import node_work
-
-    ops = [n.id for n in pr.graph.op_nodes()]
-    w = [node_work(pr.profile, n) for n in ops]
-    total = sum(w)
-    best = float("inf")
-    P = pr.num_gpus
-    for shift in (0.9, 0.95, 1.0, 1.05):
-        cuts, acc, k = [], 0.0, 1
-        for i, x in enumerate(w):
-            acc += x
-            if k < P and acc >= total * k / P * shift:
-                cuts.append(i + 1)
-                k += 1
-        bounds = [0] + cuts + [len(ops)]
-        stages = [Stage(i, i, ops[a:b]) for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
-        c = evaluate(pr, Plan("contig", P, stages))
-        if c.feasible:
-            best = min(best, c.objective_ms)
-    return best
-
-
 @pytest.mark.slow
 def test_t5_3b_mixed_fits_and_is_no_worse_than_seq(tmp_path):
     import transformers as tf
@@ -258,9 +234,12 @@ def test_t5_3b_mixed_fits_and_is_no_worse_than_seq(tmp_path):
     # was 0.94 of the bound when the tied embedding's gradient copies, 131 MB each, went uncounted:
     # every GPU holding one of its three readers receives the other two before its update. Counted,
     # on 8 x 11 GB the best plans found are Seq-pipes at about 0.53 of the bound.)
-    try:
-        from ftcompile.partition.seq import partition_seq
-        seq = evaluate(pr, partition_seq(pr)).objective_ms
-    except (ImportError, Infeasible):
-        seq = _contiguous_best(pr)
-    assert cost.objective_ms <= seq * (1 + 1e-9)
+    # Mixed-pipe keeps its plan by *simulated* period (choice among candidates, then refinement by
+    # simulation, which may trade a little objective for a shorter period: here 649.98 -> 650.86
+    # ms of objective for 1179.78 -> 1179.50 ms simulated), so that is what it must not lose.
+    from ftcompile.partition.seq import partition_seq
+    from ftcompile.simulate import simulate
+
+    seq_plan = partition_seq(pr)
+    assert simulate(pr, plan).period_ms <= simulate(pr, seq_plan).period_ms * (1 + 1e-9)
+    assert cost.objective_ms <= evaluate(pr, seq_plan).objective_ms * 1.01

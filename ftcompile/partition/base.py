@@ -349,6 +349,45 @@ class MemoryModel:
         return np.maximum(a, b)
 
 
+def memory_floor(problem: Problem) -> tuple[int, int | None]:
+    """``(bytes, node id)``: the most memory that the GPU running some single op node needs in
+    every plan, of every strategy and space (the node whose floor is highest).
+
+    Whatever the plan, the GPU that runs op node ``n`` holds the weights, gradients and
+    optimizer state of every parameter ``n`` reads, one micro-batch of ``n``'s activations
+    (kept until its backward, or rebuilt there when its stage recomputes) and the hardware
+    reserve: :meth:`MemoryModel.lower_bound` of ``n`` alone, the smaller of its recomputing
+    and keeping forms, which :func:`~ftcompile.plan.evaluate` never undercuts. So when the
+    floor exceeds the GPU memory no plan fits at all (proven); below it nothing is proven.
+    """
+    mm = MemoryModel.of(problem)
+    best: tuple[int, int | None] = (0, None)
+    for node in problem.graph.op_nodes():
+        pb, gb, ob, _tb, _names = _stage_params(problem, [node.id])
+        act = held_activation_bytes(problem.profile, [node.id])
+        need = min(mm.lower_bound(pb + gb + ob, act, 0.0, rc) for rc in (True, False))
+        if need > best[0]:
+            best = (int(need), node.id)
+    return best
+
+
+def memory_floor_reason(problem: Problem) -> str | None:
+    """Why no plan can fit, when :func:`memory_floor` proves it (None otherwise)."""
+    from ..units import format_bytes
+
+    need, nid = memory_floor(problem)
+    if nid is None or need <= problem.cluster.gpu_memory:
+        return None
+    node = problem.graph.node(nid)
+    static = sum(problem.profile.params[q].total for q in set(node.params))
+    return (f"no plan of any strategy fits (proven): op node {node.name!r} alone needs at least "
+            f"{format_bytes(need)} on its GPU ({format_bytes(static)} of weights, gradients and optimizer "
+            f"state, one micro-batch of its activations and the {format_bytes(problem.memory_reserve)} "
+            f"reserve) but a GPU has {format_bytes(problem.cluster.gpu_memory)}; an operator cannot be split "
+            f"across GPUs, so raise --gpu-memory to more than {format_bytes(need)}, or lower the micro-batch "
+            f"size, or use an optimizer with less state")
+
+
 def min_bucket(grad_bytes):
     """The all-reduce's flat bucket: at most its size, at most the gradients (an upper bound with
     ``params_total`` standing for the gradients)."""

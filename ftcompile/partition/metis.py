@@ -10,12 +10,18 @@ if no stage it reads from is reachable from ``S`` (which would close a cycle
 topological order, so only the edges from already placed predecessors matter
 and the stage graph stays acyclic by construction. Every stage runs on the GPU
 of its part, so a GPU may host several stages (Mixed-pipe).
+
+Under tight memory METIS's balanced sums are not a GPU's memory (shared weights
+count once, activations once per micro-batch in flight), so plans that overflow
+are repaired: whole stages first, then single nodes to neighbouring stages on
+GPUs with room.
 """
 
 from __future__ import annotations
 
 from ..plan import Plan, Problem, Stage, evaluate
 from .base import Infeasible
+from .mixed import _Refiner
 
 __all__ = ["partition_metis", "acyclic_stages"]
 
@@ -24,7 +30,14 @@ _MAX_EDGE_WEIGHT = 1_000_000
 
 
 def _metis_parts(problem: Problem, ids: list[int], nparts: int, seed: int, with_memory: bool) -> list[int]:
-    """METIS parts of the undirected op graph; ``with_memory`` adds memory as a second balance constraint."""
+    """METIS parts of the undirected op graph; ``with_memory`` balances compute and memory together.
+
+    pymetis hands METIS one balance constraint whatever the length of ``vweights``
+    (pymetis 2025.2: an interleaved list of 2n weights partitions exactly as its first n
+    entries do), so METIS's own multi-constraint balance is out of reach. With
+    ``with_memory`` each node therefore weighs its share of the total compute plus its
+    share of the total memory, one number METIS can balance.
+    """
     try:
         import pymetis
     except ImportError:
@@ -51,10 +64,10 @@ def _metis_parts(problem: Problem, ids: list[int], nparts: int, seed: int, with_
     vweights = [max(1, round(1e3 * (c.forward_ms + c.backward_ms + c.recompute_ms))) for c in costs]
     if with_memory:
         # Weights, grads and optimizer state of the parameters a node is first to use, plus its
-        # activations; scaled so the total stays well inside METIS's 32-bit integers.
+        # activations, as a share of the total, added to the node's share of the compute.
         mem = [c.param_bytes + c.grad_bytes + c.optimizer_bytes + c.activation_bytes for c in costs]
-        scale = 1e8 / max(1, sum(mem))
-        vweights = [w for pair in zip(vweights, (max(1, round(m * scale)) for m in mem)) for w in pair]
+        work, total_mem = max(1, sum(vweights)), max(1, sum(mem))
+        vweights = [max(1, round(_MAX_EDGE_WEIGHT * (w / work + m / total_mem))) for w, m in zip(vweights, mem)]
     _, parts = pymetis.part_graph(nparts, adjacency=pymetis.CSRAdjacency(xadj, adjncy), vweights=vweights,
                                   eweights=eweights, options=pymetis.Options(seed=seed))
     return list(parts)
@@ -166,10 +179,13 @@ def partition_metis(problem: Problem, *, seeds: int = 3, max_stages: int | None 
     problem : Problem
         Graph, profile, cluster and schedule.
     seeds : int
-        METIS runs with seeds ``0 .. seeds-1``, balancing compute only; if none
-        fits memory, as many runs balancing compute and memory. A plan that does
-        not fit is repaired by moving whole stages between GPUs
-        (:func:`repair_memory`). The best feasible plan wins.
+        METIS runs with seeds ``0 .. seeds-1``, balancing compute only; where
+        memory binds (some of those plans do not fit as METIS left them), as many
+        runs balancing each node's share of compute plus its share of memory. A
+        plan that does not fit is repaired by moving whole stages between GPUs
+        (:func:`repair_memory`), then single nodes off over-full GPUs
+        (:meth:`ftcompile.partition.mixed._Refiner.relieve`). The best feasible
+        plan wins.
     max_stages : int, optional
         Plans with more stages are dropped.
 
@@ -179,7 +195,8 @@ def partition_metis(problem: Problem, *, seeds: int = 3, max_stages: int | None 
         A Mixed-pipe plan: every stage on the GPU of the METIS part it came from.
         ``info`` holds ``objective_ms``, ``seed``, ``memory_constraint``
         (whether METIS also balanced memory), ``metis_parts`` (non-empty METIS
-        parts) and ``stages``.
+        parts), ``stages`` and, for a repaired plan, ``memory_repair_moves``
+        (whole stages) and ``memory_repair_node_moves`` (single nodes).
 
     Raises
     ------
@@ -191,34 +208,57 @@ def partition_metis(problem: Problem, *, seeds: int = 3, max_stages: int | None 
         raise Infeasible("the graph has no op nodes")
     P = problem.num_gpus
     best: tuple | None = None
-    reason = None
-    # Compute-balanced parts first; parts also balanced by memory in case those do not fit.
-    for with_memory in (False, True):
+    closest: tuple | None = None          # (overflow, reason) of the run closest to fitting
+    tight = False                         # some METIS partition did not fit as METIS left it
+    # Compute-balanced parts first; where memory binds, also parts balanced by compute and memory
+    # together (their plans are often better there, not only the ones that fit).
+    for with_memory in ((False,) if P == 1 else (False, True)):
+        if with_memory and best is not None and not tight:
+            break
         for seed in range(max(1, seeds)):
             raw = [0] * len(ids) if P == 1 else _metis_parts(problem, ids, P, seed, with_memory)
             parts = dict(zip(ids, raw))
             plan = Plan("metis", P, acyclic_stages(problem, parts),
                         {"seed": seed, "memory_constraint": with_memory, "metis_parts": len(set(raw))})
             if max_stages is not None and len(plan.stages) > max_stages:
-                reason = reason or f"the repaired METIS parts make {len(plan.stages)} stages, more than {max_stages}"
+                closest = closest or (None, f"the repaired METIS parts make {len(plan.stages)} stages, "
+                                            f"more than {max_stages}")
                 continue
             cost = evaluate(problem, plan)
             if not cost.feasible:
-                plan, moved = repair_memory(problem, plan)
-                cost = evaluate(problem, plan)
-                plan.info["memory_repair_moves"] = moved
+                tight = True
+                plan, cost = _repair(problem, plan)
             if not cost.feasible:
-                reason = reason or cost.reason
+                over = sum(max(0, g.memory_bytes - g.memory_limit) for g in cost.gpus)
+                if closest is None or closest[0] is None or over < closest[0]:
+                    closest = (over, cost.reason)
                 continue
             plan.info.update(objective_ms=cost.objective_ms, stages=len(plan.stages))
             if best is None or cost.objective_ms < best[0]:
                 best = (cost.objective_ms, plan)
             if P == 1:
                 break
-        if best is not None:
-            break
     if best is None:
-        raise Infeasible(f"the METIS partition does not fit memory, even after moving whole stages to GPUs "
-                         f"with room (METIS balances sums of node weights; a GPU's memory counts shared "
-                         f"weights once and activations per micro-batch in flight): {reason}")
+        raise Infeasible(f"no METIS partition fits memory, balancing compute or compute and memory together, "
+                         f"even after moving whole stages and then single nodes to GPUs with room (METIS "
+                         f"balances sums of node weights; a GPU's memory counts shared weights once and "
+                         f"activations per micro-batch in flight, which depends on the stage's depth). The "
+                         f"closest: {closest[1] if closest else 'none'}. Try mixed or seq, or more memory per GPU")
     return best[1]
+
+
+def _repair(problem: Problem, plan: Plan) -> tuple[Plan, object]:
+    """Whole-stage moves, then single-node moves (:meth:`_Refiner.relieve`) while memory overflows."""
+    plan, moved = repair_memory(problem, plan)
+    plan.info["memory_repair_moves"] = moved
+    cost = evaluate(problem, plan)
+    if cost.feasible:
+        return plan, cost
+    r = _Refiner(problem, {n: st.id for st in plan.stages for n in st.nodes}, {st.id: st.gpu for st in plan.stages})
+    node_moves = r.relieve()
+    if node_moves:
+        plan = Plan(plan.strategy, plan.num_gpus, [Stage(i, g, nodes) for i, (g, nodes) in enumerate(r.stages())],
+                    plan.info)
+        cost = evaluate(problem, plan)
+    plan.info["memory_repair_node_moves"] = node_moves
+    return plan, cost

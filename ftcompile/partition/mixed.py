@@ -11,7 +11,8 @@
    non-adjacent stages (one encoder and one decoder stage per GPU for T5);
 4. refinement: the plan is un-coarsened to op nodes and single nodes move to a
    neighbouring stage on another GPU when that lowers the larger of the two GPU
-   loads, within memory and keeping the stage graph acyclic.
+   loads, within memory and keeping the stage graph acyclic; when no candidate
+   fits, the closest ones first have single nodes moved off their over-full GPUs.
 
 Every candidate is priced with :func:`ftcompile.plan.evaluate`; the feasible
 plan with the lowest objective wins.
@@ -32,6 +33,8 @@ EPS_MS = 1e-9
 #: objective, seq's convex search, the mixed-space MIP, then refinement by simulation to the end.
 #: seq and the MIP get at least MIN_SHARE each, refinement by simulation at least SIM_SHARE.
 REFINE_UNTIL, SEQ_UNTIL, MIP_UNTIL, MIN_SHARE, SIM_SHARE = 0.4, 0.6, 0.85, 0.2, 0.15
+#: Refined plans over memory (the closest to fitting) that single-node moves try to relieve when none fits.
+RELIEVE_TOP = 3
 
 
 # --------------------------------------------------------------------------- step 2: LPT
@@ -420,6 +423,50 @@ class _Refiner:
                 break
         return moves
 
+    def overflow(self, limit: int) -> int:
+        """Bytes by which the GPUs together exceed ``limit`` (0 when every GPU fits)."""
+        return sum(max(0, self.gpu_memory(g) - limit) for g in range(self.problem.num_gpus))
+
+    def relieve(self, max_seconds: float = 1.0) -> int:
+        """Single-node moves off GPUs over the memory limit, until every GPU fits or none helps.
+
+        Each round prices every move of a node on an over-full GPU into a neighbouring stage on
+        another GPU (the stage graph kept acyclic, the loss stage kept a sink, no stage emptied)
+        and makes the one that lowers the total overflow most; ties go to the lower largest GPU
+        load. A move is kept only when the overflow falls, so the search ends. Whole-stage moves
+        (:func:`ftcompile.partition.metis.repair_memory`) cannot split a stage whose weights and
+        in-flight activations are too much for any one GPU; single nodes can. Returns moves made.
+        """
+        limit = self.problem.cluster.gpu_memory
+        free = 1 << 62                    # try_move's limit when only structure is checked
+        deadline = time.perf_counter() + max_seconds
+        moves = 0
+        over = self.overflow(limit)
+        while over and time.perf_counter() < deadline:
+            best = None
+            full = {g for g in range(self.problem.num_gpus) if self.gpu_memory(g) > limit}
+            for s in sorted(s for s in self.members if self.gpu_of[s] in full):
+                for n in sorted(self.members[s]):
+                    if n == self.loss or len(self.members[s]) == 1:
+                        continue
+                    near = {self.stage_of[x] for x in self.nin[n]} | {self.stage_of[x] for x in self.nout[n]}
+                    for t in sorted(t for t in near if self.gpu_of[t] != self.gpu_of[s]):
+                        if time.perf_counter() >= deadline:
+                            break
+                        if not self.try_move(n, t, free):
+                            continue
+                        key = (self.overflow(limit), max(self.gpu_loads()))
+                        if self._apply(n, s):              # back, unchecked: that state was valid
+                            self._refresh_structure()
+                        if key[0] < over and (best is None or key < best[0]):
+                            best = (key, n, t)
+            if best is None:
+                break
+            self.try_move(best[1], best[2], free)
+            over = best[0][0]
+            moves += 1
+        return moves
+
     @staticmethod
     def _worth(lg: float, lh: float, out: float, inn: float) -> bool:
         if max(lg - out, lh + inn) < max(lg, lh) - EPS_MS:
@@ -505,7 +552,9 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
     compute and memory shares). The ``refine_top`` best unrefined candidates of
     each ``L`` and its contiguous one are refined, then further candidates, best
     first, while the run is within its share of ``time_budget_s`` (the best one is
-    always refined). Every coarsening step keeps blocks that fit one GPU alone. With
+    always refined). Every coarsening step keeps blocks that fit one GPU alone. When no
+    refined candidate fits, the :data:`RELIEVE_TOP` closest to fitting have single nodes moved
+    off their over-full GPUs (:meth:`_Refiner.relieve`) and are refined again. With
     ``with_convex`` the best convex split (:func:`~ftcompile.partition.seq.partition_seq`,
     a Seq-pipe being a Mixed-pipe too) joins the candidates, so a plan is found
     whenever a Seq-pipe fits; on graphs of at most ``exact_max_nodes`` op nodes, so
@@ -580,6 +629,7 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
         picked = cands[:refine_top] + [c for c in cands[refine_top:] if c[2] == "contiguous"]
         must += picked
         extra += [c for c in cands if not any(c is m for m in picked)]
+    misses: list[tuple[int, int, list]] = []          # refined plans over memory: (overflow, i, stages)
     if refine:
         must.sort(key=lambda c: (c[0], c[1]))
         extra.sort(key=lambda c: (c[0], c[1]))
@@ -596,6 +646,22 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
                 best = (rcost.objective_ms, rplan)
             elif not rcost.feasible:
                 worst_reason = worst_reason or rcost.reason
+                misses.append((sum(max(0, g.memory_bytes - g.memory_limit) for g in rcost.gpus), i, rstages))
+    if best is None and misses:
+        # Nothing fits yet: single-node moves off the over-full GPUs of the plans closest to
+        # fitting (coarse blocks and LPT's memory estimate can miss a fit by a few nodes).
+        for _, i, stages in sorted(misses)[:RELIEVE_TOP]:
+            r = _Refiner(problem, {n: k for k, (_, ns) in enumerate(stages) for n in ns},
+                         {k: g for k, (g, _) in enumerate(stages)})
+            if not r.relieve(max_seconds=max(1.0, 0.1 * time_budget_s)):
+                continue
+            rstages = refine_stages(problem, r.stages(), max_seconds=1.0)
+            rplan = _plan(problem, rstages, {"refined": True, "relieved": True})
+            rcost = evaluate(problem, rplan)
+            if rcost.feasible:
+                finals.append((rcost.objective_ms, rplan))
+                if best is None or rcost.objective_ms < best[0]:
+                    best = (rcost.objective_ms, rplan)
     if with_convex:
         from .seq import partition_seq
 
