@@ -270,8 +270,8 @@ def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs
             thr = r.sim["throughput_samples_per_s"] if r.sim else 0.0
             return (-thr, r.cost.objective_ms) if simulate_plans else (r.cost.objective_ms,)
         chosen = min(feasible, key=score).name
-    info = {"max_stages": max_stages, "searched_gpus": searched, "proven_no_fit": floor_reason, "time_limit_s": options[names[0]].get("time_limit", DEFAULT_TIME_LIMIT)
-            if names else None}
+    info = {"max_stages": max_stages, "searched_gpus": searched, "proven_no_fit": floor_reason,
+            "time_limit_s": options[names[0]].get("time_limit", DEFAULT_TIME_LIMIT) if names else None}
     return CompileResult(problem, ordered_results, chosen, bound, time.perf_counter() - t0, info=info)
 
 
@@ -362,7 +362,7 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
         parts.append(f"op node {problem.graph.node(floor_node).name!r} alone needs at least "
                      f"{format_bytes(floor)} on its GPU, more than the {format_bytes(limit)} a GPU has, so no "
                      f"plan fits on any number of GPUs: raise --gpu-memory above {format_bytes(floor)}, or lower "
-                     "the micro-batch size")
+                     "--batch-size (the micro-batch)")
         limit_floor = floor
     else:
         limit_floor = 0

@@ -283,6 +283,11 @@ class PlanCost:
     stages: list[StageCost]
     gpus: list[GpuCost]
 
+    @property
+    def overflow_bytes(self) -> int:
+        """Bytes by which the GPUs together exceed their memory limits (0 when every GPU fits)."""
+        return sum(max(0, g.memory_bytes - g.memory_limit) for g in self.gpus)
+
     def to_json(self) -> dict:
         return asdict(self)
 

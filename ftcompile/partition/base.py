@@ -384,8 +384,8 @@ def memory_floor_reason(problem: Problem) -> str | None:
             f"{format_bytes(need)} on its GPU ({format_bytes(static)} of weights, gradients and optimizer "
             f"state, one micro-batch of its activations and the {format_bytes(problem.memory_reserve)} "
             f"reserve) but a GPU has {format_bytes(problem.cluster.gpu_memory)}; an operator cannot be split "
-            f"across GPUs, so raise --gpu-memory to more than {format_bytes(need)}, or lower the micro-batch "
-            f"size, or use an optimizer with less state")
+            f"across GPUs, so raise --gpu-memory to more than {format_bytes(need)}, or lower --batch-size (the "
+            f"micro-batch), or pick an --optimizer with less state (sgd, adafactor)")
 
 
 def min_bucket(grad_bytes):

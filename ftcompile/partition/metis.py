@@ -19,7 +19,7 @@ GPUs with room.
 
 from __future__ import annotations
 
-from ..plan import Plan, Problem, Stage, evaluate
+from ..plan import Plan, PlanCost, Problem, Stage, evaluate
 from .base import Infeasible
 from .mixed import _Refiner
 
@@ -146,12 +146,8 @@ def repair_memory(problem: Problem, plan: Plan, max_moves: int = 200) -> tuple[P
     """
     cost = evaluate(problem, plan)
     moves = 0
-
-    def overflow(c) -> int:
-        return sum(max(0, g.memory_bytes - g.memory_limit) for g in c.gpus)
-
     while not cost.feasible and moves < max_moves:
-        cur = overflow(cost)
+        cur = cost.overflow_bytes
         best = None
         over = [g.gpu for g in cost.gpus if g.memory_bytes > g.memory_limit]
         for st in [st for st in plan.stages if st.gpu in over]:
@@ -161,7 +157,7 @@ def repair_memory(problem: Problem, plan: Plan, max_moves: int = 200) -> tuple[P
                 trial = Plan(plan.strategy, plan.num_gpus,
                              [Stage(x.id, g if x.id == st.id else x.gpu, x.nodes) for x in plan.stages], plan.info)
                 c = evaluate(problem, trial)
-                key = (overflow(c), c.objective_ms)
+                key = (c.overflow_bytes, c.objective_ms)
                 if key[0] < cur and (best is None or key < best[0]):
                     best = (key, trial, c)
         if best is None:
@@ -208,7 +204,7 @@ def partition_metis(problem: Problem, *, seeds: int = 3, max_stages: int | None 
         raise Infeasible("the graph has no op nodes")
     P = problem.num_gpus
     best: tuple | None = None
-    closest: tuple | None = None          # (overflow, reason) of the run closest to fitting
+    closest = (float("inf"), "none")       # (overflow, reason) of the run closest to fitting
     tight = False                         # some METIS partition did not fit as METIS left it
     # Compute-balanced parts first; where memory binds, also parts balanced by compute and memory
     # together (their plans are often better there, not only the ones that fit).
@@ -221,17 +217,17 @@ def partition_metis(problem: Problem, *, seeds: int = 3, max_stages: int | None 
             plan = Plan("metis", P, acyclic_stages(problem, parts),
                         {"seed": seed, "memory_constraint": with_memory, "metis_parts": len(set(raw))})
             if max_stages is not None and len(plan.stages) > max_stages:
-                closest = closest or (None, f"the repaired METIS parts make {len(plan.stages)} stages, "
-                                            f"more than {max_stages}")
+                if closest[0] == float("inf"):
+                    closest = (closest[0], f"the repaired METIS parts make {len(plan.stages)} stages, "
+                                           f"more than {max_stages}")
                 continue
             cost = evaluate(problem, plan)
             if not cost.feasible:
                 tight = True
                 plan, cost = _repair(problem, plan)
             if not cost.feasible:
-                over = sum(max(0, g.memory_bytes - g.memory_limit) for g in cost.gpus)
-                if closest is None or closest[0] is None or over < closest[0]:
-                    closest = (over, cost.reason)
+                if cost.overflow_bytes < closest[0]:
+                    closest = (cost.overflow_bytes, cost.reason)
                 continue
             plan.info.update(objective_ms=cost.objective_ms, stages=len(plan.stages))
             if best is None or cost.objective_ms < best[0]:
@@ -243,11 +239,11 @@ def partition_metis(problem: Problem, *, seeds: int = 3, max_stages: int | None 
                          f"even after moving whole stages and then single nodes to GPUs with room (METIS "
                          f"balances sums of node weights; a GPU's memory counts shared weights once and "
                          f"activations per micro-batch in flight, which depends on the stage's depth). The "
-                         f"closest: {closest[1] if closest else 'none'}. Try mixed or seq, or more memory per GPU")
+                         f"closest: {closest[1]}. Try mixed or seq, or more memory per GPU")
     return best[1]
 
 
-def _repair(problem: Problem, plan: Plan) -> tuple[Plan, object]:
+def _repair(problem: Problem, plan: Plan) -> tuple[Plan, PlanCost]:
     """Whole-stage moves, then single-node moves (:meth:`_Refiner.relieve`) while memory overflows."""
     plan, moved = repair_memory(problem, plan)
     plan.info["memory_repair_moves"] = moved

@@ -646,7 +646,7 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
                 best = (rcost.objective_ms, rplan)
             elif not rcost.feasible:
                 worst_reason = worst_reason or rcost.reason
-                misses.append((sum(max(0, g.memory_bytes - g.memory_limit) for g in rcost.gpus), i, rstages))
+                misses.append((rcost.overflow_bytes, i, rstages))
     if best is None and misses:
         # Nothing fits yet: single-node moves off the over-full GPUs of the plans closest to
         # fitting (coarse blocks and LPT's memory estimate can miss a fit by a few nodes).
