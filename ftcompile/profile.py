@@ -43,9 +43,10 @@ from .execute import run_instrs
 from .hardware import HardwareSpec
 from .ir import Node, OpGraph, TensorMeta, atomic_write_text, iter_refs
 
-PROFILE_VERSION = 4     # 2: gradients from the real dataflow, fused attention, no leftovers in measured runs;
+PROFILE_VERSION = 5     # 2: gradients from the real dataflow, fused attention, no leftovers in measured runs;
 #                         3: a saved input's bytes are the saver's (first in graph order), saved inputs listed;
-#                         4: CPU profiles price attention and dropout as a CPU runs them (math path, float mask)
+#                         4: CPU profiles price attention and dropout as a CPU runs them (math path, float mask);
+#                         5: measured profiles count FLOPs; on a GPU they time the kernels alone (stream held)
 PROFILE_FORMAT = "ftcompile.profile"
 OPTIMIZERS = ("sgd", "momentum", "adam", "adafactor")
 
@@ -716,16 +717,48 @@ def _sync(device: torch.device) -> None:
 
 
 class _Timer:
-    """Times a callable: CUDA events on a GPU, perf_counter elsewhere."""
+    """Times a callable: its kernels' GPU time on a GPU (CUDA events), perf_counter elsewhere.
 
-    def __init__(self, device: torch.device) -> None:
+    On a GPU the stream is held (a spin kernel, ``torch.cuda._sleep``) while the host
+    dispatches ``fn``'s kernels, so that the events bracket the kernels alone, run back to
+    back as in a stage's stream. Without the hold, a node's time would include the host's
+    dispatch of the profiler's own interpreter and one ``autograd.grad`` call per node,
+    during which the GPU idles: on gpt2-medium that doubled the measured step (H200,
+    benchmarks/README.md). The hold lasts twice the host time of the previous call with the
+    same ``key`` (at least 1 ms); a call the hold did not cover is counted in ``uncovered``.
+    """
+
+    def __init__(self, device: torch.device, hold: bool = True) -> None:
         self.device = device
+        self.hold = hold and device.type == "cuda" and hasattr(torch.cuda, "_sleep")
+        self._cycles_per_ms: float | None = None
+        self._host_ms: dict[str, float] = {}
+        self.uncovered = 0
 
-    def __call__(self, fn: Callable[[], Any]) -> float:
-        if self.device.type == "cuda":
+    def _calibrate(self) -> float:
+        if self._cycles_per_ms is None:
+            cycles = 20_000_000
+            torch.cuda._sleep(cycles)            # first launch: loads the kernel
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            self._cycles_per_ms = cycles / max(start.elapsed_time(end), 1e-3)
+        return self._cycles_per_ms
+
+    def __call__(self, fn: Callable[[], Any], key: str = "") -> float:
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if self.hold:
+                hold_ms = min(1000.0, max(1.0, 2.0 * self._host_ms.get(key, 5.0)))
+                torch.cuda._sleep(int(hold_ms * self._calibrate()))
+            start.record()
+            t = time.perf_counter()
             fn()
+            self._host_ms[key] = (time.perf_counter() - t) * 1e3
+            if self.hold and start.query():       # the hold ended before the host had dispatched fn
+                self.uncovered += 1
             end.record()
             end.synchronize()
             return start.elapsed_time(end)
@@ -856,7 +889,9 @@ def _measured_profile(graph: OpGraph, params: Mapping[str, torch.Tensor], inputs
                    batch_size=graph.source.get("options", {}).get("batch_size"), optimizer=optimizer,
                    nodes=costs, params=pcosts,
                    info={"seconds": round(time.perf_counter() - t0, 3), "warmup": warmup, "repeats": repeats,
-                         "peak_device_bytes": peak_device, "torch": torch.__version__})
+                         "peak_device_bytes": peak_device, "torch": torch.__version__,
+                         **({"timing": "gpu kernels (stream held while the host dispatches)",
+                             "uncovered_timings": timer.uncovered} if timer.hold else {})})
 
 
 def _measure_node(node: Node, names: list[str], host: dict, hparams: Mapping[str, torch.Tensor], graph: OpGraph,
@@ -894,12 +929,14 @@ def _measure_node(node: Node, names: list[str], host: dict, hparams: Mapping[str
     gpu = device.type != "cpu"
     instrs = _as_gpu_kernels(node.instrs) if gpu else list(node.instrs)
     try:
-        run = _run_node_once(node, ins, ps, device, False, torch.randn_like, instrs, grads)
+        # counted (untimed) run: the FLOPs and bytes of the kernels this device really runs
+        run = _run_node_once(node, ins, ps, device, True, torch.randn_like, instrs, grads)
     except Exception as exc:  # noqa: BLE001
         raise ProfileError(f"node {node.id} ({node.name}, {node.op}) failed on {device}: "
                            f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from exc
     outputs = {v: (t.detach().to("cpu") if isinstance(t, torch.Tensor) else t) for v, t in run.outputs.items()}
     saved_internal, saved_pos = run.saved_internal_bytes, run.saved_inputs
+    fwd_kernels, bwd_kernels = run.fwd_kernels, run.bwd_kernels
     del run             # its outputs hold the autograd graph and every tensor it saved
     if gpu and any(ins.target == _SDPA_TARGET for ins in node.instrs):
         # Plans for GPUs price the fused attention kernel (a GPU's math fallback, as for
@@ -909,14 +946,14 @@ def _measure_node(node: Node, names: list[str], host: dict, hparams: Mapping[str
     fwd_times, bwd_times = [], []
     for r in range(warmup + repeats):
         env = dict(ins)
-        f_ms = timer(lambda: run_instrs(instrs, env, ps, device))
+        f_ms = timer(lambda: run_instrs(instrs, env, ps, device), "forward")
         outs = [env[v] for v in node.outputs if v in grads and isinstance(env.get(v), torch.Tensor)
                 and env[v].requires_grad]
         wrt = [t for t in list(ins.values()) + list(ps.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
         b_ms = 0.0
         if outs and wrt:
             seeds = [torch.randn_like(t) for t in outs]
-            b_ms = timer(lambda: torch.autograd.grad(outs, wrt, seeds, allow_unused=True))
+            b_ms = timer(lambda: torch.autograd.grad(outs, wrt, seeds, allow_unused=True), "backward")
             del seeds
         # this run's values, saved tensors and gradients go before the next run allocates
         del env, outs, wrt
@@ -926,6 +963,8 @@ def _measure_node(node: Node, names: list[str], host: dict, hparams: Mapping[str
     del ins, ps
     f = statistics.median(fwd_times)
     cost = NodeCost(forward_ms=f, recompute_ms=f, backward_ms=statistics.median(bwd_times),
+                    flops_forward=sum(k[0] for k in fwd_kernels), flops_backward=sum(k[0] for k in bwd_kernels),
+                    bytes_forward=sum(k[1] for k in fwd_kernels), bytes_backward=sum(k[1] for k in bwd_kernels),
                     activation_bytes=saved_internal)
     return cost, saved_pos, outputs
 

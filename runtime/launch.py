@@ -21,6 +21,7 @@ or the launcher was stopped by it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -148,10 +149,13 @@ def spawn(worker_args: list[str], nproc: int, *, run_id: str, describe: Callable
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // nproc)
     logs = tempfile.mkdtemp(prefix="ftcompile-run-")
+    # LaunchConfig.shutdown_timeout (the grace between SIGTERM and SIGKILL) is newer than the torch
+    # versions we support (torch 2.11 has none): older agents keep their own default grace.
+    grace = ({"shutdown_timeout": shutdown_timeout_s}
+             if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {})
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id, rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
-                          monitor_interval=0.1, logs_specs=DefaultLogsSpecs(log_dir=logs),
-                          shutdown_timeout=shutdown_timeout_s)
+                          monitor_interval=0.1, logs_specs=DefaultLogsSpecs(log_dir=logs), **grace)
     # Ranks sharing a host's cores must not each start a thread per core.
     env = {"FTCOMPILE_LAUNCHER": "ftcompile", "FTCOMPILE_RUN_ID": run_id,
            # A restart must not read the keys of the attempt before (pytorch#135712): rank 0 of each

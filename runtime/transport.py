@@ -98,6 +98,10 @@ class _HostStaging:
         if host is buffer:
             return buffer
         s = self._stream(buffer.device)
+        # The buffer belongs to the compute stream: kernels queued there may still read it (a reused
+        # receive buffer) or the memory's previous owner (the caching allocator hands freed blocks on
+        # at once). Writing before they finish corrupted received activations when 4 ranks shared a GPU.
+        s.wait_stream(torch.cuda.current_stream(buffer.device))
         with torch.cuda.stream(s):
             buffer.copy_(host, non_blocking=True)
         # Done before the buffer is handed to a stage, which runs on the compute stream.
