@@ -17,6 +17,12 @@ A CUDA payload that goes through host memory (gloo, MPI) is copied on a stream
 of its own into pinned memory, so copies do not queue behind the compute stream's
 kernels; NCCL runs its transfers on its own streams already.
 
+NCCL refuses a communicator with two members on one GPU, and ranks do share GPUs: AvgPipe's
+N parallel pipelines on P GPUs put stage s of every pipeline on GPU s, and a run may start
+more ranks than the host has GPUs. Under ``--transport nccl`` every group whose members
+share a GPU (:func:`group_backend`) goes over gloo through host memory instead; the others
+keep NCCL.
+
 :func:`detect_launcher` reads the environment torchrun, mpirun or
 ``ftcompile run`` set up, so that nothing assumes one host.
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import socket
 import threading
 from dataclasses import dataclass
 
@@ -61,6 +68,27 @@ def detect_launcher(env: dict | None = None) -> Launch:
         if rank in env and size in env:
             return Launch(int(env[rank]), int(env[size]), int(env.get(local, 0)), "mpirun")
     return Launch(0, 1, 0, "single")
+
+
+def gpu_key(device: torch.device) -> str | None:
+    """The physical GPU behind ``device``: host name and the GPU's UUID (its index where torch
+    gives no UUID), the same in every process whatever ``CUDA_VISIBLE_DEVICES`` numbers it. None
+    for the CPU."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return f"{socket.gethostname()}:{uuid if uuid is not None else index}"
+
+
+def group_backend(members, backend: str, gpu_of: dict[int, str | None]) -> str:
+    """The backend of a process group over ``members``: NCCL when the transport's backend is NCCL
+    and no two members share a GPU (``gpu_of``: rank -> :func:`gpu_key`), which NCCL refuses;
+    gloo otherwise."""
+    if backend != "nccl":
+        return "gloo"
+    keys = [gpu_of.get(r) for r in members]
+    return "gloo" if any(k is None for k in keys) or len(set(keys)) < len(keys) else "nccl"
 
 
 class _HostStaging:
@@ -171,7 +199,8 @@ class TorchTransport:
     """
 
     def __init__(self, launch: Launch, *, backend: str = "gloo", timeout_s: float = 300.0,
-                 pairs: list[tuple[int, int]] | None = None, pair_groups: bool | None = None):
+                 pairs: list[tuple[int, int]] | None = None, pair_groups: bool | None = None,
+                 device: torch.device | None = None):
         import torch.distributed as dist
 
         self.dist = dist
@@ -186,6 +215,13 @@ class TorchTransport:
                 raise TransportError("torch.distributed needs MASTER_ADDR and MASTER_PORT: start the ranks with "
                                      "`ftcompile run --nproc N` or torchrun, or use --transport mpi under mpirun")
             dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size, timeout=timeout)
+        # Which GPU every rank uses: groups of ranks that share one cannot be NCCL groups.
+        self._gpu_of: dict[int, str | None] = {}
+        if backend == "nccl":
+            keys: list = [None] * self.world_size
+            dist.all_gather_object(keys, gpu_key(device) if device is not None else None)
+            self._gpu_of = dict(enumerate(keys))
+        self.nccl_pairs: set[tuple[int, int]] = set()     # (src, dst) whose payloads go over NCCL
         # Payload groups per direction (src, dst); every rank creates every group, in one order,
         # as new_group requires. ``pairs`` (the directions the plan uses) keeps their number down.
         use_pairs = backend == "nccl" if pair_groups is None else pair_groups
@@ -193,12 +229,14 @@ class TorchTransport:
         if use_pairs:
             wanted = sorted(set(pairs) if pairs is not None else
                             {(a, b) for a in range(self.world_size) for b in range(self.world_size) if a != b})
-            group_backend = "nccl" if backend == "nccl" else "gloo"
             for a, b in wanted:
-                g = dist.new_group(ranks=sorted((a, b)), backend=group_backend, timeout=timeout,
+                pair_backend = group_backend((a, b), backend, self._gpu_of)
+                g = dist.new_group(ranks=sorted((a, b)), backend=pair_backend, timeout=timeout,
                                    use_local_synchronization=True) if self.rank in (a, b) else None
                 if g is not None:
                     self._pair_group[(a, b)] = g
+                    if pair_backend == "nccl":
+                        self.nccl_pairs.add((a, b))
         self._locks = {r: threading.Lock() for r in range(self.world_size)}
         self._staging = _HostStaging()
         # gloo marks a send complete only inside wait(), so polling is_completed() never frees
@@ -208,9 +246,9 @@ class TorchTransport:
     def _payload_group(self, src: int, dst: int):
         return self._pair_group.get((src, dst))
 
-    def _host(self, t: torch.Tensor) -> torch.Tensor:
+    def _host(self, t: torch.Tensor, dst: int) -> torch.Tensor:
         # NCCL moves device memory itself; gloo needs host memory.
-        return t if t.device.type == "cpu" or self.backend == "nccl" else self._staging.to_host(t)
+        return t if t.device.type == "cpu" or (self.rank, dst) in self.nccl_pairs else self._staging.to_host(t)
 
     def isend(self, dst: int, header: list[int], payload: torch.Tensor | None) -> list:
         """Send a header and its payload to ``dst`` without waiting; returns handles to keep until done."""
@@ -221,7 +259,7 @@ class TorchTransport:
                 works.append(self.dist.isend(head, dst, tag=TAG))
                 keep = [head]
                 if payload is not None:
-                    p = self._host(payload.contiguous())
+                    p = self._host(payload.contiguous(), dst)
                     group = self._payload_group(self.rank, dst)
                     if group is None and p.device.type == "cuda":
                         raise TransportError(f"rank {self.rank}: no NCCL group for sends to rank {dst}; the "
@@ -240,7 +278,7 @@ class TorchTransport:
 
     def recv_payload(self, src: int, buffer: torch.Tensor) -> torch.Tensor:
         group = self._payload_group(src, self.rank)
-        if buffer.device.type == "cuda" and self.backend == "nccl":
+        if buffer.device.type == "cuda" and (src, self.rank) in self.nccl_pairs:
             # blocking: the calling thread's current stream waits for the transfer
             self.dist.recv(buffer, src, group=group, tag=TAG)
             return buffer
@@ -270,12 +308,12 @@ class TorchTransport:
             members = sorted(groups[sid])
             if self.rank not in members:
                 continue
-            backend = "nccl" if self.backend == "nccl" else "gloo"
+            backend = group_backend(members, self.backend, self._gpu_of)
             g = self.dist.new_group(ranks=members, backend=backend, use_local_synchronization=True,
                                     timeout=datetime.timedelta(days=365))
 
-            def allreduce(t: torch.Tensor, _g=g) -> None:
-                if t.device.type == "cuda" and self.backend != "nccl":
+            def allreduce(t: torch.Tensor, _g=g, _staged=backend != "nccl") -> None:
+                if t.device.type == "cuda" and _staged:
                     host = self._staging.to_host(t)
                     self.dist.all_reduce(host, group=_g)
                     t.copy_(host)
@@ -440,5 +478,5 @@ def make_transport(kind: str, launch: Launch, *, device: torch.device, timeout_s
     if kind in ("gloo", "nccl"):
         if kind == "nccl" and device.type != "cuda":
             raise TransportError("--transport nccl needs --device cuda; use gloo on the CPU")
-        return TorchTransport(launch, backend=kind, timeout_s=timeout_s)
+        return TorchTransport(launch, backend=kind, timeout_s=timeout_s, device=device)
     raise TransportError(f"unknown transport {kind!r}; choose auto, gloo, nccl or mpi")

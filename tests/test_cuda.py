@@ -120,16 +120,18 @@ def test_cuda_allocator_peak_within_the_plan(small, schedule, tmp_path):
         assert allocated > 0.3 * counted, (g, allocated, counted)
 
 
-def test_avgpipe_two_parallel_pipelines_train_on_cuda_as_on_the_cpu(tmp_path):
-    """AvgPipe, N = 2 pipelines of a two-GPU plan (4 ranks sharing the one GPU, tensors staged through
-    pinned host buffers), one micro-batch forwarded in advance: the CUDA run gives the CPU run's losses,
-    step by step, and each rank's allocator peak is reported."""
+@pytest.mark.parametrize("transport", ["gloo", "nccl"])
+def test_avgpipe_two_parallel_pipelines_train_on_cuda_as_on_the_cpu(transport, tmp_path):
+    """AvgPipe, N = 2 pipelines of a two-GPU plan on the machine's GPUs (stage s of both pipelines on
+    one GPU), one micro-batch forwarded in advance: the CUDA run gives the CPU run's losses, step by
+    step, and each rank's allocator peak is reported. Under NCCL the groups whose ranks share a GPU
+    (the averaging groups; every group on a one-GPU machine) go through host memory over gloo."""
     built, graph, _ = traced("gpt2-tiny")
     pkg = package_for_plan(tmp_path / "pkg", "gpt2-tiny", interleaved_plan(graph, stages=2, gpus=2))
     common = ["--nproc", "4", "--steps", "4", "--schedule", "avgpipe", "--parallel-pipelines", "2",
               "--advance", "1", "--micro-batches", "4", "--no-dropout", "--optimizer", "adam", "--lr", "1e-3"]
     cpu = _run(pkg, tmp_path / "cpu", *common, "--device", "cpu")
-    gpu = _run(pkg, tmp_path / "gpu", *common, "--device", "cuda", "--transport", "gloo")
+    gpu = _run(pkg, tmp_path / "gpu", *common, "--device", "cuda", "--transport", transport)
     assert len(cpu) == len(gpu) == 4
     for a, b in zip(cpu, gpu):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a["loss"], b["loss"])

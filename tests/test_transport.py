@@ -29,8 +29,8 @@ def _exchange(rank: int, port: int, backend: str, device: str, out) -> None:
 
     if device == "cuda":
         torch.cuda.set_device(rank)
-    dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
-    t = TorchTransport(Launch(rank, 2, rank, "test"), backend=backend, pair_groups=True)
+    dev = {"cuda": torch.device("cuda", rank), "cuda:0": torch.device("cuda", 0)}.get(device, torch.device("cpu"))
+    t = TorchTransport(Launch(rank, 2, rank, "test"), backend=backend, pair_groups=True, device=dev)
     peer = 1 - rank
     n, size = 40, 1 << 18
     got: list = []
@@ -52,8 +52,9 @@ def _exchange(rank: int, port: int, backend: str, device: str, out) -> None:
     th.join(timeout=120)
     ok = not th.is_alive() and [g[0] for g in got] == list(range(n)) and \
         all(g[2] == float(i + 10 * peer) and g[1] == float(i + 10 * peer) * size for i, g in enumerate(got))
+    over_nccl = bool(t.nccl_pairs)
     t.close()
-    out.put((rank, ok))
+    out.put((rank, (ok, over_nccl)))
 
 
 def _run(backend: str, device: str) -> dict:
@@ -70,10 +71,29 @@ def _run(backend: str, device: str) -> dict:
 
 
 def test_both_directions_at_once_over_gloo_pair_groups():
-    assert _run("gloo", "cpu") == {0: True, 1: True}
+    assert _run("gloo", "cpu") == {0: (True, False), 1: (True, False)}
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_both_directions_at_once_over_nccl():
-    assert _run("nccl", "cuda") == {0: True, 1: True}
+    assert _run("nccl", "cuda") == {0: (True, True), 1: (True, True)}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_two_ranks_on_one_gpu_under_nccl_go_through_host_memory():
+    """NCCL refuses two members on one GPU: the pair's payloads take gloo through pinned host memory."""
+    assert _run("nccl", "cuda:0") == {0: (True, False), 1: (True, False)}
+
+
+def test_groups_sharing_a_gpu_are_not_nccl_groups():
+    from ftcompile.runtime.transport import group_backend
+
+    gpu_of = {0: "h:GPU-a", 1: "h:GPU-b", 2: "h:GPU-a", 3: "h:GPU-b", 4: "g:GPU-a", 5: None}
+    assert group_backend((0, 1), "nccl", gpu_of) == "nccl"
+    assert group_backend((0, 2), "nccl", gpu_of) == "gloo"          # one GPU, two ranks
+    assert group_backend((0, 1, 2), "nccl", gpu_of) == "gloo"
+    assert group_backend((0, 4), "nccl", gpu_of) == "nccl"          # same UUID text, another host
+    assert group_backend((0, 5), "nccl", gpu_of) == "gloo"          # a rank without a GPU
+    assert group_backend((0, 1), "gloo", gpu_of) == "gloo"
