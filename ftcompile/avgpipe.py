@@ -20,7 +20,11 @@ module reports:
   optimizer state and versions, from :func:`ftcompile.plan.evaluate`) plus, when ``N > 1``, one
   weight-sized buffer per pipeline for the pending pull (:mod:`ftcompile.runtime.avgpipe`), plus ``N`` times
   its data footprint (activations in flight at this ``M`` and advance, buffers, inputs), plus
-  the GPU's reserve once.
+  ``N`` times the GPU's reserve: the runtime runs each pipeline's stage in a process of its own
+  (``ftcompile.runtime``: N processes per GPU), and each has its own CUDA context, library
+  workspaces and caching allocator, which the reserve stands for. So the fullest GPU holds
+  ``N`` times what one pipeline's plan gives it, plus ``N`` pull buffers. (The paper's Eq. 8
+  in :func:`predict` keeps its own model: one process, reserve once.)
 
 The micro-batch size stays the profiled one, so ``M`` also sets each pipeline's batch
 (``M x`` micro-batch). The choice is the highest simulated throughput among the settings
@@ -93,7 +97,7 @@ def memory_of(cost, N: int) -> int:
         model = g.param_bytes + g.weight_version_bytes + g.grad_bytes + g.optimizer_bytes
         data = g.memory_bytes - model - g.reserve_bytes
         pull = g.param_bytes if N > 1 else 0       # one pipeline never pulls: no displacement buffer
-        worst = max(worst, N * (model + pull) + N * data + g.reserve_bytes)
+        worst = max(worst, N * (model + pull) + N * data + N * g.reserve_bytes)
     return worst
 
 
