@@ -19,6 +19,11 @@ Everything goes through the CLI as a user types it:
    included, sampled every 0.2 s), against the plan's figure for that GPU (``cost.gpus[g]``:
    counted bytes, then with the preset's reserve).
 
+4. **AvgPipe.** A plan over ``--avgpipe-gpus`` GPUs trained as N = 1 and N = 2 parallel pipelines on the
+   same GPUs (N processes per GPU): measured samples/s against ``ftcompile simulate --parallel-pipelines N``,
+   and the sum of the ranks' allocator peaks and of the processes' footprints against the simulator's
+   memory for N pipelines (each process's reserve counted).
+
 ``--device cpu`` runs the same steps on the CPU (no profile comparison) to check the script.
 """
 
@@ -151,6 +156,39 @@ def memory_part(a, out: Path, model_args: list[str], profile: Path | None) -> No
                   f"{(proc / plans[g]) if proc else float('nan'):12.2f}")
 
 
+def avgpipe_part(a, out: Path, model_args: list[str], profile: Path | None) -> None:
+    """N = 1, 2 AvgPipe pipelines of one plan on the same GPUs (N processes per GPU): measured samples/s
+    and memory against the simulator's figures for N pipelines (``ftcompile simulate ... --parallel-pipelines N``,
+    which counts each process's reserve)."""
+    P = a.avgpipe_gpus
+    print(f"\n## AvgPipe: {a.model}, a {P}-GPU plan, N pipelines sharing its GPUs (cluster {a.cluster})")
+    print(f"{'N':>2s} {'predicted samples/s':>20s} {'measured samples/s':>19s} {'predicted GB':>13s} "
+          f"{'allocator GB (sum)':>19s} {'processes GB (sum)':>19s}")
+    pkg = out / "pa"
+    prof = ["--profile", str(profile)] if profile else []
+    ftc("compile", a.model, *model_args, "--cluster", a.cluster, "--gpus", str(P), "--replicas", "1",
+        "--schedule", "avgpipe", "--parallel-pipelines", "1", "--advance", "0",
+        "--micro-batches", str(a.micro_batches), "--strategy", "seq", "--time-limit", "20", *prof, "-o", str(pkg))
+    for n in (1, 2):
+        sim = json.loads(ftc("simulate", str(pkg), "--schedule", "avgpipe", "--parallel-pipelines", str(n),
+                             "--advance", "0", "--json"))
+        if n == 1:
+            sps, mem = sim["throughput_samples_per_s"], None
+        else:
+            sps, mem = sim["avgpipe_throughput_samples_per_s"], sim["avgpipe_peak_memory"]
+        log = out / f"loga_{n}"
+        with GpuSampler() as sampler:
+            ftc("run", str(pkg), "--device", a.device, "--nproc", str(n * P), "--schedule", "avgpipe",
+                "--parallel-pipelines", str(n), "--advance", "0", "--steps", str(a.steps), "--no-dropout",
+                "--log-dir", str(log), "--progress", "off")
+        recs = [json.loads(x) for x in (log / "train.jsonl").read_text().splitlines() if '"step"' in x]
+        measured = statistics.median(r["samples_per_s"] for r in recs[2:])
+        alloc = sum(max(r["ranks"][k]["memory_bytes"] for r in recs) for k in recs[0]["ranks"])
+        procs = sum(sampler.peak.values())
+        shown = f"{mem / 1e9:13.2f}" if mem is not None else f"{'(plan)':>13s}"
+        print(f"{n:2d} {sps:20.1f} {measured:19.1f} {shown} {alloc / 1e9:19.2f} {procs / 1e9:19.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2-medium")
@@ -163,7 +201,8 @@ def main() -> None:
     ap.add_argument("--hardware", default="h100-80gb")
     ap.add_argument("--time-schedules", default="1f1b,gpipe")
     ap.add_argument("--memory-schedules", default=",".join(SCHEDULES))
-    ap.add_argument("--parts", default="profile,time,memory")
+    ap.add_argument("--avgpipe-gpus", type=int, default=1, help="avgpipe part: the plan's GPUs (N x that many ranks)")
+    ap.add_argument("--parts", default="profile,time,memory,avgpipe")
     ap.add_argument("--out", default="out/cuda-bench")
     a = ap.parse_args()
     out = Path(a.out)
@@ -175,6 +214,8 @@ def main() -> None:
         time_part(a, out, model_args, profile)
     if "memory" in parts:
         memory_part(a, out, model_args, profile)
+    if "avgpipe" in parts:
+        avgpipe_part(a, out, model_args, profile)
 
 
 if __name__ == "__main__":
