@@ -891,7 +891,11 @@ def _measured_profile(graph: OpGraph, params: Mapping[str, torch.Tensor], inputs
                    info={"seconds": round(time.perf_counter() - t0, 3), "warmup": warmup, "repeats": repeats,
                          "peak_device_bytes": peak_device, "torch": torch.__version__,
                          **({"timing": "gpu kernels (stream held while the host dispatches)",
-                             "uncovered_timings": timer.uncovered} if timer.hold else {})})
+                             "uncovered_timings": timer.uncovered} if timer.hold else
+                            # a torch without cuda._sleep: the events also bracket the host's dispatch
+                            {"timing": "events around the host's dispatch (no torch.cuda._sleep to hold the "
+                                       "stream): pessimistic where the host is slower than the kernels"}
+                            if device.type == "cuda" else {})})
 
 
 def _measure_node(node: Node, names: list[str], host: dict, hparams: Mapping[str, torch.Tensor], graph: OpGraph,

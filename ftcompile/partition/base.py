@@ -379,7 +379,8 @@ def memory_floor_reason(problem: Problem) -> str | None:
     if nid is None or need <= problem.cluster.gpu_memory:
         return None
     node = problem.graph.node(nid)
-    static = sum(problem.profile.params[q].total for q in set(node.params))
+    pb, gb, ob, _tb, _names = _stage_params(problem, [nid])      # the figures the floor counted
+    static = pb + gb + ob
     return (f"no plan of any strategy fits (proven): op node {node.name!r} alone needs at least "
             f"{format_bytes(need)} on its GPU ({format_bytes(static)} of weights, gradients and optimizer "
             f"state, one micro-batch of its activations and the {format_bytes(problem.memory_reserve)} "
