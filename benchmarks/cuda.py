@@ -39,6 +39,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 SCHEDULES = ["1f1b", "async", "gpipe", "pipedream", "2bw", "2gw"]
 
 
@@ -159,23 +161,30 @@ def memory_part(a, out: Path, model_args: list[str], profile: Path | None) -> No
 def avgpipe_part(a, out: Path, model_args: list[str], profile: Path | None) -> None:
     """N = 1, 2 AvgPipe pipelines of one plan on the same GPUs (N processes per GPU): measured samples/s
     and memory against the simulator's figures for N pipelines (``ftcompile simulate ... --parallel-pipelines N``,
-    which counts each process's reserve)."""
+    which counts each process's reserve). Memory per plan GPU: the allocator peaks of the N ranks that host
+    it (pipeline-major ranks: rank r hosts plan GPU r mod P) against N copies of its counted bytes."""
     P = a.avgpipe_gpus
     print(f"\n## AvgPipe: {a.model}, a {P}-GPU plan, N pipelines sharing its GPUs (cluster {a.cluster})")
-    print(f"{'N':>2s} {'predicted samples/s':>20s} {'measured samples/s':>19s} {'predicted GB':>13s} "
-          f"{'allocator GB (sum)':>19s} {'processes GB (sum)':>19s}")
+    print(f"(samples/s predicted for {P} GPUs of the cluster; measured with every rank on this machine's "
+          f"{torch.cuda.device_count() if a.device == 'cuda' else 0} GPU(s))")
+    print(f"{'N':>2s} {'predicted samples/s':>20s} {'measured samples/s':>19s} {'processes GB (sum)':>19s} "
+          f"{'plan GB (sum, +reserves)':>25s}")
+    rows = []
     pkg = out / "pa"
     prof = ["--profile", str(profile)] if profile else []
     ftc("compile", a.model, *model_args, "--cluster", a.cluster, "--gpus", str(P), "--replicas", "1",
         "--schedule", "avgpipe", "--parallel-pipelines", "1", "--advance", "0",
         "--micro-batches", str(a.micro_batches), "--strategy", "seq", "--time-limit", "20", *prof, "-o", str(pkg))
+    doc = json.loads((pkg / "plan.json").read_text())
     for n in (1, 2):
         sim = json.loads(ftc("simulate", str(pkg), "--schedule", "avgpipe", "--parallel-pipelines", str(n),
                              "--advance", "0", "--json"))
         if n == 1:
-            sps, mem = sim["throughput_samples_per_s"], None
+            sps = sim["throughput_samples_per_s"]
+            per_gpu = [(g["memory_bytes"] - g["reserve_bytes"], g["reserve_bytes"]) for g in doc["cost"]["gpus"]]
         else:
-            sps, mem = sim["avgpipe_throughput_samples_per_s"], sim["avgpipe_peak_memory"]
+            sps = sim["avgpipe_throughput_samples_per_s"]
+            per_gpu = [(g["counted_bytes"], g["reserve_bytes"]) for g in sim["avgpipe_gpu_memory"]]
         log = out / f"loga_{n}"
         with GpuSampler() as sampler:
             ftc("run", str(pkg), "--device", a.device, "--nproc", str(n * P), "--schedule", "avgpipe",
@@ -183,10 +192,17 @@ def avgpipe_part(a, out: Path, model_args: list[str], profile: Path | None) -> N
                 "--log-dir", str(log), "--progress", "off")
         recs = [json.loads(x) for x in (log / "train.jsonl").read_text().splitlines() if '"step"' in x]
         measured = statistics.median(r["samples_per_s"] for r in recs[2:])
-        alloc = sum(max(r["ranks"][k]["memory_bytes"] for r in recs) for k in recs[0]["ranks"])
+        peak = {int(k): max(r["ranks"][k]["memory_bytes"] for r in recs) for k in recs[0]["ranks"]}
         procs = sum(sampler.peak.values())
-        shown = f"{mem / 1e9:13.2f}" if mem is not None else f"{'(plan)':>13s}"
-        print(f"{n:2d} {sps:20.1f} {measured:19.1f} {shown} {alloc / 1e9:19.2f} {procs / 1e9:19.2f}")
+        planned = sum(c + r for c, r in per_gpu)
+        print(f"{n:2d} {sps:20.1f} {measured:19.1f} {procs / 1e9:19.2f} {planned / 1e9:25.2f}")
+        for g, (counted, reserve) in enumerate(per_gpu):
+            alloc = sum(b for r, b in peak.items() if r % P == g)
+            rows.append(f"{n:2d} {g:3d} {alloc / 1e9:15.2f} {counted / 1e9:11.2f} {reserve / 1e9:11.2f} "
+                        f"{alloc / counted:14.2f}")
+    print(f"\n{'N':>2s} {'gpu':>3s} {'allocator GB':>15s} {'counted GB':>11s} {'reserves GB':>11s} "
+          f"{'alloc/counted':>14s}   (allocator: sum of the peaks of the N ranks on that plan GPU)")
+    print("\n".join(rows))
 
 
 def main() -> None:

@@ -17,8 +17,9 @@ module reports:
   time (Eq. 2, with the utilisation our roofline profile implies, 100 % during compute),
   blocking communication (Eq. 4), bubbles from the recursions (Eqs. 5-7) and memory (Eq. 8).
 * **memory**: per GPU, ``N`` times each pipeline's model footprint (weights, gradients,
-  optimizer state and versions, from :func:`ftcompile.plan.evaluate`) plus, when ``N > 1``, one
-  weight-sized buffer per pipeline for the pending pull (:mod:`ftcompile.runtime.avgpipe`), plus ``N`` times
+  optimizer state and versions, from :func:`ftcompile.plan.evaluate`) plus, when ``N > 1``, per
+  pipeline the pending pull (a copy of the trainable weights) and its all-reduce bucket
+  (:func:`pull_bytes`, :mod:`ftcompile.runtime.avgpipe`), plus ``N`` times
   its data footprint (activations in flight at this ``M`` and advance, buffers, inputs), plus
   ``N`` times the GPU's reserve: the runtime runs each pipeline's stage in a process of its own
   (``ftcompile.runtime``: N processes per GPU), and each has its own CUDA context, library
@@ -35,7 +36,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from .plan import Plan, Problem, evaluate
+from .plan import Plan, Problem, _stage_params, evaluate
+from .runtime.allreduce import BUCKET_BYTES as AVERAGE_BUCKET_BYTES
 from .simulate import simulate
 
 
@@ -55,6 +57,7 @@ class Setting:
     predicted_step_ms: float = 0.0   # the paper's Eqs. 1-7 from the profiled setting
     predicted_memory_bytes: int = 0  # the paper's Eq. 8
     bubble_fraction: float = 0.0     # one pipeline's idle share (simulated)
+    gpu_memory: list = field(default_factory=list)   # per GPU (counted, reserve) bytes, N pipelines
 
     @property
     def fits(self) -> bool:
@@ -90,25 +93,48 @@ def _pipeline(problem: Problem, plan: Plan, M: int, advance: int):
     return pb, evaluate(pb, plan), simulate(pb, plan)
 
 
-def memory_of(cost, N: int) -> int:
-    """The fullest GPU's bytes with ``N`` parallel pipelines (see the module docstring)."""
-    worst = 0
-    for g in cost.gpus:
-        model = g.param_bytes + g.weight_version_bytes + g.grad_bytes + g.optimizer_bytes
-        data = g.memory_bytes - model - g.reserve_bytes
-        pull = g.param_bytes if N > 1 else 0       # one pipeline never pulls: no displacement buffer
-        worst = max(worst, N * (model + pull) + N * data + N * g.reserve_bytes)
-    return worst
+def pull_bytes(problem: Problem, plan: Plan, gpu: int, N: int) -> int:
+    """What one pipeline's averaging holds on ``gpu`` beyond its plan (``ftcompile.runtime.avgpipe``):
+    per stage, the pending displacement (a copy of its trainable weights) and the bucket its
+    background all-reduce fills meanwhile (a flat copy of up to ``BUCKET_BYTES`` of weights, or of
+    one larger tensor; with three or more pipelines also its float64 sum, twice that). One
+    pipeline never pulls."""
+    if N < 2:
+        return 0
+    total = 0
+    for st in plan.stages:
+        if st.gpu != gpu:
+            continue
+        names = _stage_params(problem, st.nodes)[4]
+        sizes = [problem.profile.params[n].bytes for n in names if problem.profile.params[n].grad_bytes]
+        trainable = sum(sizes)
+        bucket = min(trainable, max([AVERAGE_BUCKET_BYTES, *sizes]))
+        total += trainable + (3 * bucket if N >= 3 else bucket)
+    return total
+
+
+def gpu_memory(problem: Problem, plan: Plan, cost, N: int) -> list[tuple[int, int]]:
+    """Each GPU's (counted bytes, reserve bytes) with ``N`` parallel pipelines (see the module
+    docstring): N copies of what one pipeline's plan gives it and of its pull buffers, and N
+    processes' reserves."""
+    return [(N * (g.memory_bytes - g.reserve_bytes + pull_bytes(problem, plan, g.gpu, N)), N * g.reserve_bytes)
+            for g in cost.gpus]
+
+
+def memory_of(problem: Problem, plan: Plan, cost, N: int) -> int:
+    """The fullest GPU's bytes with ``N`` parallel pipelines, reserves included."""
+    return max((counted + reserve for counted, reserve in gpu_memory(problem, plan, cost, N)), default=0)
 
 
 def setting(problem: Problem, plan: Plan, M: int, N: int, advance: int) -> Setting:
     """One setting, simulated (see the module docstring)."""
-    _, cost, sim = _pipeline(problem, plan, M, advance)
+    pb, cost, sim = _pipeline(problem, plan, M, advance)
     busy = max((u * sim.minibatch_ms for u in sim.gpu_utilisation), default=0.0)
     step = max(sim.minibatch_ms, N * busy)
     limit = min((g.memory_limit for g in cost.gpus), default=0)
     return Setting(M, N, advance, step, N * M * sim.micro_batch_size / (step / 1e3) if step > 0 else 0.0,
-                   memory_of(cost, N), limit, bubble_fraction=sim.bubble_fraction)
+                   memory_of(pb, plan, cost, N), limit, bubble_fraction=sim.bubble_fraction,
+                   gpu_memory=gpu_memory(pb, plan, cost, N))
 
 
 def predict(problem: Problem, plan: Plan, m: int, settings: list[Setting]) -> None:

@@ -427,7 +427,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if par is not None:      # the timeline is one pipeline's; the figures below are all N's (ftcompile.avgpipe)
         data.update(parallel_pipelines=par.parallel, avgpipe_step_ms=par.step_ms,
                     avgpipe_throughput_samples_per_s=par.throughput, avgpipe_peak_memory=par.memory_bytes,
-                    avgpipe_memory_feasible=par.fits)
+                    avgpipe_memory_feasible=par.fits,
+                    avgpipe_gpu_memory=[{"gpu": g, "counted_bytes": c, "reserve_bytes": r}
+                                        for g, (c, r) in enumerate(par.gpu_memory)])
     if args.json:
         base._emit_json(data)
         return 0

@@ -101,17 +101,24 @@ class _StageAverager:
             job = self._jobs.get()
             if job is None:
                 return
-            key, tensors, kind, done = job
-            try:
-                out = self._pull(tensors) if kind == "pull" else self._mean(tensors)
-            except BaseException as exc:  # noqa: BLE001 - handed to the engine, which names the stage
-                out = exc
-            if done is not None:
-                done(out)
-                continue
-            with self._lock:
-                self.results[key] = out
-            self._notify()
+            stored = self._run(*job)
+            # Drop the job before telling the engine: kept while this thread waits, its tensors
+            # would hold the displacement past its application, a second weight-sized buffer.
+            del job
+            if stored:
+                self._notify()
+
+    def _run(self, key, tensors: list[torch.Tensor], kind: str, done) -> bool:
+        try:
+            out = self._pull(tensors) if kind == "pull" else self._mean(tensors)
+        except BaseException as exc:  # noqa: BLE001 - handed to the engine, which names the stage
+            out = exc
+        if done is not None:
+            done(out)
+            return False
+        with self._lock:
+            self.results[key] = out
+        return True
 
     def _pull(self, snapshot: list[torch.Tensor]) -> list[torch.Tensor]:
         # Bucket by bucket: the snapshot becomes the displacement in place, so the thread holds one
@@ -151,6 +158,13 @@ class _StageAverager:
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=10)
+
+
+def _apply(stage: int, step: int, tensors: list[torch.Tensor], disp) -> None:
+    if isinstance(disp, BaseException):
+        raise AvgPipeError(f"averaging stage {stage} over the parallel pipelines at step {step} failed: {disp}")
+    for p, d in zip(tensors, disp):
+        p.add_(d)
 
 
 class ElasticAveraging:
@@ -201,12 +215,9 @@ class ElasticAveraging:
         tensors = list(params.values())
         prev = self._pending.pop(stage, None)
         if prev is not None:
-            disp = avg.take(prev)
-            if isinstance(disp, BaseException):
-                raise AvgPipeError(f"averaging stage {stage} over the parallel pipelines at step {prev} failed: "
-                                   f"{disp}")
-            for p, d in zip(tensors, disp):
-                p.add_(d)
+            # in a call of its own, so that the displacement is freed before the snapshot below is
+            # taken: one weight-sized buffer per stage at a time, as ftcompile.avgpipe counts
+            _apply(stage, prev, tensors, avg.take(prev))
         avg.submit(step, [p.detach().clone() for p in tensors], "pull")
         self._pending[stage] = step
 

@@ -81,6 +81,17 @@ def gpu_key(device: torch.device) -> str | None:
     return f"{socket.gethostname()}:{uuid if uuid is not None else index}"
 
 
+def _new_group(dist, members, backend: str, timeout: datetime.timedelta):
+    """A process group over ``members``, created by every rank, members or not, in one order.
+
+    Not ``use_local_synchronization``: torch names such a group from its ranks and the number
+    of groups the calling process already has, so two members that joined different numbers of
+    groups before (rank 0 of pairs (0, 1), (0, 2); rank 2 of (0, 2) alone) wait under different
+    names for ever. A group every rank creates is named by a count all ranks share.
+    """
+    return dist.new_group(ranks=sorted(members), backend=backend, timeout=timeout)
+
+
 def group_backend(members, backend: str, gpu_of: dict[int, str | None]) -> str:
     """The backend of a process group over ``members``: NCCL when the transport's backend is NCCL
     and no two members share a GPU (``gpu_of``: rank -> :func:`gpu_key`), which NCCL refuses;
@@ -222,8 +233,9 @@ class TorchTransport:
             dist.all_gather_object(keys, gpu_key(device) if device is not None else None)
             self._gpu_of = dict(enumerate(keys))
         self.nccl_pairs: set[tuple[int, int]] = set()     # (src, dst) whose payloads go over NCCL
-        # Payload groups per direction (src, dst); every rank creates every group, in one order,
-        # as new_group requires. ``pairs`` (the directions the plan uses) keeps their number down.
+        # Payload groups per direction (src, dst), for the pairs NCCL serves (pairs that share a GPU
+        # send over the default gloo group, as the gloo transport does). ``pairs`` (the directions
+        # the plan uses) keeps their number down; ``pair_groups`` forces them on gloo too (tests).
         use_pairs = backend == "nccl" if pair_groups is None else pair_groups
         self._pair_group: dict[tuple[int, int], object] = {}
         if use_pairs:
@@ -231,9 +243,10 @@ class TorchTransport:
                             {(a, b) for a in range(self.world_size) for b in range(self.world_size) if a != b})
             for a, b in wanted:
                 pair_backend = group_backend((a, b), backend, self._gpu_of)
-                g = dist.new_group(ranks=sorted((a, b)), backend=pair_backend, timeout=timeout,
-                                   use_local_synchronization=True) if self.rank in (a, b) else None
-                if g is not None:
+                if pair_backend != "nccl" and not pair_groups:
+                    continue
+                g = _new_group(dist, (a, b), pair_backend, timeout)
+                if self.rank in (a, b):
                     self._pair_group[(a, b)] = g
                     if pair_backend == "nccl":
                         self.nccl_pairs.add((a, b))
@@ -302,15 +315,15 @@ class TorchTransport:
     def replica_groups(self, groups: dict[int, list[int]]) -> dict[int, object]:
         """One process group per stage over the ranks that run it (one per replica), for the ones this
         rank is in: stage id -> ``allreduce(tensor)``, summing a tensor across the group in place.
-        Only members create a group (locally synchronised), each in stage order."""
+        Collective: every rank calls it with the same ``groups`` and creates every group, in stage
+        order (see :func:`_new_group`)."""
         out = {}
         for sid in sorted(groups):
             members = sorted(groups[sid])
+            backend = group_backend(members, self.backend, self._gpu_of)
+            g = _new_group(self.dist, members, backend, datetime.timedelta(days=365))
             if self.rank not in members:
                 continue
-            backend = group_backend(members, self.backend, self._gpu_of)
-            g = self.dist.new_group(ranks=members, backend=backend, use_local_synchronization=True,
-                                    timeout=datetime.timedelta(days=365))
 
             def allreduce(t: torch.Tensor, _g=g, _staged=backend != "nccl") -> None:
                 if t.device.type == "cuda" and _staged:

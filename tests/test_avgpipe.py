@@ -234,9 +234,18 @@ def test_one_pipeline_setting_is_the_schedules_own_simulation(tiny_problem):
     one, two = setting(problem, plan, 4, 1, 0), setting(problem, plan, 4, 2, 0)
     assert one.step_ms <= two.step_ms <= 2 * one.step_ms + 1e-9
     # two processes per GPU, each holding what the one-pipeline plan gives that GPU (its reserve too: a
-    # CUDA context and allocator each) and a weight-sized buffer for its pending pull
+    # CUDA context and allocator each), a copy of its trainable weights (the pending pull) and the
+    # all-reduce bucket (the tiny model's weights fit one 32 MiB bucket: another copy)
     gpus = evaluate(problem, plan).gpus
-    assert two.memory_bytes == max(2 * (g.memory_bytes + g.param_bytes) for g in gpus)
+    model = dict(problem.profile.params)
+
+    def trainable(gpu):
+        names = {p for st in plan.stages if st.gpu == gpu for n in st.nodes for p in problem.graph.node(n).params}
+        assert sum(model[n].bytes for n in names) < 32 * 2**20
+        return sum(model[n].bytes for n in names if model[n].grad_bytes)
+    assert two.memory_bytes == max(2 * (g.memory_bytes + 2 * trainable(g.gpu)) for g in gpus)
+    three = setting(problem, plan, 4, 3, 0)        # and the bucket's float64 sum
+    assert three.memory_bytes == max(3 * (g.memory_bytes + 4 * trainable(g.gpu)) for g in gpus)
 
 
 def test_tuning_chooses_the_fastest_setting_that_fits(tiny_problem):
@@ -489,3 +498,30 @@ def test_resume_keeps_the_adapted_advance(seq2, tmp_path):
         assert [x["advance"] for x in recs[5:]] == [saved["advance"]] * 2 and "advance_tuning" not in recs[5]
     else:
         assert recs[5]["advance_tuning"]["reason"].startswith("warm-up")
+
+
+def test_the_averaging_thread_keeps_no_displacement_once_taken():
+    """The runtime holds one weight-sized buffer per stage for the pull, as ftcompile.avgpipe counts:
+    once the engine has taken and applied a step's displacement, nothing else keeps it alive (the
+    background thread held it while waiting for its next job: a second copy on the GPU, 0.8 GB
+    per rank for gpt2-medium on an H200)."""
+    import threading
+    import weakref
+
+    from ftcompile.runtime.avgpipe import _StageAverager
+
+    arrived = threading.Event()
+    # the all-reduce of two members holding equal weights: the sum is twice one's
+    avg = _StageAverager(0, 2, 0.5, lambda t: t.mul_(2), arrived.set)
+    try:
+        snapshot = [torch.randn(64, 64), torch.randn(64)]
+        refs = [weakref.ref(t) for t in snapshot]
+        avg.submit(0, snapshot, "pull")
+        del snapshot
+        assert arrived.wait(30)
+        disp = avg.take(0)
+        assert all(float(d.abs().max()) == 0.0 for d in disp)      # equal members: no displacement
+        del disp
+        assert [r() for r in refs] == [None, None]
+    finally:
+        avg.close()
