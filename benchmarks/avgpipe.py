@@ -60,6 +60,8 @@ def sh(*cmd: str) -> str:
 
 # --------------------------------------------------------------------------- convergence
 
+OPT_NAMES = {"adam": "Adam", "momentum": "SGD with momentum 0.9", "sgd": "plain SGD"}
+
 #: The three runs compared at equal samples: (key, label, parallel pipelines, micro-batches per pipeline as a
 #: multiple of M, what one optimizer step of a model sees).
 RUNS = (("n1", "N = 1, batch B (1F1B)", 1, 1),
@@ -166,7 +168,7 @@ def _run_all(args, tmp: Path) -> dict:
     hb = max(1, args.heldout_sequences // (M * b))
     held = list(itertools.islice(text_batches(package.manifest, micro_batches=M, seed=12345, root=str(heldout)), hb))
     edges = list(range(0, args.sequences + 1, args.eval_every))
-    res = {"seed": args.seed, "split": split, "M": M, "b": b, "edges": edges, "heldout_sequences": hb * M * b,
+    res = {"seed": args.seed, "optimizer": args.optimizer, "split": split, "M": M, "b": b, "edges": edges, "heldout_sequences": hb * M * b,
            "init_heldout": evaluate(package, held, micro_batches=M).loss, "runs": {}}
     todo = [(key, label, n, mult, None) for key, label, n, mult in RUNS if key in args.runs and n == 1]
     if "n2" in args.runs:
@@ -180,7 +182,7 @@ def _run_all(args, tmp: Path) -> dict:
             t0 = time.perf_counter()
             sh(py, "run", str(pkg), "--nproc", "2", "--schedule", "avgpipe", "--parallel-pipelines", str(n),
                "--advance", "1", "--micro-batches", str(mult * M), "--steps", str(steps), "--data", f"text:{train}",
-               "--optimizer", "adam", "--lr", str(lr), "--seed", str(args.seed), "--log-dir", str(log),
+               "--optimizer", args.optimizer, "--lr", str(lr), "--seed", str(args.seed), "--log-dir", str(log),
                "--checkpoint-dir", str(ck), "--checkpoint-every", str(every), "--progress", "off", "--no-dropout",
                *(("--elastic-alpha", str(alpha)) if alpha is not None else ()))
             seconds = time.perf_counter() - t0
@@ -203,7 +205,7 @@ def _report(res: dict, args) -> None:
     sp = res["split"]
     print(f"gpt2-tiny (2 stages, 2 processes, gloo) on the text corpus split by file: training part "
           f"{sp['train']['files']} files ({sp['train']['bytes'] / 1e6:.1f} MB), held-out part {sp['heldout']['files']} "
-          f"files ({sp['heldout']['bytes'] / 1e6:.1f} MB); Adam, constant lr, M = {res['M']} micro-batches of "
+          f"files ({sp['heldout']['bytes'] / 1e6:.1f} MB); {OPT_NAMES[res.get('optimizer', 'adam')]}, constant lr, M = {res['M']} micro-batches of "
           f"{res['b']} sequences of 32 bytes per pipeline (B = {res['M'] * res['b']} sequences), dropout off, seed "
           f"{args.seed}.")
     print("train: mean training loss of the steps in the window ending at that many sequences (N = 2: mean over the "
@@ -268,7 +270,7 @@ def _plot(res: dict, seed: int, folder: Path) -> None:
             ax.plot(edges[1:], r["train"], color=colors[k], ls=":", lw=1)
             ax.plot(edges, r["heldout"], color=colors[k], marker=".", lw=1.5,
                     label=lab + (" (reference model)" if k.startswith("n2") else ""))
-        ax.set_title(f"Adam, lr {lr:g}", fontsize=10)
+        ax.set_title(f"{OPT_NAMES[res.get('optimizer', 'adam')]}, lr {lr:g}", fontsize=10)
         ax.set_xlabel("sequences seen")
         ax.set_ylim(top=min(3.6, max(res["init_heldout"], 1.0)))
         ax.grid(alpha=0.3)
@@ -294,18 +296,19 @@ def _load(files: list[str], default_seed: int) -> dict[int, dict]:
         except (OSError, ValueError) as e:
             raise SystemExit(f"cannot read {f} ({e}); give files written by convergence --save")
         seed = got.setdefault("seed", default_seed)      # files saved before the seed was recorded: --seed
+        got.setdefault("optimizer", "adam")              # files saved before --optimizer: Adam
         res = by_seed.get(seed)
         if res is None:
             by_seed[seed], first[seed] = got, f
-        elif any(got[k] != res[k] for k in ("edges", "split", "M", "heldout_sequences", "init_heldout")):
+        elif any(got[k] != res[k] for k in ("edges", "split", "M", "heldout_sequences", "init_heldout", "optimizer")):
             raise SystemExit(f"{f} measured another setting than {first[seed]} (same seed {seed}); report them apart")
         else:
             res["runs"].update(got["runs"])
     some = next(iter(by_seed.values()))
     for seed, res in by_seed.items():
-        if any(res[k] != some[k] for k in ("edges", "split", "M", "heldout_sequences")):
-            raise SystemExit(f"seed {seed}'s files measured another setting (sequences, checkpoints, corpus split, M "
-                             "or held-out sequences) than the others; compare seeds of one setting only")
+        if any(res[k] != some[k] for k in ("edges", "split", "M", "heldout_sequences", "optimizer")):
+            raise SystemExit(f"seed {seed}'s files measured another setting (sequences, checkpoints, corpus split, M, "
+                             "held-out sequences or optimizer) than the others; compare seeds of one setting only")
     return dict(sorted(by_seed.items()))
 
 
@@ -336,7 +339,7 @@ def _report_seeds(by_seed: dict[int, dict], folder: Path) -> None:
     initial weights and data order) and their spread over seeds, per learning rate."""
     some = next(iter(by_seed.values()))
     edges = some["edges"]
-    print(f"gpt2-tiny (2 stages, 2 processes, gloo) on the text corpus split by file; Adam, constant lr, M = "
+    print(f"gpt2-tiny (2 stages, 2 processes, gloo) on the text corpus split by file; {OPT_NAMES[some.get('optimizer', 'adam')]}, constant lr, M = "
           f"{some['M']} micro-batches of {some['b']} sequences of 32 bytes per pipeline, dropout off. Seeds "
           f"{', '.join(map(str, by_seed))}: each seed its own initial weights and training data order; the same "
           f"{some['heldout_sequences']} held-out sequences for all. Held-out loss of each run's model after "
@@ -416,7 +419,8 @@ def _plot_seeds(by_seed: dict[int, dict], lrs: list[float], folder: Path) -> Non
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    edges = next(iter(by_seed.values()))["edges"]
+    some = next(iter(by_seed.values()))
+    edges = some["edges"]
     every = {n: r for res in by_seed.values() for n, r in res["runs"].items()}
     colors = _colors(every)
     fig, axes = plt.subplots(len(lrs), 2, figsize=(10.4, 3.4 * len(lrs) + 0.5), squeeze=False)
@@ -430,7 +434,7 @@ def _plot_seeds(by_seed: dict[int, dict], lrs: list[float], folder: Path) -> Non
                 ax.plot(edges[1:], r["heldout"][1:], color=colors[k], lw=1, alpha=0.7,
                         label=lab + (" (reference model)" if k.startswith("n2") else "") if first else None)
                 first = False
-        ax.set_title(f"held-out loss, one line per seed (Adam, lr {lr:g})", fontsize=9)
+        ax.set_title(f"held-out loss, one line per seed ({OPT_NAMES[some['optimizer']]}, lr {lr:g})", fontsize=9)
         ax.set_xlabel("sequences seen")
         ax.set_ylabel("held-out loss")
         ax.grid(alpha=0.3)
@@ -636,6 +640,8 @@ def main() -> None:
     c.add_argument("--eval-every", type=int, default=800, help="sequences between checkpoints evaluated")
     c.add_argument("--micro-batches", type=int, default=4, help="M per pipeline (B = 2M sequences)")
     c.add_argument("--lrs", type=lambda s: [float(x) for x in s.split(",")], default=[1e-3, 2e-3])
+    c.add_argument("--optimizer", choices=sorted(OPT_NAMES), default="adam",
+                   help="every run's optimizer (momentum: SGD with momentum 0.9; default adam)")
     c.add_argument("--seed", type=int, default=0,
                    help="seeds the initial weights (compile --seed) and the training data's order (run --seed)")
     c.add_argument("--runs", type=_run_keys, default=[k for k, *_ in RUNS],

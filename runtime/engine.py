@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.func import functional_call
 
 from . import optim as _optim
@@ -357,6 +358,22 @@ class RankEngine:
             opt, sched = _optim.build(list(params.values()), ocfg)
             self._opt[sid] = (params, opt, sched)
 
+    def _root_handle(self, v: str, out):
+        """What a stage keeps of output ``v`` for its backward. The plan counts what autograd saves, not
+        the stage's outputs, so neither is kept alive here:
+        * an output the backward does not start from (neither the loss nor a value some reader sends a
+          gradient for: a language model's logits beside its loss): nothing;
+        * an output a reader sends a gradient for: its place in the autograd graph
+          (``GradientEdge``), not its tensor, whose memory goes once sent and read;
+        * the loss, a scalar: itself."""
+        if not (isinstance(out, torch.Tensor) and out.requires_grad):
+            return None
+        if v == self.m.loss:
+            return out
+        if self._needs_grad(v) and (self._local_consumers.get(v) or self._remote_ranks.get(v)):
+            return get_gradient_edge(out)
+        return None
+
     def _needs_grad(self, v: str) -> bool:
         spec = self.m.values[v]
         return spec.is_tensor and spec.is_floating and spec.requires_grad and spec.producer is not None
@@ -648,7 +665,7 @@ class RankEngine:
             args = [self._leaf(v, x) for v, x in zip(spec.inputs, inputs)]
             with torch.enable_grad():
                 outs = _call(st.module, weights, st.params, tuple(args), seed)
-            st.saved[k] = (args, outs, weights)
+            st.saved[k] = (args, tuple(self._root_handle(v, out) for v, out in zip(spec.outputs, outs)), weights)
         st.times.forward_s += time.perf_counter() - t0
         st.times.forwards += 1
         if self.cache is not None:      # before sending: a reader that sees it sent finds it written
@@ -710,7 +727,7 @@ class RankEngine:
         roots, grads = [], []
         with self.cv:
             for v, out in zip(spec.outputs, outs):
-                if not (isinstance(out, torch.Tensor) and out.requires_grad):
+                if not (isinstance(out, GradientEdge) or (isinstance(out, torch.Tensor) and out.requires_grad)):
                     if v != self.m.loss and self._needs_grad(v):
                         self.inbox.pop(("G", v, k), None)
                     continue
