@@ -199,7 +199,7 @@ def avgpipe_part(a, out: Path, model_args: list[str], profile: Path | None) -> N
         for g, (counted, reserve) in enumerate(per_gpu):
             alloc = sum(b for r, b in peak.items() if r % P == g)
             rows.append(f"{n:2d} {g:3d} {alloc / 1e9:15.2f} {counted / 1e9:11.2f} {reserve / 1e9:11.2f} "
-                        f"{alloc / counted:14.2f}")
+                        f"{alloc / counted if counted else float('nan'):14.2f}")
     print(f"\n{'N':>2s} {'gpu':>3s} {'allocator GB':>15s} {'counted GB':>11s} {'reserves GB':>11s} "
           f"{'alloc/counted':>14s}   (allocator: sum of the peaks of the N ranks on that plan GPU)")
     print("\n".join(rows))

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from .ir import DTYPE_BYTES
 from .plan import Plan, Problem, _stage_params, evaluate
 from .runtime.allreduce import BUCKET_BYTES as AVERAGE_BUCKET_BYTES
 from .simulate import simulate
@@ -97,8 +98,9 @@ def pull_bytes(problem: Problem, plan: Plan, gpu: int, N: int) -> int:
     """What one pipeline's averaging holds on ``gpu`` beyond its plan (``ftcompile.runtime.avgpipe``):
     per stage, the pending displacement (a copy of its trainable weights) and the bucket its
     background all-reduce fills meanwhile (a flat copy of up to ``BUCKET_BYTES`` of weights, or of
-    one larger tensor; with three or more pipelines also its float64 sum, twice that). One
-    pipeline never pulls."""
+    one larger tensor; with three or more pipelines also its float64 sum: twice that for float32
+    weights, four times for 16-bit ones). One pipeline never pulls. (The reference model a
+    checkpoint saves goes to the host bucket by bucket: nothing more on the GPU.)"""
     if N < 2:
         return 0
     total = 0
@@ -106,10 +108,14 @@ def pull_bytes(problem: Problem, plan: Plan, gpu: int, N: int) -> int:
         if st.gpu != gpu:
             continue
         names = _stage_params(problem, st.nodes)[4]
-        sizes = [problem.profile.params[n].bytes for n in names if problem.profile.params[n].grad_bytes]
-        trainable = sum(sizes)
-        bucket = min(trainable, max([AVERAGE_BUCKET_BYTES, *sizes]))
-        total += trainable + (3 * bucket if N >= 3 else bucket)
+        trainable = [n for n in names if problem.profile.params[n].grad_bytes]
+        sizes = [problem.profile.params[n].bytes for n in trainable]
+        bucket = min(sum(sizes), max([AVERAGE_BUCKET_BYTES, *sizes]))
+        factor = 1.0
+        if N >= 3:     # the float64 sum, for the narrowest dtype among the weights
+            item = [DTYPE_BYTES.get(problem.graph.params[n].meta.dtype, 4) for n in trainable]
+            factor += max((8 / b for b in item if b < 8), default=0.0)
+        total += sum(sizes) + int(bucket * factor)
     return total
 
 

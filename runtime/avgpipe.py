@@ -143,7 +143,9 @@ class _StageAverager:
             off = 0
             for p in parts:
                 n = p.numel()
-                out.append(flat[off:off + n].view_as(p).clone())
+                # to the host, where the checkpoint writes from: a device copy of every weight and
+                # optimizer state beside the training state is memory no plan counts
+                out.append(flat[off:off + n].view_as(p).to("cpu", copy=True))
                 off += n
         return out
 

@@ -525,3 +525,25 @@ def test_the_averaging_thread_keeps_no_displacement_once_taken():
         assert [r() for r in refs] == [None, None]
     finally:
         avg.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pull_holds_what_the_tuner_counts(dtype):
+    """The averaging's own bytes while it all-reduces a snapshot of three pipelines' weights, counted
+    tensor by tensor (runtime.memory): one flat bucket and its float64 sum, which is twice the bucket
+    for float32 weights and four times for bfloat16 (ftcompile.avgpipe.pull_bytes)."""
+    from ftcompile.runtime.avgpipe import _StageAverager
+    from ftcompile.runtime.memory import MemoryMeter
+
+    avg = _StageAverager(0, 3, 1 / 3, lambda t: t.mul_(3), lambda: None)
+    try:
+        snapshot = [torch.randn(256, 256).to(dtype), torch.randn(256).to(dtype), torch.randn(64, 256).to(dtype)]
+        bucket = sum(t.numel() * t.element_size() for t in snapshot)      # under 32 MiB: one bucket
+        meter = MemoryMeter()
+        meter.track_all(snapshot)
+        with meter.tracking():
+            avg._pull(snapshot)          # what the averaging thread runs, here on this thread to be metered
+        extra = meter.take_peak() - bucket
+        assert extra == bucket * (1 + 8 // snapshot[0].element_size()), (extra, bucket)
+    finally:
+        avg.close()
