@@ -127,20 +127,16 @@ def gpu_memory(problem: Problem, plan: Plan, cost, N: int) -> list[tuple[int, in
             for g in cost.gpus]
 
 
-def memory_of(problem: Problem, plan: Plan, cost, N: int) -> int:
-    """The fullest GPU's bytes with ``N`` parallel pipelines, reserves included."""
-    return max((counted + reserve for counted, reserve in gpu_memory(problem, plan, cost, N)), default=0)
-
-
 def setting(problem: Problem, plan: Plan, M: int, N: int, advance: int) -> Setting:
     """One setting, simulated (see the module docstring)."""
     pb, cost, sim = _pipeline(problem, plan, M, advance)
     busy = max((u * sim.minibatch_ms for u in sim.gpu_utilisation), default=0.0)
     step = max(sim.minibatch_ms, N * busy)
     limit = min((g.memory_limit for g in cost.gpus), default=0)
+    per_gpu = gpu_memory(pb, plan, cost, N)
+    fullest = max((counted + reserve for counted, reserve in per_gpu), default=0)   # reserves included
     return Setting(M, N, advance, step, N * M * sim.micro_batch_size / (step / 1e3) if step > 0 else 0.0,
-                   memory_of(pb, plan, cost, N), limit, bubble_fraction=sim.bubble_fraction,
-                   gpu_memory=gpu_memory(pb, plan, cost, N))
+                   fullest, limit, bubble_fraction=sim.bubble_fraction, gpu_memory=per_gpu)
 
 
 def predict(problem: Problem, plan: Plan, m: int, settings: list[Setting]) -> None:
