@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from ftcompile.cluster import ClusterSpec
 from ftcompile.ir import Edge, Node, OpGraph, ParamInfo, TensorMeta, ValueMeta
-from ftcompile.plan import Plan, PlanError, Problem, Stage, evaluate
+from ftcompile.plan import Plan, Problem, Stage, evaluate
 from ftcompile.profile import NodeCost, ParamCost, Profile
 
 
@@ -168,10 +168,13 @@ def best_convex(problem: Problem, max_stages: int | None = None) -> tuple[float,
     return best, arg
 
 
-def best_mixed(problem: Problem) -> float:
-    """The lowest evaluate() objective of any plan at all that fits: every set partition of the
-    op nodes into stages and every placement of the stages on GPUs (tiny graphs only)."""
+def mixed_plans(problem: Problem):
+    """Every plan at all: every set partition of the op nodes into stages whose stage graph is
+    acyclic, and every placement of the stages on GPUs (stage 0 on GPU 0: the GPUs are
+    interchangeable). Tiny graphs only: a 9-node graph on 2 GPUs has about 17,000."""
     ops = [n.id for n in problem.graph.op_nodes()]
+    op_set = set(ops)
+    arcs = [(e.src, e.dst) for e in problem.graph.edges if e.src in op_set and e.dst in op_set]
 
     def partitions(items):
         if not items:
@@ -183,16 +186,38 @@ def best_mixed(problem: Problem) -> float:
                 yield part[:i] + [[first] + part[i]] + part[i + 1:]
             yield [[first]] + part
 
-    P, best = problem.num_gpus, float("inf")
+    def acyclic(part) -> bool:
+        where = {n: i for i, s in enumerate(part) for n in s}
+        succ: dict[int, set[int]] = {i: set() for i in range(len(part))}
+        for a, b in arcs:
+            if where[a] != where[b]:
+                succ[where[a]].add(where[b])
+        state: dict[int, int] = {}
+
+        def cyclic(u: int) -> bool:          # depth-first search for a back edge
+            state[u] = 1
+            for w in succ[u]:
+                if state.get(w) == 1 or (w not in state and cyclic(w)):
+                    return True
+            state[u] = 2
+            return False
+
+        return not any(u not in state and cyclic(u) for u in succ)
+
+    P = problem.num_gpus
     for part in partitions(ops):
+        if not acyclic(part):
+            continue
         for gpus in itertools.product(range(P), repeat=len(part)):
-            if gpus[0] != 0:
-                continue               # GPUs are interchangeable (homogeneous cluster)
-            plan = Plan("all", P, [Stage(i, g, sorted(ns)) for i, (g, ns) in enumerate(zip(gpus, part))])
-            try:
-                cost = evaluate(problem, plan)
-            except PlanError:          # a cyclic stage graph
-                continue
-            if cost.feasible:
-                best = min(best, cost.objective_ms)
+            if gpus[0] == 0:
+                yield Plan("all", P, [Stage(i, g, sorted(ns)) for i, (g, ns) in enumerate(zip(gpus, part))])
+
+
+def best_mixed(problem: Problem) -> float:
+    """The lowest evaluate() objective of any plan at all that fits (:func:`mixed_plans`)."""
+    best = float("inf")
+    for plan in mixed_plans(problem):
+        cost = evaluate(problem, plan)
+        if cost.feasible:
+            best = min(best, cost.objective_ms)
     return best

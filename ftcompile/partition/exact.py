@@ -29,15 +29,23 @@ uses those maxima, counts only inter-GPU traffic, lets the GPU of the loss
 node skip the recomputation of as many of its blocks as fit in ``T`` (all of
 them in ``seq`` space, where the GPU is the last stage) and checks memory for
 weights, gradients and optimizer state plus ``A_g``, activations every plan
-must hold (one micro-batch's, of the whole stage in ``seq`` space, of each
-block alone in ``mixed``); so its optimum is a **lower bound** on the
+must hold (in ``seq`` space the whole stage's, at its depth's micro-batches in
+flight; in ``mixed`` space, where no stage recomputes, every block on the GPU at
+the fewest micro-batches any stage keeps, each saved value once, else each block
+alone); so its optimum is a **lower bound** on the
 Eq. 1 objective of every plan in the space (whose blocks are whole), and equal
 to it for a Seq-pipe in which no stage has both its send and receive time
 above its compute and the loss is in the last stage. The returned plan is
 priced by :func:`~ftcompile.plan.evaluate`, as are the solutions the solver
-improved on (and, in ``mixed`` space, the ``seq`` optimum it starts from); the
-best that fits is returned. If none fits once all activations are counted,
-they are cut off and the MIP solved again.
+improved on (in ``mixed`` space each assignment in the :data:`STAGINGS`, and the
+``seq`` optimum it starts from); the best that fits is returned. Assignments
+that do not fit once all memory is counted are cut off and the MIP solved
+again (lazy cuts): in ``seq`` space until its bound meets the best split that
+fits; in ``mixed`` space while the solver's best assignments include one that
+fits in none of its stagings and the bound is below the best plan that fits,
+until the time limit. The bound reported over every plan is the first solve's;
+a later one (``bound_uncut_ms``) leaves out the other stagings of the
+assignments cut off.
 """
 
 from __future__ import annotations
@@ -48,12 +56,15 @@ from dataclasses import dataclass
 import networkx as nx
 import numpy as np
 
-from ..plan import Plan, Problem, Stage, evaluate, stage_graph
+from ..plan import Plan, Problem, Stage, evaluate, ordered, stage_graph
 from ..units import format_bytes
 from .base import Infeasible, MemoryModel
 from .seq import OpSequence, op_sequence
 
 SPACES = ("seq", "mixed")
+#: How a mixed-space assignment is staged for pricing (:func:`plan_from_assignment`'s ``merge``):
+#: runs of consecutive blocks merged, runs unmerged, Mixed-pipe's merging, and connected components.
+STAGINGS = (True, False, "all", "components")
 
 
 @dataclass
@@ -248,9 +259,11 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     max_variables:
         A model larger than this is refused (:class:`Infeasible`) before it is built.
 
-    ``Plan.info`` reports ``mip_objective_ms`` (the MIP value of the plan found),
-    ``mip_bound_ms`` (the proven lower bound on the MIP objective, hence on the
-    Eq. 1 objective of any plan in the space, less assignments cut off for memory),
+    ``Plan.info`` reports ``mip_objective_ms`` (the MIP value of the solver's incumbent; in
+    ``mixed`` space of the first solve's), ``mip_bound_ms`` (the proven lower bound on the
+    MIP objective, hence on the Eq. 1 objective of any plan in the space: in ``seq`` space
+    less assignments cut off for memory, in ``mixed`` space the first solve's, before any
+    cut; ``bound_uncut_ms`` is the last solve's there),
     ``space_bound_ms`` (a bound over every plan of ``space_bound_covers``: in ``seq`` space
     every convex split that fits, since each assignment cut off was priced; in ``mixed``
     space every plan, from the first solve, before any cut), ``optimal``, ``gap`` and
@@ -423,16 +436,15 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     act_ok = [not rec_mid or blocks.recompute_ms[b] > 0 for b in range(B)]
     limit = limit - problem.memory_reserve
     own_max: list = [None] * P
-    if space == "seq":
-        # A task's transient holds at least the working memory of the node it runs (evaluate's
-        # working sets add each node's own activations), on top of the rebuilt activations when
-        # the stage recomputes and of what it keeps otherwise: own_max[g] >= that of g's nodes.
-        own = [float(max(problem.profile.nodes[n].activation_bytes for n in m)) for m in blocks.members]
-        for g in range(P):
-            own_max[g] = h.addVariable(lb=0.0)
-            for b in range(B):
-                if own[b] > 0:
-                    h.addConstr(own_max[g] - own[b] * x[b][g] >= 0)
+    # A task's transient holds at least the working memory of the node it runs (evaluate's
+    # working sets add each node's own activations), on top of the rebuilt activations when
+    # the stage recomputes and of what it keeps otherwise: own_max[g] >= that of g's nodes.
+    own = [float(max(problem.profile.nodes[n].activation_bytes for n in m)) for m in blocks.members]
+    for g in range(P):
+        own_max[g] = h.addVariable(lb=0.0)
+        for b in range(B):
+            if own[b] > 0:
+                h.addConstr(own_max[g] - own[b] * x[b][g] >= 0)
     for g in range(P):
         terms = [own_max[g]] if own_max[g] is not None else []
         for q in readers:
@@ -452,6 +464,8 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
                     h.addConstr(params + float(act_coef * blocks.activation_bytes[b]) * x[b][g] <= float(limit))
                 else:
                     h.addConstr(params <= float(limit))
+    if space == "mixed" and not rec_mid and np.isfinite(limit):
+        _held_memory(h, problem, blocks, x, y, own_max, P, float(limit), k_min)
 
     if space == "seq" and P > 1 and np.isfinite(limit):
         _depth_memory(h, problem, seq, blocks, x, y, own_max, P, float(limit), rec_mid, act_ok, edge_pairs)
@@ -507,12 +521,17 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     # the fitting ones are kept, and the search goes on below the best of them until the MIP's
     # bound meets it (lazy memory cuts). Its bound then holds for every convex split that fits.
     lazy = space == "seq"
+    # In mixed space an assignment is several plans (its stagings), of which three are priced;
+    # the MIP checks activation memory only as a relaxation, so under tight memory its optima
+    # may not fit once priced. Those are cut off too and the search goes on below the best plan
+    # that fits, while time lasts: its bound then covers every plan but the other stagings of
+    # the assignments cut off (info["bound_space"] says so).
     kept: list[tuple] = []
     if warm is not None:
         plan, cost, mip_value = warm
         if cost.feasible:
             kept.append((Plan("exact", plan.num_gpus, plan.stages), cost, mip_value, "convex warm start"))
-    space_bound = None
+    space_bound = mip_obj = bound = first_obj = None
     fit_bound = best_bound = None
     while True:
         rounds += 1
@@ -522,15 +541,16 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         info = h.getInfo()
         has_solution = info.primal_solution_status == 2   # kSolutionStatusFeasible
         if not has_solution:
-            if lazy and kept:
-                if status == highspy.HighsModelStatus.kInfeasible:
+            if kept:
+                if lazy and status == highspy.HighsModelStatus.kInfeasible:
                     fit_bound = min(f[1].objective_ms for f in kept)   # nothing else is left
                 best = _pick(problem, kept, simulate_top)
                 break
             if status == highspy.HighsModelStatus.kInfeasible:
                 what = ("weights, gradients and optimizer state, and the activations and working memory "
                         "every plan keeps (in-flight micro-batches at each stage's depth)" if space == "seq" else
-                        "weights, gradients and optimizer state, and one micro-batch of each block's activations")
+                        "weights, gradients and optimizer state, and the activations of the blocks each GPU "
+                        "holds (each block's alone where stages recompute)")
                 why = (f"no assignment fits {what} in {format_bytes(limit)} per GPU (besides the reserve)"
                        + ("" if B == seq.n else f", with the graph coarsened into {B} blocks")
                        if cut_off == 0 else
@@ -543,6 +563,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         mip_obj, bound = info.objective_function_value, info.mip_dual_bound
         if rounds == 1:
             space_bound = bound         # before any assignment is cut off: it covers the whole space
+            first_obj = mip_obj
         # The incumbent may not fit once activations are counted; so may the solutions the
         # solver improved on, but one of them may, and it is the best plan HiGHS saw.
         candidates = [np.array(h.vals([x[b][g] for b in range(B) for g in range(P)]))]
@@ -550,35 +571,41 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         candidates += [np.array(s.col_value)[x_index] for s in saved]
         tried = set()
         found = []
+        misfit = False              # some assignment fits in none of its stagings
         for mip_value, xv in zip([mip_obj] + [s.objective for s in saved], candidates):
             gpu_of = tuple(int(np.argmax(xv.reshape(B, P)[b])) for b in range(B))
             if gpu_of in tried:
                 continue
             tried.add(gpu_of)
-            for merge in ((True, False, "all") if space == "mixed" else (True,)):
+            fits = len(found)
+            for merge in (STAGINGS if space == "mixed" else (True,)):
                 if merge == "all":
                     plan = _fewest_stages(problem, blocks.members, list(gpu_of))
+                elif merge == "components":
+                    plan = _components(problem, blocks.members, list(gpu_of))
+                    if plan is None:
+                        continue
                 else:
                     plan = plan_from_assignment(problem, blocks.members, list(gpu_of), "exact", merge=merge)
                 cost = evaluate(problem, plan)
                 if cost.feasible and (max_stages is None or len(plan.stages) <= max_stages):
                     found.append((plan, cost, mip_value, "mip"))
-        if lazy:
-            kept += found
-            found = list(kept)
-        elif warm is not None:
-            plan, cost, mip_value = warm
-            found.append((Plan("exact", plan.num_gpus, plan.stages), cost, mip_value, "convex warm start"))
-        # (lazy cuts go on past 20 rounds only while they improve on a plan that fits)
-        out_of_time = (rounds >= (max_rounds if kept else min(max_rounds, 20))
-                       or time.perf_counter() - t0 > time_limit)
+            misfit = misfit or len(found) == fits
+        kept += found
+        found = list(kept)
+        # Mixed space cuts off up to 1 + max_candidates assignments a round, and tight memory can
+        # need many rounds of them: only time stops it there (a round is one warm re-solve).
+        out_of_time = rounds >= (max_rounds if lazy else 50 * max_rounds) or time.perf_counter() - t0 > time_limit
         if found:
             best_fit = min(f[1].objective_ms for f in found)
             if lazy:
                 # a fitting split never cut is above every round's bound; one cut off is kept
                 best_bound = bound if best_bound is None else max(best_bound, bound)
                 fit_bound = min(best_bound, best_fit)
-            if not lazy or bound >= best_fit * (1 - 1e-9) or out_of_time or status != highspy.HighsModelStatus.kOptimal:
+            # In mixed space the search goes on only while memory is what kept the solver's best
+            # assignments out; a relaxation gap alone (communication, recomputation) is priced.
+            if (bound >= best_fit * (1 - 1e-9) or out_of_time or status != highspy.HighsModelStatus.kOptimal
+                    or not (lazy or misfit)):
                 best = _pick(problem, found, simulate_top)
                 break
         # Cut these assignments off: in each, at least one block must move.
@@ -595,12 +622,14 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         covers = f"{what} that keep its {B} blocks (contiguous runs of the graph's order) whole"
     else:
         covers = "every plan" if space == "mixed" else "every convex split with one stage per GPU"
+    # In mixed space a later solve's bound skips the assignments cut off before it (whose other
+    # stagings were not priced): only the first solve's bound covers every plan.
+    valid, valid_obj = (bound, mip_obj) if lazy else (space_bound, first_obj)
     plan.info = {
         "space": space,
-        "bound_space": covers + ("; assignments cut off for activation memory excluded"
-                                 if cut_off and not lazy else ""),
-        "mip_objective_ms": mip_obj,
-        "mip_bound_ms": bound,
+        "bound_space": covers,
+        "mip_objective_ms": valid_obj,
+        "mip_bound_ms": valid,
         # A bound over all of `covers` that fit: in seq space, the last solve's bound (or the best
         # plan priced, every cut assignment having been priced); else the first solve's, before
         # any assignment was cut off.
@@ -609,9 +638,10 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         "mip_solved": solved,
         # the plan meets the proven bound: optimal over the space the bound covers
         "optimal": (cost.objective_ms <= fit_bound * (1 + 1e-9) if lazy and fit_bound is not None
-                    else cost.objective_ms <= bound * (1 + 1e-9) and not cut_off),
-        "mip_gap": (mip_obj - bound) / mip_obj if mip_obj > 0 else 0.0,
-        "gap": (cost.objective_ms - bound) / cost.objective_ms if cost.objective_ms > 0 else 0.0,
+                    else valid is not None and cost.objective_ms <= valid * (1 + 1e-9)),
+        "mip_gap": (valid_obj - valid) / valid_obj if valid_obj else 0.0,
+        "gap": (cost.objective_ms - valid) / cost.objective_ms if cost.objective_ms > 0 and valid is not None
+        else 0.0,
         # The MIP ranks plans by a relaxation of Eq. 1, so the plan returned is the best by
         # evaluate() among those it found: its incumbent, improved-on solutions, the warm start.
         "plan_source": source,
@@ -628,12 +658,97 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         "bound_note": ("lower bound on the Eq. 1 objective of " + covers
                        + (f" (graph coarsened from {seq.n} op nodes: optimal for the coarsened graph only)"
                           if B < seq.n else "")
-                       + ("; assignments cut off for activation memory are excluded"
-                          if cut_off and not lazy else "")),
+                       ),
     }
+    if cut_off and not lazy:
+        # what the last solve proved: every plan except other stagings of the assignments cut off
+        plan.info["bound_uncut_ms"] = bound
+        plan.info["bound_uncut_covers"] = (f"{covers} except other stagings of the {cut_off} assignments cut "
+                                           f"off (each priced in {len(STAGINGS)} stagings)")
     if "simulated_period_ms" in getattr(best[0], "info", {}):
         plan.info["simulated_period_ms"] = best[0].info["simulated_period_ms"]
     return plan
+
+
+def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, limit: float, k_min: int) -> None:
+    """Memory of every stage a GPU holds at once, for ``mixed`` space when no stage recomputes.
+
+    evaluate charges each stage ``in_flight(depth) >= k_min`` micro-batches of its activations
+    (:func:`~ftcompile.profile.held_activation_bytes`: each node's own saved tensors, and each
+    input value some node of the stage saves, once per stage), summed over the stages of a GPU.
+    Counting every saved input value once per GPU (``z[v, g] >= x[b, g]`` for each block ``b``
+    that saves ``v``) and every stage at ``k_min`` is a lower bound of that sum whatever the
+    staging; a block with a descendant on another GPU counts at ``in_flight(1)``, its stage
+    having a successor. To it come the receive buffers of the values a GPU reads from another (one
+    flow-control window each, gpipe's at least ``k_min``) and the graph inputs it reads, as
+    evaluate keeps them. So the MIP stays a relaxation of every plan; without these rows it
+    checks one block's activations at a time and, under tight memory, its optima rarely fit
+    once priced.
+    """
+    prof = problem.profile
+    own = [float(sum(prof.nodes[n].activation_bytes - prof.nodes[n].first_saved_bytes for n in m))
+           for m in blocks.members]
+    saved: dict[str, tuple[int, set[int]]] = {}
+    for b, m in enumerate(blocks.members):
+        for n in m:
+            for v, nbytes in prof.nodes[n].saved_inputs.items():
+                saved.setdefault(v, (int(nbytes), set()))[1].add(b)
+    ptot = {q: float(blocks.param_total[q]) for q in {q for (q, _g) in y}}
+    if (sum(ptot.values()) + k_min * (sum(own) + sum(nb for nb, _ in saved.values()))
+            + max(float(prof.nodes[n].activation_bytes) for m in blocks.members for n in m)) <= limit:
+        return                              # nothing can exceed the memory: no constraint binds
+    # Receive buffers: a value made on another GPU waits in at least one flow-control window on
+    # the reader's GPU (gpipe's windows are the producer's in-flight count, never below k_min).
+    window = k_min if problem.schedule == "gpipe" else 1
+    # Graph inputs a GPU reads: evaluate keeps (ceil(ahead / M) + 1) * M micro-batches of them.
+    graph = problem.graph
+    inputs: dict[str, tuple[int, set[int]]] = {}
+    for b, m in enumerate(blocks.members):
+        for n in m:
+            for e in graph.in_edges(n):
+                if graph.node(e.src).kind == "input" and e.bytes > 0:
+                    inputs.setdefault(e.value, (int(e.bytes), set()))[1].add(b)
+    M = problem.micro_batches
+    data_steps = (-(-k_min // M) + 1) * M
+    # A block with a descendant on another GPU is in a stage with a successor: depth >= 1, so
+    # it keeps at least in_flight(1) micro-batches (1f1b: 2 where the last stage keeps 1).
+    from ..runtime.schedules import ScheduleError
+
+    mm = MemoryModel.of(problem)
+    try:
+        k_1 = min(mm.in_flight(1, g0) for g0 in (False, True))
+    except ScheduleError:
+        k_1 = k_min
+    pairs = sorted({(p, c) for p, cs, _nb, _fl in blocks.values for c in cs})
+    for g in range(P):
+        terms = [own_max[g]] + [ptot[q] * v for (q, gg), v in y.items() if gg == g and ptot[q] > 0]
+        terms += [k_min * own[b] * x[b][g] for b in range(blocks.n) if own[b] > 0]
+        if k_1 > k_min and P > 1:
+            e = [h.addVariable(lb=0.0, ub=1.0) for _b in range(blocks.n)]
+            for p, c in pairs:
+                h.addConstr(e[p] - x[p][g] + x[c][g] >= 0)          # c on another GPU
+                h.addConstr(e[p] - e[c] - x[p][g] >= -1)            # c on g, with a descendant elsewhere
+            terms += [(k_1 - k_min) * own[b] * e[b] for b in range(blocks.n) if own[b] > 0]
+        for v, (nbytes, bs) in saved.items():
+            if nbytes <= 0:
+                continue
+            z = h.addVariable(lb=0.0, ub=1.0)
+            for b in bs:
+                h.addConstr(z - x[b][g] >= 0)
+            terms.append(k_min * nbytes * z)
+        for p, cs, nbytes, _fl in blocks.values:
+            if nbytes <= 0 or not cs:
+                continue
+            r = h.addVariable(lb=0.0, ub=1.0)          # >= 1 when a reader is on g and the maker is not
+            for c in cs:
+                h.addConstr(r - x[c][g] + x[p][g] >= 0)
+            terms.append(window * nbytes * r)
+        for nbytes, bs in inputs.values():
+            d = h.addVariable(lb=0.0, ub=1.0)
+            for b in bs:
+                h.addConstr(d - x[b][g] >= 0)
+            terms.append(data_steps * nbytes * d)
+        h.addConstr(h.qsum(terms) <= limit)
 
 
 def _depth_memory(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, own_max, P: int, limit: float,
@@ -736,6 +851,24 @@ def _fewest_stages(problem: Problem, members: list[list[int]], gpu_of_block: lis
             where[b] = next(g for nodes, g in zip(members, gpu_of_block) if b in nodes)
     stages = stages_per_gpu(q, where)
     return Plan("exact", problem.num_gpus, [Stage(i, g, nodes) for i, (g, nodes) in enumerate(stages)])
+
+
+def _components(problem: Problem, members: list[list[int]], gpu_of_block: list[int]) -> Plan | None:
+    """The assignment staged by connectivity: each GPU's op nodes split into the weakly connected
+    components of the subgraph they induce (None if that stage graph has a cycle). Unrelated
+    work sharing a GPU (an attention mask beside the embedding) then keeps separate stages,
+    whose transients do not add up and whose depths may be lower than one merged stage's."""
+    graph = problem.graph
+    gpu_of = {n: g for nodes, g in zip(members, gpu_of_block) for n in nodes}
+    und = nx.Graph()
+    und.add_nodes_from(gpu_of)
+    und.add_edges_from((e.src, e.dst) for e in graph.edges
+                       if e.src in gpu_of and e.dst in gpu_of and gpu_of[e.src] == gpu_of[e.dst])
+    stages = [Stage(i, gpu_of[min(c)], sorted(c)) for i, c in enumerate(nx.connected_components(und))]
+    plan = Plan("exact", problem.num_gpus, stages)
+    if not nx.is_directed_acyclic_graph(stage_graph(graph, plan)):
+        return None
+    return ordered(plan, graph)
 
 
 def _quiet_fd1():
