@@ -694,9 +694,6 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, lim
             for v, nbytes in prof.nodes[n].saved_inputs.items():
                 saved.setdefault(v, (int(nbytes), set()))[1].add(b)
     ptot = {q: float(blocks.param_total[q]) for q in {q for (q, _g) in y}}
-    if (sum(ptot.values()) + k_min * (sum(own) + sum(nb for nb, _ in saved.values()))
-            + max(float(prof.nodes[n].activation_bytes) for m in blocks.members for n in m)) <= limit:
-        return                              # nothing can exceed the memory: no constraint binds
     # Receive buffers: a value made on another GPU waits in at least one flow-control window on
     # the reader's GPU (gpipe's windows are the producer's in-flight count, never below k_min).
     window = k_min if problem.schedule == "gpipe" else 1
@@ -720,6 +717,11 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, lim
     except ScheduleError:
         k_1 = k_min
     pairs = sorted({(p, c) for p, cs, _nb, _fl in blocks.values for c in cs})
+    if (sum(ptot.values()) + max(k_min, k_1) * sum(own) + k_min * sum(nb for nb, _ in saved.values())
+            + window * sum(nb for _p, cs, nb, _fl in blocks.values if cs and nb > 0)
+            + data_steps * sum(nb for nb, _ in inputs.values())
+            + max(float(prof.nodes[n].activation_bytes) for m in blocks.members for n in m)) <= limit:
+        return                              # nothing can exceed the memory: no constraint binds
     for g in range(P):
         terms = [own_max[g]] + [ptot[q] * v for (q, gg), v in y.items() if gg == g and ptot[q] > 0]
         terms += [k_min * own[b] * x[b][g] for b in range(blocks.n) if own[b] > 0]
