@@ -271,3 +271,45 @@ def test_plan_from_assignment_keeps_the_stage_graph_acyclic():
         plan = plan_from_assignment(problem, [[i] for i in range(1, 8)], list(gpu_of))
         check_plan(problem.graph, plan)
         assert sorted({s.gpu for s in plan.stages}) == sorted(set(gpu_of))
+
+
+def test_coarsened_recomputing_blocks_keep_a_plan_that_fits():
+    """A recomputing stage's transient is its own rebuilt activations plus a node's working
+    memory: the mixed-space rows must not add the largest node on the GPU (here in another
+    stage) to each block's activations, or the only plans that fit are cut away.
+    x -> s; x -> b1 .. b5; s, b5 -> loss (weight w); blocks [s] [b1..b5] [loss] under async."""
+    from dataclasses import replace as _replace
+
+    from ftcompile.cluster import ClusterSpec
+
+    mb = 1_000_000
+    f32 = lambda k: ValueMeta(TensorMeta((max(1, k // 4),), "float32"))   # noqa: E731
+    nodes = [Node(0, "x", "input", outputs={"x": f32(4)}), Node(1, "s", "op", outputs={"vs": f32(4)})]
+    edges = [Edge(0, 1, "x", f32(4))]
+    for i in range(2, 7):
+        nodes.append(Node(i, f"b{i - 1}", "op", outputs={f"v{i}": f32(4)}))
+        edges.append(Edge(0 if i == 2 else i - 1, i, "x" if i == 2 else f"v{i - 1}", f32(4)))
+    nodes.append(Node(7, "loss", "op", params=["w"], outputs={"l": ValueMeta(TensorMeta((), "float32"))},
+                      is_loss=True))
+    edges += [Edge(1, 7, "vs", f32(4)), Edge(6, 7, "v6", f32(4))]
+    nodes.append(Node(8, "out", "output"))
+    edges.append(Edge(7, 8, "l", nodes[7].outputs["l"]))
+    w = 10 * mb
+    g = OpGraph(nodes=nodes, edges=edges, params={"w": ParamInfo("w", "parameter", TensorMeta((w // 4,), "float32"))},
+                loss="l")
+    costs = {1: NodeCost(forward_ms=3, backward_ms=6, recompute_ms=3, activation_bytes=3 * mb),
+             7: NodeCost(forward_ms=5, backward_ms=10, recompute_ms=0, activation_bytes=1 * mb)}
+    for i in range(2, 7):
+        costs[i] = NodeCost(forward_ms=1 / 3, backward_ms=2 / 3, recompute_ms=1 / 3, activation_bytes=2 * mb)
+    prof = Profile(graph_hash=g.content_hash(), method="analytic", hardware={"name": "synthetic"}, dtype="float32",
+                   batch_size=1, optimizer="sgd", nodes=costs, params={"w": ParamCost(w, 0, 0)})
+    problem = Problem(g, prof, ClusterSpec("t", 1, 2, 10**15, 1e30, 1e30, 1e30), schedule="async",
+                      micro_batches=4)
+    hand = Plan("hand", 2, [Stage(0, 0, [1]), Stage(1, 0, [2, 3, 4, 5, 6]), Stage(2, 1, [7])])
+    need = evaluate(problem, hand).max_memory_bytes
+    tight = _replace(problem, cluster=_replace(problem.cluster, gpu_memory=need))
+    assert evaluate(tight, hand).feasible
+    plan = partition_exact(tight, space="mixed", max_nodes=3, time_limit=5, simulate_top=0)
+    assert plan.info["blocks"] == 3 and plan.info["coarsened"]
+    assert evaluate(tight, plan).feasible
+    assert plan.info["mip_bound_ms"] <= evaluate(tight, hand).objective_ms * (1 + 1e-9)

@@ -446,7 +446,9 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
             if own[b] > 0:
                 h.addConstr(own_max[g] - own[b] * x[b][g] >= 0)
     for g in range(P):
-        terms = [own_max[g]] if own_max[g] is not None else []
+        # (in mixed space a block's largest node may sit in another stage than the block's
+        # activations a recomputing stage rebuilds, so the two are not added there)
+        terms = [own_max[g]] if space == "seq" else []
         for q in readers:
             if blocks.param_total[q] == 0:
                 continue
@@ -465,7 +467,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
                 else:
                     h.addConstr(params <= float(limit))
     if space == "mixed" and not rec_mid and np.isfinite(limit):
-        _held_memory(h, problem, blocks, x, y, own_max, P, float(limit), k_min)
+        _held_memory(h, problem, blocks, x, y, own_max, P, float(limit), k_min, depth=B == seq.n)
 
     if space == "seq" and P > 1 and np.isfinite(limit):
         _depth_memory(h, problem, seq, blocks, x, y, own_max, P, float(limit), rec_mid, act_ok, edge_pairs)
@@ -614,17 +616,21 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
             h.addConstr(h.qsum([x[b][gpu_of[b]] for b in range(B)]) <= B - 1)
         if out_of_time:
             raise Infeasible(f"exact ({space}): the {cut_off} best assignments the solver found do not "
-                             f"fit once all activations are counted ({cost.reason})")
+                             f"fit once all activations are counted ({cost.reason or 'or have too many stages'})")
     plan, cost, plan_mip, source = best
     solved = status == highspy.HighsModelStatus.kOptimal
     what = {"seq": "convex splits with one stage per GPU", "mixed": "plans"}[space]
     if B < seq.n:
-        covers = f"{what} that keep its {B} blocks (contiguous runs of the graph's order) whole"
+        covers = f"{what} that keep each of its {B} blocks (contiguous runs of the graph's order) whole in one stage"
     else:
         covers = "every plan" if space == "mixed" else "every convex split with one stage per GPU"
     # In mixed space a later solve's bound skips the assignments cut off before it (whose other
     # stagings were not priced): only the first solve's bound covers every plan.
     valid, valid_obj = (bound, mip_obj) if lazy else (space_bound, first_obj)
+    if valid is None:
+        # No solve finished with a solution (a plan found before it, e.g. the warm start, is
+        # returned): evaluate's own bound is the one that holds for every plan.
+        valid = cost.lower_bound_ms
     plan.info = {
         "space": space,
         "bound_space": covers,
@@ -639,7 +645,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         # the plan meets the proven bound: optimal over the space the bound covers
         "optimal": (cost.objective_ms <= fit_bound * (1 + 1e-9) if lazy and fit_bound is not None
                     else valid is not None and cost.objective_ms <= valid * (1 + 1e-9)),
-        "mip_gap": (valid_obj - valid) / valid_obj if valid_obj else 0.0,
+        "mip_gap": (valid_obj - valid) / valid_obj if valid_obj else None,
         "gap": (cost.objective_ms - valid) / cost.objective_ms if cost.objective_ms > 0 and valid is not None
         else 0.0,
         # The MIP ranks plans by a relaxation of Eq. 1, so the plan returned is the best by
@@ -662,7 +668,9 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     }
     if cut_off and not lazy:
         # what the last solve proved: every plan except other stagings of the assignments cut off
-        plan.info["bound_uncut_ms"] = bound
+        # the cut assignments' priced stagings are kept: the best of them bounds those
+        plan.info["bound_uncut_ms"] = min(([bound] if bound is not None else [])
+                                          + [f[1].objective_ms for f in kept])
         plan.info["bound_uncut_covers"] = (f"{covers} except other stagings of the {cut_off} assignments cut "
                                            f"off (each priced in {len(STAGINGS)} stagings)")
     if "simulated_period_ms" in getattr(best[0], "info", {}):
@@ -670,7 +678,8 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     return plan
 
 
-def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, limit: float, k_min: int) -> None:
+def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, limit: float, k_min: int,
+                 depth: bool = True) -> None:
     """Memory of every stage a GPU holds at once, for ``mixed`` space when no stage recomputes.
 
     evaluate charges each stage ``in_flight(depth) >= k_min`` micro-batches of its activations
@@ -678,12 +687,12 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, lim
     input value some node of the stage saves, once per stage), summed over the stages of a GPU.
     Counting every saved input value once per GPU (``z[v, g] >= x[b, g]`` for each block ``b``
     that saves ``v``) and every stage at ``k_min`` is a lower bound of that sum whatever the
-    staging; a block with a descendant on another GPU counts at ``in_flight(1)``, its stage
-    having a successor. To it come the receive buffers of the values a GPU reads from another (one
-    flow-control window each, gpipe's at least ``k_min``) and the graph inputs it reads, as
-    evaluate keeps them. So the MIP stays a relaxation of every plan; without these rows it
-    checks one block's activations at a time and, under tight memory, its optima rarely fit
-    once priced.
+    staging; with ``depth`` (blocks of one node, which no staging splits) a block with a
+    descendant on another GPU counts at ``in_flight(1)``, its stage having a successor. To it
+    come the receive buffers of the values a GPU reads from another (one flow-control window
+    each, gpipe's at least ``k_min``) and the graph inputs it reads, as evaluate keeps them. So
+    the MIP stays a relaxation of every plan; without these rows it checks one block's
+    activations at a time and, under tight memory, its optima rarely fit once priced.
     """
     prof = problem.profile
     own = [float(sum(prof.nodes[n].activation_bytes - prof.nodes[n].first_saved_bytes for n in m))
@@ -717,6 +726,8 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, lim
     except ScheduleError:
         k_1 = k_min
     pairs = sorted({(p, c) for p, cs, _nb, _fl in blocks.values for c in cs})
+    if not depth:
+        k_1 = k_min
     if (sum(ptot.values()) + max(k_min, k_1) * sum(own) + k_min * sum(nb for nb, _ in saved.values())
             + window * sum(nb for _p, cs, nb, _fl in blocks.values if cs and nb > 0)
             + data_steps * sum(nb for nb, _ in inputs.values())
@@ -725,7 +736,7 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, lim
     for g in range(P):
         terms = [own_max[g]] + [ptot[q] * v for (q, gg), v in y.items() if gg == g and ptot[q] > 0]
         terms += [k_min * own[b] * x[b][g] for b in range(blocks.n) if own[b] > 0]
-        if k_1 > k_min and P > 1:
+        if depth and k_1 > k_min and P > 1:
             e = [h.addVariable(lb=0.0, ub=1.0) for _b in range(blocks.n)]
             for p, c in pairs:
                 h.addConstr(e[p] - x[p][g] + x[c][g] >= 0)          # c on another GPU
