@@ -466,8 +466,9 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
                     h.addConstr(params + float(act_coef * blocks.activation_bytes[b]) * x[b][g] <= float(limit))
                 else:
                     h.addConstr(params <= float(limit))
-    if space == "mixed" and not rec_mid and np.isfinite(limit):
-        _held_memory(h, problem, blocks, x, y, own_max, P, float(limit), k_min, depth=B == seq.n)
+    if space == "mixed" and np.isfinite(limit):
+        _held_memory(h, problem, blocks, x, y, own_max, P, float(limit), k_min, depth=B == seq.n,
+                     recompute=rec_mid)
 
     if space == "seq" and P > 1 and np.isfinite(limit):
         _depth_memory(h, problem, seq, blocks, x, y, own_max, P, float(limit), rec_mid, act_ok, edge_pairs)
@@ -679,10 +680,13 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
 
 
 def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, limit: float, k_min: int,
-                 depth: bool = True) -> None:
-    """Memory of every stage a GPU holds at once, for ``mixed`` space when no stage recomputes.
+                 depth: bool = True, recompute: bool = False) -> None:
+    """Memory of every stage a GPU holds at once, for ``mixed`` space.
 
-    evaluate charges each stage ``in_flight(depth) >= k_min`` micro-batches of its activations
+    With ``recompute`` (the schedule's stages rebuild their activations, which the transient of
+    one stage at a time holds) the rows are, per block on the GPU, the block's activations plus
+    what the GPU keeps whatever its stages: weights, receive buffers and graph inputs below.
+    Without it, evaluate charges each stage ``in_flight(depth) >= k_min`` micro-batches of its activations
     (:func:`~ftcompile.profile.held_activation_bytes`: each node's own saved tensors, and each
     input value some node of the stage saves, once per stage), summed over the stages of a GPU.
     Counting every saved input value once per GPU (``z[v, g] >= x[b, g]`` for each block ``b``
@@ -728,22 +732,28 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, lim
     pairs = sorted({(p, c) for p, cs, _nb, _fl in blocks.values for c in cs})
     if not depth:
         k_1 = k_min
-    if (sum(ptot.values()) + max(k_min, k_1) * sum(own) + k_min * sum(nb for nb, _ in saved.values())
-            + window * sum(nb for _p, cs, nb, _fl in blocks.values if cs and nb > 0)
-            + data_steps * sum(nb for nb, _ in inputs.values())
-            + max(float(prof.nodes[n].activation_bytes) for m in blocks.members for n in m)) <= limit:
+    kept = (window * sum(nb for _p, cs, nb, _fl in blocks.values if cs and nb > 0)
+            + data_steps * sum(nb for nb, _ in inputs.values()))
+    if recompute:
+        need = sum(ptot.values()) + kept + max(float(a) for a in blocks.activation_bytes)
+    else:
+        need = (sum(ptot.values()) + max(k_min, k_1) * sum(own) + k_min * sum(nb for nb, _ in saved.values())
+                + kept + max(float(prof.nodes[n].activation_bytes) for m in blocks.members for n in m))
+    if need <= limit:
         return                              # nothing can exceed the memory: no constraint binds
     for g in range(P):
-        terms = [own_max[g]] + [ptot[q] * v for (q, gg), v in y.items() if gg == g and ptot[q] > 0]
-        terms += [k_min * own[b] * x[b][g] for b in range(blocks.n) if own[b] > 0]
-        if depth and k_1 > k_min and P > 1:
+        terms = [ptot[q] * v for (q, gg), v in y.items() if gg == g and ptot[q] > 0]
+        if not recompute:
+            terms.append(own_max[g])
+            terms += [k_min * own[b] * x[b][g] for b in range(blocks.n) if own[b] > 0]
+        if not recompute and depth and k_1 > k_min and P > 1:
             e = [h.addVariable(lb=0.0, ub=1.0) for _b in range(blocks.n)]
             for p, c in pairs:
                 h.addConstr(e[p] - x[p][g] + x[c][g] >= 0)          # c on another GPU
                 h.addConstr(e[p] - e[c] - x[p][g] >= -1)            # c on g, with a descendant elsewhere
             terms += [(k_1 - k_min) * own[b] * e[b] for b in range(blocks.n) if own[b] > 0]
         for v, (nbytes, bs) in saved.items():
-            if nbytes <= 0:
+            if nbytes <= 0 or recompute:
                 continue
             z = h.addVariable(lb=0.0, ub=1.0)
             for b in bs:
@@ -761,7 +771,13 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, lim
             for b in bs:
                 h.addConstr(d - x[b][g] >= 0)
             terms.append(data_steps * nbytes * d)
-        h.addConstr(h.qsum(terms) <= limit)
+        if not recompute:
+            h.addConstr(h.qsum(terms) <= limit)
+            continue
+        base = h.qsum(terms)
+        for b in range(blocks.n):
+            if blocks.activation_bytes[b] > 0 and blocks.recompute_ms[b] > 0:
+                h.addConstr(base + float(blocks.activation_bytes[b]) * x[b][g] <= limit)
 
 
 def _depth_memory(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, own_max, P: int, limit: float,
