@@ -41,6 +41,7 @@ import torch
 
 from . import avgpipe as _avgpipe
 from . import checkpoint as ckpt
+from .atomic import atomic_write_text
 from .cache import CacheError, open_cache
 from .checkpoint import CheckpointError
 from .engine import PipelineError, PipelineHang, RankEngine, TrainConfig
@@ -148,20 +149,42 @@ class Reporter:
             self.done = True
         if not message.startswith("rank "):
             message = f"rank {self.rank}: {message}"
-        if show:
-            print(f"ftcompile run: error: {message}", file=sys.stderr, flush=True)
-        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-        if path:
-            # The elastic agent reads "message" and "timestamp"; "ftcompile" tells our launcher
-            # whether this rank failed itself or saw a peer fail, and whether it already spoke.
-            record = {"message": message, "timestamp": int(time.time()),
-                      "ftcompile": {"rank": self.rank, "kind": kind, "peer": peer, "code": code, "shown": show,
-                                    "time": time.time()}}
-            try:
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-                Path(path).write_text(json.dumps(record))
-            except OSError:
-                pass
+        # The launcher may be stopping the other ranks (SIGTERM) while this one reports: a stop
+        # signal raised here would print a traceback after the line and leave the record half
+        # written, which the elastic agent cannot parse. This rank is stopping anyway.
+        held = _hold_stop_signals()
+        try:
+            if show:
+                print(f"ftcompile run: error: {message}", file=sys.stderr, flush=True)
+            path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+            if path:
+                # The elastic agent reads "message" and "timestamp"; "ftcompile" tells our launcher
+                # whether this rank failed itself or saw a peer fail, and whether it already spoke.
+                record = {"message": message, "timestamp": int(time.time()),
+                          "ftcompile": {"rank": self.rank, "kind": kind, "peer": peer, "code": code,
+                                        "shown": show, "time": time.time()}}
+                try:
+                    Path(path).parent.mkdir(parents=True, exist_ok=True)
+                    atomic_write_text(path, json.dumps(record))     # whole or absent, never torn
+                except OSError:
+                    pass
+        finally:
+            _release_stop_signals(held)
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _hold_stop_signals() -> dict | None:
+    """Ignore stop signals for a moment (main thread only, where Python runs handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return {s: signal.signal(s, signal.SIG_IGN) for s in _STOP_SIGNALS}
+
+
+def _release_stop_signals(held: dict | None) -> None:
+    for s, handler in (held or {}).items():
+        signal.signal(s, handler)
 
 
 def _kind(exc: BaseException) -> tuple[str, int | None]:
