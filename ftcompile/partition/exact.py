@@ -774,7 +774,9 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, lim
         if not recompute:
             h.addConstr(h.qsum(terms) <= limit)
             continue
-        base = h.qsum(terms)
+        # one variable for what the GPU keeps whatever its stages, so each block's row stays short
+        base = h.addVariable(lb=0.0)
+        h.addConstr(base - h.qsum(terms) >= 0)
         for b in range(blocks.n):
             if blocks.activation_bytes[b] > 0 and blocks.recompute_ms[b] > 0:
                 h.addConstr(base + float(blocks.activation_bytes[b]) * x[b][g] <= limit)
