@@ -446,9 +446,10 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
             if own[b] > 0:
                 h.addConstr(own_max[g] - own[b] * x[b][g] >= 0)
     for g in range(P):
-        # (in mixed space a block's largest node may sit in another stage than the block's
-        # activations a recomputing stage rebuilds, so the two are not added there)
-        terms = [own_max[g]] if space == "seq" else []
+        # (in mixed space the largest node may sit in another stage than a block's activations;
+        # for single-node blocks the sum still holds, as either stage's transient is at least
+        # twice its node's activations, but not for coarsened blocks)
+        terms = [own_max[g]] if space == "seq" or B == seq.n else []
         for q in readers:
             if blocks.param_total[q] == 0:
                 continue
@@ -734,8 +735,9 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, lim
         k_1 = k_min
     kept = (window * sum(nb for _p, cs, nb, _fl in blocks.values if cs and nb > 0)
             + data_steps * sum(nb for nb, _ in inputs.values()))
+    largest = max(float(prof.nodes[n].activation_bytes) for m in blocks.members for n in m)
     if recompute:
-        need = sum(ptot.values()) + kept + max(float(a) for a in blocks.activation_bytes)
+        need = sum(ptot.values()) + kept + max(float(a) for a in blocks.activation_bytes) + largest * depth
     else:
         need = (sum(ptot.values()) + max(k_min, k_1) * sum(own) + k_min * sum(nb for nb, _ in saved.values())
                 + kept + max(float(prof.nodes[n].activation_bytes) for m in blocks.members for n in m))
@@ -743,8 +745,9 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, lim
         return                              # nothing can exceed the memory: no constraint binds
     for g in range(P):
         terms = [ptot[q] * v for (q, gg), v in y.items() if gg == g and ptot[q] > 0]
-        if not recompute:
+        if not recompute or depth:          # (depth: single-node blocks, see partition_exact's rows)
             terms.append(own_max[g])
+        if not recompute:
             terms += [k_min * own[b] * x[b][g] for b in range(blocks.n) if own[b] > 0]
         if not recompute and depth and k_1 > k_min and P > 1:
             e = [h.addVariable(lb=0.0, ub=1.0) for _b in range(blocks.n)]
