@@ -184,7 +184,8 @@ def _hold_stop_signals() -> dict | None:
 
 def _release_stop_signals(held: dict | None) -> None:
     for s, handler in (held or {}).items():
-        signal.signal(s, handler)
+        if handler is not None:         # None: a handler not set from Python, which cannot be restored
+            signal.signal(s, handler)
 
 
 def _kind(exc: BaseException) -> tuple[str, int | None]:
