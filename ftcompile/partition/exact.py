@@ -284,12 +284,11 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     seq = op_sequence(problem)
     if seq.n == 0:
         raise Infeasible("the graph has no op nodes")
-    rec_mid, rec_last = problem.recomputes(False), problem.recomputes(True)
+    rec_mid = problem.recomputes(False)
     blocks = coarsen(seq, max_nodes, rec_mid, MemoryModel.of(problem))
     B = blocks.n
     P = min(problem.num_gpus, B)
     cluster = problem.cluster
-    limit = cluster.gpu_memory
 
     # A model too large to build in reasonable time (many GPUs: P^2 transfer variables per value)
     fastest = max((cluster.bandwidth(g, k) for g in range(P) for k in range(P) if g != k), default=1.0)
@@ -299,6 +298,307 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         raise Infeasible(f"exact ({space}): the MIP would have about {size:,} variables ({B} blocks on {P} GPUs"
                          f"{', with transfers' if comm else ''}), more than {max_variables:,}; use fewer GPUs, "
                          f"fewer nodes (layer granularity) or another strategy")
+    mip = _build_mip(problem, seq, blocks, P, space, comm, mip_rel_gap)
+    h, x, x_index, limit, homogeneous = mip.h, mip.x, mip.x_index, mip.limit, mip.homogeneous
+    warm = None
+    if space == "seq" and warm_plan is not None and P > 1:
+        # A convex split found by other means (Seq-pipe's DP): its stage k on GPU k.
+        order = sorted(warm_plan.stages, key=lambda st: st.id)
+        k_of = {n: k for k, st in enumerate(order) for n in st.nodes}
+        ks = [{k_of.get(n) for n in m} for m in blocks.members]
+        if len(order) <= P and all(len(k) == 1 and None not in k for k in ks):
+            idx = np.array([x[b][next(iter(ks[b]))].index for b in range(B)], dtype=np.int32)
+            h.setSolution(len(idx), idx, np.ones(len(idx)))
+            warm = (warm_plan, evaluate(problem, warm_plan), warm_plan.info.get("mip_objective_ms"))
+    if space == "mixed" and warm_start and P > 1:
+        # A Seq-pipe is a Mixed-pipe: the best convex split is a good incumbent that fits memory.
+        sp = warm_plan
+        if sp is None:
+            try:
+                from .seq import partition_seq
+
+                sp = partition_seq(problem, max_stages=max_stages, time_limit=time_limit / 4)
+            except Infeasible:
+                pass
+        gpu_of_node = {n: st.gpu for st in sp.stages for n in st.nodes} if sp is not None else {}
+        if sp is None or any(len({gpu_of_node[n] for n in m}) > 1 for m in blocks.members):
+            try:
+                sp = partition_exact(problem, max_nodes=max_nodes, time_limit=time_limit / 4, space="seq",
+                                     comm=comm, mip_rel_gap=mip_rel_gap, max_rounds=max_rounds, warm_start=False,
+                                     simulate_top=0)
+                gpu_of_node = {n: st.gpu for st in sp.stages for n in st.nodes}
+            except Infeasible:
+                sp = None
+        if sp is not None:
+            warm_gpu = [gpu_of_node[m[0]] for m in blocks.members]
+            if homogeneous:
+                # GPUs numbered by first use along the block order (the symmetry rule above)
+                relabel: dict[int, int] = {}
+                for g in warm_gpu:
+                    relabel.setdefault(g, len(relabel))
+                warm_gpu = [relabel[g] for g in warm_gpu]
+                sp = Plan(sp.strategy, sp.num_gpus, [Stage(st.id, relabel[st.gpu], st.nodes) for st in sp.stages],
+                          sp.info)
+            if max(warm_gpu) < P:
+                idx = np.array([x[b][warm_gpu[b]].index for b in range(B)], dtype=np.int32)
+                h.setSolution(len(idx), idx, np.ones(len(idx)))
+                warm = (sp, evaluate(problem, sp), sp.info.get("mip_objective_ms"))
+    rounds, cut_off = 0, 0
+    best = None
+    # In seq space an assignment is one plan, so cutting it off loses nothing once it is priced:
+    # the fitting ones are kept, and the search goes on below the best of them until the MIP's
+    # bound meets it (lazy memory cuts). Its bound then holds for every convex split that fits.
+    lazy = space == "seq"
+    # In mixed space an assignment is several plans (its stagings), of which three are priced;
+    # the MIP checks activation memory only as a relaxation, so under tight memory its optima
+    # may not fit once priced. Those are cut off too and the search goes on below the best plan
+    # that fits, while time lasts: its bound then covers every plan but the other stagings of
+    # the assignments cut off (info["bound_space"] says so).
+    kept: list[tuple] = []
+    if warm is not None:
+        plan, cost, mip_value = warm
+        if cost.feasible:
+            kept.append((Plan("exact", plan.num_gpus, plan.stages), cost, mip_value, "convex warm start"))
+    space_bound = mip_obj = bound = first_obj = None
+    fit_bound = best_bound = None
+    while True:
+        rounds += 1
+        h.setOptionValue("time_limit", max(1.0, time_limit - (time.perf_counter() - t0)))
+        h.run()
+        status = h.getModelStatus()
+        info = h.getInfo()
+        has_solution = info.primal_solution_status == 2   # kSolutionStatusFeasible
+        if not has_solution:
+            if kept:
+                if lazy and status == highspy.HighsModelStatus.kInfeasible:
+                    fit_bound = min(f[1].objective_ms for f in kept)   # nothing else is left
+                best = _pick(problem, kept, simulate_top)
+                break
+            if status == highspy.HighsModelStatus.kInfeasible:
+                what = ("weights, gradients and optimizer state, and the activations and working memory "
+                        "every plan keeps (in-flight micro-batches at each stage's depth)" if space == "seq" else
+                        "weights, gradients and optimizer state, and the activations of the blocks each GPU "
+                        "holds (each block's alone where stages recompute)")
+                why = (f"no assignment fits {what} in {format_bytes(limit)} per GPU (besides the reserve)"
+                       + ("" if B == seq.n else f", with the graph coarsened into {B} blocks")
+                       if cut_off == 0 else
+                       f"every assignment that fits its weights ran out of memory once activations "
+                       f"were counted ({cut_off} cut off)")
+                # in seq space every assignment cut off was priced and did not fit: still a proof
+                raise Infeasible(f"exact ({space}): {why}", proven=(cut_off == 0 or lazy) and B == seq.n)
+            raise Infeasible(f"exact ({space}): no plan found in {time_limit:.0f} s "
+                             f"(HiGHS: {h.modelStatusToString(status)})")
+        mip_obj, bound = info.objective_function_value, info.mip_dual_bound
+        if rounds == 1:
+            space_bound = bound         # before any assignment is cut off: it covers the whole space
+            first_obj = mip_obj
+        # The incumbent may not fit once activations are counted; so may the solutions the
+        # solver improved on, but one of them may, and it is the best plan HiGHS saw.
+        candidates = [np.array(h.vals([x[b][g] for b in range(B) for g in range(P)]))]
+        saved = sorted(h.getSavedMipSolutions(), key=lambda s: s.objective)[:max_candidates]
+        candidates += [np.array(s.col_value)[x_index] for s in saved]
+        tried = set()
+        found = []
+        misfit = False              # some assignment fits in none of its stagings
+        for mip_value, xv in zip([mip_obj] + [s.objective for s in saved], candidates):
+            gpu_of = tuple(int(np.argmax(xv.reshape(B, P)[b])) for b in range(B))
+            if gpu_of in tried:
+                continue
+            tried.add(gpu_of)
+            fits = len(found)
+            for merge in (STAGINGS if space == "mixed" else (True,)):
+                if merge == "all":
+                    plan = _fewest_stages(problem, blocks.members, list(gpu_of))
+                elif merge == "components":
+                    plan = _components(problem, blocks.members, list(gpu_of))
+                    if plan is None:
+                        continue
+                else:
+                    plan = plan_from_assignment(problem, blocks.members, list(gpu_of), "exact", merge=merge)
+                cost = evaluate(problem, plan)
+                if cost.feasible and (max_stages is None or len(plan.stages) <= max_stages):
+                    found.append((plan, cost, mip_value, "mip"))
+            misfit = misfit or len(found) == fits
+        # only the best few can be returned (_pick simulates at most simulate_top), and tight
+        # memory can take hundreds of rounds: the rest are dropped as they come
+        kept = _best_few(kept + found, max(simulate_top, 1))
+        found = list(kept)
+        # Mixed space cuts off up to 1 + max_candidates assignments a round, and tight memory can
+        # need many rounds of them: only time stops it there (a round is one warm re-solve).
+        out_of_time = rounds >= (max_rounds if lazy else 50 * max_rounds) or time.perf_counter() - t0 > time_limit
+        if found:
+            best_fit = min(f[1].objective_ms for f in found)
+            if lazy:
+                # a fitting split never cut is above every round's bound; one cut off is kept
+                best_bound = bound if best_bound is None else max(best_bound, bound)
+                fit_bound = min(best_bound, best_fit)
+            # In mixed space the search goes on only while memory is what kept the solver's best
+            # assignments out; a relaxation gap alone (communication, recomputation) is priced.
+            if (bound >= best_fit * (1 - 1e-9) or out_of_time or status != highspy.HighsModelStatus.kOptimal
+                    or not (lazy or misfit)):
+                best = _pick(problem, found, simulate_top)
+                break
+        # Cut these assignments off: in each, at least one block must move.
+        for gpu_of in tried:
+            cut_off += 1
+            h.addConstr(h.qsum([x[b][gpu_of[b]] for b in range(B)]) <= B - 1)
+        if out_of_time:
+            raise Infeasible(f"exact ({space}): the {cut_off} best assignments the solver found do not "
+                             f"fit once all activations are counted ({cost.reason or 'or have too many stages'})")
+    plan, cost, plan_mip, source = best
+    solved = status == highspy.HighsModelStatus.kOptimal
+    what = {"seq": "convex splits with one stage per GPU", "mixed": "plans"}[space]
+    if B < seq.n:
+        covers = f"{what} that keep each of its {B} blocks (contiguous runs of the graph's order) whole in one stage"
+    else:
+        covers = "every plan" if space == "mixed" else "every convex split with one stage per GPU"
+    # In mixed space a later solve's bound skips the assignments cut off before it (whose other
+    # stagings were not priced): only the first solve's bound covers every plan.
+    valid, valid_obj = (bound, mip_obj) if lazy else (space_bound, first_obj)
+    if valid is None:
+        # No solve finished with a solution (a plan found before it, e.g. the warm start, is
+        # returned): evaluate's own bound is the one that holds for every plan.
+        valid = cost.lower_bound_ms
+    plan.info = {
+        "space": space,
+        "bound_space": covers,
+        "mip_objective_ms": valid_obj,
+        "mip_bound_ms": valid,
+        # A bound over all of `covers` that fit: in seq space, the last solve's bound (or the best
+        # plan priced, every cut assignment having been priced); else the first solve's, before
+        # any assignment was cut off.
+        "space_bound_ms": fit_bound if lazy and fit_bound is not None else space_bound,
+        "space_bound_covers": covers + (" that fit" if lazy else ""),
+        "mip_solved": solved,
+        # the plan meets the proven bound: optimal over the space the bound covers
+        "optimal": (cost.objective_ms <= fit_bound * (1 + 1e-9) if lazy and fit_bound is not None
+                    else valid is not None and cost.objective_ms <= valid * (1 + 1e-9)),
+        "mip_gap": (valid_obj - valid) / valid_obj if valid_obj else None,
+        "gap": (cost.objective_ms - valid) / cost.objective_ms if cost.objective_ms > 0 and valid is not None
+        else 0.0,
+        # The MIP ranks plans by a relaxation of Eq. 1, so the plan returned is the best by
+        # evaluate() among those it found: its incumbent, improved-on solutions, the warm start.
+        "plan_source": source,
+        "plan_mip_objective_ms": plan_mip,
+        # evaluate's own bound holds for every plan; the MIP's only for whole blocks when coarsened
+        "lower_bound_ms": cost.lower_bound_ms,
+        "objective_ms": cost.objective_ms,
+        "status": h.modelStatusToString(status),
+        "blocks": B,
+        "coarsened": B < seq.n,
+        "comm": comm,
+        "rounds": rounds,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "bound_note": ("lower bound on the Eq. 1 objective of " + covers
+                       + (f" (graph coarsened from {seq.n} op nodes: optimal for the coarsened graph only)"
+                          if B < seq.n else "")
+                       ),
+    }
+    if cut_off and not lazy:
+        # what the last solve proved: every plan except other stagings of the assignments cut off
+        # the cut assignments' priced stagings are kept: the best of them bounds those
+        plan.info["bound_uncut_ms"] = min(([bound] if bound is not None else [])
+                                          + [f[1].objective_ms for f in kept])
+        plan.info["bound_uncut_covers"] = (f"{covers} except other stagings of the {cut_off} assignments cut "
+                                           f"off (each priced in {len(STAGINGS)} stagings)")
+    if "simulated_period_ms" in getattr(best[0], "info", {}):
+        plan.info["simulated_period_ms"] = best[0].info["simulated_period_ms"]
+    return plan
+
+
+
+def relaxed_objective(problem: Problem, plan: Plan, *, space: str = "mixed", comm: bool = True,
+                      max_nodes: int = 1000, time_limit: float = 60.0) -> float | None:
+    """What :func:`partition_exact`'s MIP makes of ``plan``: its optimum with every block fixed
+    to the plan's GPU, or ``None`` where its rows rule that assignment out.
+
+    The MIP is a relaxation of every plan of its space whose blocks are whole, so for a plan
+    that fits memory (:func:`~ftcompile.plan.evaluate` says so) the value is at most the plan's
+    Eq. 1 objective, and never ``None``. That is what this function is for: to see why exact
+    did not return a plan a user knows of, and to test that the MIP's second statement of
+    evaluate's time and memory rules stays below the first.
+
+    Interchangeable GPUs are renumbered by first use along the block order (``seq`` space: by
+    the stage graph's order), as the MIP's symmetry rows ask; on other clusters a ``seq``-space
+    plan must have its ``k``-th stage on GPU ``k``.
+
+    Raises
+    ------
+    ValueError
+        If a block (the graph coarsened above ``max_nodes`` op nodes) spans two GPUs, or in
+        ``seq`` space the plan is not a convex split with one stage per GPU.
+    Infeasible
+        If highspy is missing or the solve does not finish in ``time_limit`` seconds.
+    """
+    try:
+        import highspy
+    except ImportError as exc:                               # pragma: no cover
+        raise Infeasible(f"exact partitioning needs highspy: {exc}") from None
+    if space not in SPACES:
+        raise ValueError(f"unknown space {space!r}; choose one of {', '.join(SPACES)}")
+    seq = op_sequence(problem)
+    blocks = coarsen(seq, max_nodes, problem.recomputes(False), MemoryModel.of(problem))
+    B = blocks.n
+    P = min(problem.num_gpus, B)
+    gpu_of_node = {n: st.gpu for st in plan.stages for n in st.nodes}
+    gpu_of: list[int] = []
+    for b, m in enumerate(blocks.members):
+        gs = {gpu_of_node.get(n) for n in m}
+        if len(gs) != 1 or None in gs:
+            raise ValueError(f"block {b} (nodes {m[0]}..{m[-1]}) is not on one GPU in the plan")
+        gpu_of.append(gs.pop())
+    mip = _build_mip(problem, seq, blocks, P, space, comm, 0.0)
+    if space == "seq":
+        order = list(nx.topological_sort(stage_graph(problem.graph, plan)))
+        if len(order) > P or len({st.gpu for st in plan.stages}) != len(plan.stages):
+            raise ValueError("a seq-space plan has one stage per GPU and at most as many stages as GPUs")
+        stage_gpu = {st.id: st.gpu for st in plan.stages}
+        rank = {stage_gpu[sid]: k for k, sid in enumerate(order)}     # GPU -> its stage's place
+        if not mip.homogeneous and any(g != k for g, k in rank.items()):
+            raise ValueError("on this cluster a seq-space plan has its k-th stage on GPU k")
+        gpu_of = [rank[g] for g in gpu_of]
+    elif mip.homogeneous:
+        relabel: dict[int, int] = {}
+        for g in gpu_of:
+            relabel.setdefault(g, len(relabel))
+        gpu_of = [relabel[g] for g in gpu_of]
+    if max(gpu_of) >= P:
+        raise ValueError(f"the plan uses GPU {max(gpu_of)}; the MIP has {P}")
+    h = mip.h
+    for b, g in enumerate(gpu_of):
+        i = mip.x[b][g].index
+        h.changeColBounds(i, 1.0, 1.0)
+    h.setOptionValue("time_limit", float(time_limit))
+    h.run()
+    status = h.getModelStatus()
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return None
+    if status != highspy.HighsModelStatus.kOptimal:
+        raise Infeasible(f"exact: the fixed assignment did not solve in {time_limit:.0f} s "
+                         f"(HiGHS: {h.modelStatusToString(status)})")
+    return float(h.getInfo().objective_function_value)
+
+
+@dataclass
+class _Mip:
+    """The model :func:`partition_exact` solves: ``x[b][g]`` (block ``b`` on GPU ``g``)."""
+
+    h: object                                # highspy.Highs, objective T set
+    x: list[list]
+    x_index: np.ndarray                      # column of x[b][g] at b * P + g
+    limit: float                             # memory per GPU less the reserve
+    homogeneous: bool                        # GPUs interchangeable: numbered by first use
+
+
+def _build_mip(problem: Problem, seq: OpSequence, blocks: Blocks, P: int, space: str, comm: bool,
+               mip_rel_gap: float) -> _Mip:
+    """The MIP of the module docstring for ``blocks`` on ``P`` GPUs, objective set."""
+    import highspy
+
+    B = blocks.n
+    cluster = problem.cluster
+    limit = cluster.gpu_memory
+    rec_mid, rec_last = problem.recomputes(False), problem.recomputes(True)
     with _quiet_fd1():
         h = highspy.Highs()                 # prints a banner on descriptor 1 before any option applies
     h.setOptionValue("output_flag", False)
@@ -468,7 +768,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
                 else:
                     h.addConstr(params <= float(limit))
     if space == "mixed" and np.isfinite(limit):
-        _held_memory(h, problem, blocks, x, y, own_max, P, float(limit), k_min, depth=B == seq.n,
+        _held_memory(h, problem, blocks, x, y, own_max, P, float(limit), k_min, edge_pairs, depth=B == seq.n,
                      recompute=rec_mid)
 
     if space == "seq" and P > 1 and np.isfinite(limit):
@@ -476,212 +776,11 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
 
     h.setObjective(T)
     h.setMinimize()
-    warm = None
-    if space == "seq" and warm_plan is not None and P > 1:
-        # A convex split found by other means (Seq-pipe's DP): its stage k on GPU k.
-        order = sorted(warm_plan.stages, key=lambda st: st.id)
-        k_of = {n: k for k, st in enumerate(order) for n in st.nodes}
-        ks = [{k_of.get(n) for n in m} for m in blocks.members]
-        if len(order) <= P and all(len(k) == 1 and None not in k for k in ks):
-            idx = np.array([x[b][next(iter(ks[b]))].index for b in range(B)], dtype=np.int32)
-            h.setSolution(len(idx), idx, np.ones(len(idx)))
-            warm = (warm_plan, evaluate(problem, warm_plan), warm_plan.info.get("mip_objective_ms"))
-    if space == "mixed" and warm_start and P > 1:
-        # A Seq-pipe is a Mixed-pipe: the best convex split is a good incumbent that fits memory.
-        sp = warm_plan
-        if sp is None:
-            try:
-                from .seq import partition_seq
-
-                sp = partition_seq(problem, max_stages=max_stages, time_limit=time_limit / 4)
-            except Infeasible:
-                pass
-        gpu_of_node = {n: st.gpu for st in sp.stages for n in st.nodes} if sp is not None else {}
-        if sp is None or any(len({gpu_of_node[n] for n in m}) > 1 for m in blocks.members):
-            try:
-                sp = partition_exact(problem, max_nodes=max_nodes, time_limit=time_limit / 4, space="seq",
-                                     comm=comm, mip_rel_gap=mip_rel_gap, max_rounds=max_rounds, warm_start=False,
-                                     simulate_top=0)
-                gpu_of_node = {n: st.gpu for st in sp.stages for n in st.nodes}
-            except Infeasible:
-                sp = None
-        if sp is not None:
-            warm_gpu = [gpu_of_node[m[0]] for m in blocks.members]
-            if homogeneous:
-                # GPUs numbered by first use along the block order (the symmetry rule above)
-                relabel: dict[int, int] = {}
-                for g in warm_gpu:
-                    relabel.setdefault(g, len(relabel))
-                warm_gpu = [relabel[g] for g in warm_gpu]
-                sp = Plan(sp.strategy, sp.num_gpus, [Stage(st.id, relabel[st.gpu], st.nodes) for st in sp.stages],
-                          sp.info)
-            if max(warm_gpu) < P:
-                idx = np.array([x[b][warm_gpu[b]].index for b in range(B)], dtype=np.int32)
-                h.setSolution(len(idx), idx, np.ones(len(idx)))
-                warm = (sp, evaluate(problem, sp), sp.info.get("mip_objective_ms"))
-    rounds, cut_off = 0, 0
-    best = None
-    # In seq space an assignment is one plan, so cutting it off loses nothing once it is priced:
-    # the fitting ones are kept, and the search goes on below the best of them until the MIP's
-    # bound meets it (lazy memory cuts). Its bound then holds for every convex split that fits.
-    lazy = space == "seq"
-    # In mixed space an assignment is several plans (its stagings), of which three are priced;
-    # the MIP checks activation memory only as a relaxation, so under tight memory its optima
-    # may not fit once priced. Those are cut off too and the search goes on below the best plan
-    # that fits, while time lasts: its bound then covers every plan but the other stagings of
-    # the assignments cut off (info["bound_space"] says so).
-    kept: list[tuple] = []
-    if warm is not None:
-        plan, cost, mip_value = warm
-        if cost.feasible:
-            kept.append((Plan("exact", plan.num_gpus, plan.stages), cost, mip_value, "convex warm start"))
-    space_bound = mip_obj = bound = first_obj = None
-    fit_bound = best_bound = None
-    while True:
-        rounds += 1
-        h.setOptionValue("time_limit", max(1.0, time_limit - (time.perf_counter() - t0)))
-        h.run()
-        status = h.getModelStatus()
-        info = h.getInfo()
-        has_solution = info.primal_solution_status == 2   # kSolutionStatusFeasible
-        if not has_solution:
-            if kept:
-                if lazy and status == highspy.HighsModelStatus.kInfeasible:
-                    fit_bound = min(f[1].objective_ms for f in kept)   # nothing else is left
-                best = _pick(problem, kept, simulate_top)
-                break
-            if status == highspy.HighsModelStatus.kInfeasible:
-                what = ("weights, gradients and optimizer state, and the activations and working memory "
-                        "every plan keeps (in-flight micro-batches at each stage's depth)" if space == "seq" else
-                        "weights, gradients and optimizer state, and the activations of the blocks each GPU "
-                        "holds (each block's alone where stages recompute)")
-                why = (f"no assignment fits {what} in {format_bytes(limit)} per GPU (besides the reserve)"
-                       + ("" if B == seq.n else f", with the graph coarsened into {B} blocks")
-                       if cut_off == 0 else
-                       f"every assignment that fits its weights ran out of memory once activations "
-                       f"were counted ({cut_off} cut off)")
-                # in seq space every assignment cut off was priced and did not fit: still a proof
-                raise Infeasible(f"exact ({space}): {why}", proven=(cut_off == 0 or lazy) and B == seq.n)
-            raise Infeasible(f"exact ({space}): no plan found in {time_limit:.0f} s "
-                             f"(HiGHS: {h.modelStatusToString(status)})")
-        mip_obj, bound = info.objective_function_value, info.mip_dual_bound
-        if rounds == 1:
-            space_bound = bound         # before any assignment is cut off: it covers the whole space
-            first_obj = mip_obj
-        # The incumbent may not fit once activations are counted; so may the solutions the
-        # solver improved on, but one of them may, and it is the best plan HiGHS saw.
-        candidates = [np.array(h.vals([x[b][g] for b in range(B) for g in range(P)]))]
-        saved = sorted(h.getSavedMipSolutions(), key=lambda s: s.objective)[:max_candidates]
-        candidates += [np.array(s.col_value)[x_index] for s in saved]
-        tried = set()
-        found = []
-        misfit = False              # some assignment fits in none of its stagings
-        for mip_value, xv in zip([mip_obj] + [s.objective for s in saved], candidates):
-            gpu_of = tuple(int(np.argmax(xv.reshape(B, P)[b])) for b in range(B))
-            if gpu_of in tried:
-                continue
-            tried.add(gpu_of)
-            fits = len(found)
-            for merge in (STAGINGS if space == "mixed" else (True,)):
-                if merge == "all":
-                    plan = _fewest_stages(problem, blocks.members, list(gpu_of))
-                elif merge == "components":
-                    plan = _components(problem, blocks.members, list(gpu_of))
-                    if plan is None:
-                        continue
-                else:
-                    plan = plan_from_assignment(problem, blocks.members, list(gpu_of), "exact", merge=merge)
-                cost = evaluate(problem, plan)
-                if cost.feasible and (max_stages is None or len(plan.stages) <= max_stages):
-                    found.append((plan, cost, mip_value, "mip"))
-            misfit = misfit or len(found) == fits
-        kept += found
-        found = list(kept)
-        # Mixed space cuts off up to 1 + max_candidates assignments a round, and tight memory can
-        # need many rounds of them: only time stops it there (a round is one warm re-solve).
-        out_of_time = rounds >= (max_rounds if lazy else 50 * max_rounds) or time.perf_counter() - t0 > time_limit
-        if found:
-            best_fit = min(f[1].objective_ms for f in found)
-            if lazy:
-                # a fitting split never cut is above every round's bound; one cut off is kept
-                best_bound = bound if best_bound is None else max(best_bound, bound)
-                fit_bound = min(best_bound, best_fit)
-            # In mixed space the search goes on only while memory is what kept the solver's best
-            # assignments out; a relaxation gap alone (communication, recomputation) is priced.
-            if (bound >= best_fit * (1 - 1e-9) or out_of_time or status != highspy.HighsModelStatus.kOptimal
-                    or not (lazy or misfit)):
-                best = _pick(problem, found, simulate_top)
-                break
-        # Cut these assignments off: in each, at least one block must move.
-        for gpu_of in tried:
-            cut_off += 1
-            h.addConstr(h.qsum([x[b][gpu_of[b]] for b in range(B)]) <= B - 1)
-        if out_of_time:
-            raise Infeasible(f"exact ({space}): the {cut_off} best assignments the solver found do not "
-                             f"fit once all activations are counted ({cost.reason or 'or have too many stages'})")
-    plan, cost, plan_mip, source = best
-    solved = status == highspy.HighsModelStatus.kOptimal
-    what = {"seq": "convex splits with one stage per GPU", "mixed": "plans"}[space]
-    if B < seq.n:
-        covers = f"{what} that keep each of its {B} blocks (contiguous runs of the graph's order) whole in one stage"
-    else:
-        covers = "every plan" if space == "mixed" else "every convex split with one stage per GPU"
-    # In mixed space a later solve's bound skips the assignments cut off before it (whose other
-    # stagings were not priced): only the first solve's bound covers every plan.
-    valid, valid_obj = (bound, mip_obj) if lazy else (space_bound, first_obj)
-    if valid is None:
-        # No solve finished with a solution (a plan found before it, e.g. the warm start, is
-        # returned): evaluate's own bound is the one that holds for every plan.
-        valid = cost.lower_bound_ms
-    plan.info = {
-        "space": space,
-        "bound_space": covers,
-        "mip_objective_ms": valid_obj,
-        "mip_bound_ms": valid,
-        # A bound over all of `covers` that fit: in seq space, the last solve's bound (or the best
-        # plan priced, every cut assignment having been priced); else the first solve's, before
-        # any assignment was cut off.
-        "space_bound_ms": fit_bound if lazy and fit_bound is not None else space_bound,
-        "space_bound_covers": covers + (" that fit" if lazy else ""),
-        "mip_solved": solved,
-        # the plan meets the proven bound: optimal over the space the bound covers
-        "optimal": (cost.objective_ms <= fit_bound * (1 + 1e-9) if lazy and fit_bound is not None
-                    else valid is not None and cost.objective_ms <= valid * (1 + 1e-9)),
-        "mip_gap": (valid_obj - valid) / valid_obj if valid_obj else None,
-        "gap": (cost.objective_ms - valid) / cost.objective_ms if cost.objective_ms > 0 and valid is not None
-        else 0.0,
-        # The MIP ranks plans by a relaxation of Eq. 1, so the plan returned is the best by
-        # evaluate() among those it found: its incumbent, improved-on solutions, the warm start.
-        "plan_source": source,
-        "plan_mip_objective_ms": plan_mip,
-        # evaluate's own bound holds for every plan; the MIP's only for whole blocks when coarsened
-        "lower_bound_ms": cost.lower_bound_ms,
-        "objective_ms": cost.objective_ms,
-        "status": h.modelStatusToString(status),
-        "blocks": B,
-        "coarsened": B < seq.n,
-        "comm": comm,
-        "rounds": rounds,
-        "seconds": round(time.perf_counter() - t0, 3),
-        "bound_note": ("lower bound on the Eq. 1 objective of " + covers
-                       + (f" (graph coarsened from {seq.n} op nodes: optimal for the coarsened graph only)"
-                          if B < seq.n else "")
-                       ),
-    }
-    if cut_off and not lazy:
-        # what the last solve proved: every plan except other stagings of the assignments cut off
-        # the cut assignments' priced stagings are kept: the best of them bounds those
-        plan.info["bound_uncut_ms"] = min(([bound] if bound is not None else [])
-                                          + [f[1].objective_ms for f in kept])
-        plan.info["bound_uncut_covers"] = (f"{covers} except other stagings of the {cut_off} assignments cut "
-                                           f"off (each priced in {len(STAGINGS)} stagings)")
-    if "simulated_period_ms" in getattr(best[0], "info", {}):
-        plan.info["simulated_period_ms"] = best[0].info["simulated_period_ms"]
-    return plan
+    return _Mip(h, x, x_index, float(limit), homogeneous)
 
 
 def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, limit: float, k_min: int,
-                 depth: bool = True, recompute: bool = False) -> None:
+                 edge_pairs: list[tuple[int, int]], depth: bool = True, recompute: bool = False) -> None:
     """Memory of every stage a GPU holds at once, for ``mixed`` space.
 
     With ``recompute`` (the schedule's stages rebuild their activations, which the transient of
@@ -730,7 +829,6 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, lim
         k_1 = min(mm.in_flight(1, g0) for g0 in (False, True))
     except ScheduleError:
         k_1 = k_min
-    pairs = sorted({(p, c) for p, cs, _nb, _fl in blocks.values for c in cs})
     if not depth:
         k_1 = k_min
     kept = (window * sum(nb for _p, cs, nb, _fl in blocks.values if cs and nb > 0)
@@ -740,7 +838,7 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, lim
         need = sum(ptot.values()) + kept + max(float(a) for a in blocks.activation_bytes) + largest * depth
     else:
         need = (sum(ptot.values()) + max(k_min, k_1) * sum(own) + k_min * sum(nb for nb, _ in saved.values())
-                + kept + max(float(prof.nodes[n].activation_bytes) for m in blocks.members for n in m))
+                + kept + largest)
     if need <= limit:
         return                              # nothing can exceed the memory: no constraint binds
     for g in range(P):
@@ -751,7 +849,7 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, lim
             terms += [k_min * own[b] * x[b][g] for b in range(blocks.n) if own[b] > 0]
         if not recompute and depth and k_1 > k_min and P > 1:
             e = [h.addVariable(lb=0.0, ub=1.0) for _b in range(blocks.n)]
-            for p, c in pairs:
+            for p, c in edge_pairs:
                 h.addConstr(e[p] - x[p][g] + x[c][g] >= 0)          # c on another GPU
                 h.addConstr(e[p] - e[c] - x[p][g] >= -1)            # c on g, with a descendant elsewhere
             terms += [(k_1 - k_min) * own[b] * e[b] for b in range(blocks.n) if own[b] > 0]
@@ -925,6 +1023,23 @@ def _quiet_fd1():
     return quiet_native_stdout()
 
 
+def _plan_key(plan: Plan) -> tuple:
+    return tuple(sorted((st.gpu, tuple(sorted(st.nodes))) for st in plan.stages))
+
+
+def _best_few(found: list[tuple], n: int) -> list[tuple]:
+    """The ``n`` best distinct plans of ``found`` in :func:`_pick`'s order."""
+    seen, best = set(), []
+    for f in sorted(found, key=lambda f: (f[1].objective_ms, len(f[0].stages))):
+        key = _plan_key(f[0])
+        if key not in seen:
+            seen.add(key)
+            best.append(f)
+            if len(best) == n:
+                break
+    return best
+
+
 def _pick(problem: Problem, found: list[tuple], simulate_top: int, tie: float = 1e-3) -> tuple:
     """The best of the candidate plans by objective; among those within ``tie`` of it (at most
     ``simulate_top``), the one with the shortest simulated period: waits between stages sharing
@@ -937,7 +1052,7 @@ def _pick(problem: Problem, found: list[tuple], simulate_top: int, tie: float = 
 
     seen, scored = set(), []
     for f in found:
-        key = tuple(sorted((st.gpu, tuple(sorted(st.nodes))) for st in f[0].stages))
+        key = _plan_key(f[0])
         if key in seen:
             continue
         seen.add(key)
