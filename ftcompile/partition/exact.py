@@ -299,50 +299,10 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
                          f"{', with transfers' if comm else ''}), more than {max_variables:,}; use fewer GPUs, "
                          f"fewer nodes (layer granularity) or another strategy")
     mip = _build_mip(problem, seq, blocks, P, space, comm, mip_rel_gap)
-    h, x, x_index, limit, homogeneous = mip.h, mip.x, mip.x_index, mip.limit, mip.homogeneous
-    warm = None
-    if space == "seq" and warm_plan is not None and P > 1:
-        # A convex split found by other means (Seq-pipe's DP): its stage k on GPU k.
-        order = sorted(warm_plan.stages, key=lambda st: st.id)
-        k_of = {n: k for k, st in enumerate(order) for n in st.nodes}
-        ks = [{k_of.get(n) for n in m} for m in blocks.members]
-        if len(order) <= P and all(len(k) == 1 and None not in k for k in ks):
-            idx = np.array([x[b][next(iter(ks[b]))].index for b in range(B)], dtype=np.int32)
-            h.setSolution(len(idx), idx, np.ones(len(idx)))
-            warm = (warm_plan, evaluate(problem, warm_plan), warm_plan.info.get("mip_objective_ms"))
-    if space == "mixed" and warm_start and P > 1:
-        # A Seq-pipe is a Mixed-pipe: the best convex split is a good incumbent that fits memory.
-        sp = warm_plan
-        if sp is None:
-            try:
-                from .seq import partition_seq
-
-                sp = partition_seq(problem, max_stages=max_stages, time_limit=time_limit / 4)
-            except Infeasible:
-                pass
-        gpu_of_node = {n: st.gpu for st in sp.stages for n in st.nodes} if sp is not None else {}
-        if sp is None or any(len({gpu_of_node[n] for n in m}) > 1 for m in blocks.members):
-            try:
-                sp = partition_exact(problem, max_nodes=max_nodes, time_limit=time_limit / 4, space="seq",
-                                     comm=comm, mip_rel_gap=mip_rel_gap, max_rounds=max_rounds, warm_start=False,
-                                     simulate_top=0)
-                gpu_of_node = {n: st.gpu for st in sp.stages for n in st.nodes}
-            except Infeasible:
-                sp = None
-        if sp is not None:
-            warm_gpu = [gpu_of_node[m[0]] for m in blocks.members]
-            if homogeneous:
-                # GPUs numbered by first use along the block order (the symmetry rule above)
-                relabel: dict[int, int] = {}
-                for g in warm_gpu:
-                    relabel.setdefault(g, len(relabel))
-                warm_gpu = [relabel[g] for g in warm_gpu]
-                sp = Plan(sp.strategy, sp.num_gpus, [Stage(st.id, relabel[st.gpu], st.nodes) for st in sp.stages],
-                          sp.info)
-            if max(warm_gpu) < P:
-                idx = np.array([x[b][warm_gpu[b]].index for b in range(B)], dtype=np.int32)
-                h.setSolution(len(idx), idx, np.ones(len(idx)))
-                warm = (sp, evaluate(problem, sp), sp.info.get("mip_objective_ms"))
+    h, x, x_index, limit = mip.h, mip.x, mip.x_index, mip.limit
+    warm = _warm_start(problem, mip, blocks, P, space, warm_plan, search=warm_start, max_stages=max_stages,
+                       time_limit=time_limit / 4, max_nodes=max_nodes, comm=comm, mip_rel_gap=mip_rel_gap,
+                       max_rounds=max_rounds)
     rounds, cut_off = 0, 0
     best = None
     # In seq space an assignment is one plan, so cutting it off loses nothing once it is priced:
@@ -558,10 +518,7 @@ def relaxed_objective(problem: Problem, plan: Plan, *, space: str = "mixed", com
             raise ValueError("on this cluster a seq-space plan has its k-th stage on GPU k")
         gpu_of = [rank[g] for g in gpu_of]
     elif mip.homogeneous:
-        relabel: dict[int, int] = {}
-        for g in gpu_of:
-            relabel.setdefault(g, len(relabel))
-        gpu_of = [relabel[g] for g in gpu_of]
+        gpu_of, _ = _by_first_use(gpu_of)
     if max(gpu_of) >= P:
         raise ValueError(f"the plan uses GPU {max(gpu_of)}; the MIP has {P}")
     h = mip.h
@@ -577,6 +534,67 @@ def relaxed_objective(problem: Problem, plan: Plan, *, space: str = "mixed", com
         raise Infeasible(f"exact: the fixed assignment did not solve in {time_limit:.0f} s "
                          f"(HiGHS: {h.modelStatusToString(status)})")
     return float(h.getInfo().objective_function_value)
+
+
+def _by_first_use(gpus: list[int]) -> tuple[list[int], dict[int, int]]:
+    """GPUs renumbered by first use along the block order, as the MIP's symmetry rows ask of
+    interchangeable GPUs; and the renumbering."""
+    relabel: dict[int, int] = {}
+    for g in gpus:
+        relabel.setdefault(g, len(relabel))
+    return [relabel[g] for g in gpus], relabel
+
+
+def _warm_start(problem: Problem, mip: "_Mip", blocks: Blocks, P: int, space: str, warm_plan: Plan | None, *,
+                search: bool, max_stages: int | None, time_limit: float, max_nodes: int, comm: bool,
+                mip_rel_gap: float, max_rounds: int) -> tuple | None:
+    """Give the solver a starting incumbent; returns (plan, its cost, its MIP value) or None.
+
+    In ``seq`` space ``warm_plan`` (stage ``k`` on GPU ``k``) when given. In ``mixed`` space
+    (with ``search``) ``warm_plan`` or the best convex split, found by Seq-pipe and, where its
+    stages split a block, by exact in ``seq`` space, each in ``time_limit``.
+    """
+    h, x, B = mip.h, mip.x, blocks.n
+    warm = None
+    if space == "seq" and warm_plan is not None and P > 1:
+        # A convex split found by other means (Seq-pipe's DP): its stage k on GPU k.
+        order = sorted(warm_plan.stages, key=lambda st: st.id)
+        k_of = {n: k for k, st in enumerate(order) for n in st.nodes}
+        ks = [{k_of.get(n) for n in m} for m in blocks.members]
+        if len(order) <= P and all(len(k) == 1 and None not in k for k in ks):
+            idx = np.array([x[b][next(iter(ks[b]))].index for b in range(B)], dtype=np.int32)
+            h.setSolution(len(idx), idx, np.ones(len(idx)))
+            warm = (warm_plan, evaluate(problem, warm_plan), warm_plan.info.get("mip_objective_ms"))
+    if space == "mixed" and search and P > 1:
+        # A Seq-pipe is a Mixed-pipe: the best convex split is a good incumbent that fits memory.
+        sp = warm_plan
+        if sp is None:
+            try:
+                from .seq import partition_seq
+
+                sp = partition_seq(problem, max_stages=max_stages, time_limit=time_limit)
+            except Infeasible:
+                pass
+        gpu_of_node = {n: st.gpu for st in sp.stages for n in st.nodes} if sp is not None else {}
+        if sp is None or any(len({gpu_of_node[n] for n in m}) > 1 for m in blocks.members):
+            try:
+                sp = partition_exact(problem, max_nodes=max_nodes, time_limit=time_limit, space="seq",
+                                     comm=comm, mip_rel_gap=mip_rel_gap, max_rounds=max_rounds, warm_start=False,
+                                     simulate_top=0)
+                gpu_of_node = {n: st.gpu for st in sp.stages for n in st.nodes}
+            except Infeasible:
+                sp = None
+        if sp is not None:
+            warm_gpu = [gpu_of_node[m[0]] for m in blocks.members]
+            if mip.homogeneous:
+                warm_gpu, relabel = _by_first_use(warm_gpu)
+                sp = Plan(sp.strategy, sp.num_gpus, [Stage(st.id, relabel[st.gpu], st.nodes) for st in sp.stages],
+                          sp.info)
+            if max(warm_gpu) < P:
+                idx = np.array([x[b][warm_gpu[b]].index for b in range(B)], dtype=np.int32)
+                h.setSolution(len(idx), idx, np.ones(len(idx)))
+                warm = (sp, evaluate(problem, sp), sp.info.get("mip_objective_ms"))
+    return warm
 
 
 @dataclass
@@ -597,8 +615,6 @@ def _build_mip(problem: Problem, seq: OpSequence, blocks: Blocks, P: int, space:
 
     B = blocks.n
     cluster = problem.cluster
-    limit = cluster.gpu_memory
-    rec_mid, rec_last = problem.recomputes(False), problem.recomputes(True)
     with _quiet_fd1():
         h = highspy.Highs()                 # prints a banner on descriptor 1 before any option applies
     h.setOptionValue("output_flag", False)
@@ -610,14 +626,31 @@ def _build_mip(problem: Problem, seq: OpSequence, blocks: Blocks, P: int, space:
     T = h.addVariable(lb=0.0)
     for b in range(B):
         h.addConstr(h.qsum(x[b]) == 1)
-
     homogeneous = len({cluster.bandwidth(g, k) for g in range(P) for k in range(P) if g != k}) <= 1
+    edge_pairs = sorted({(p, c) for p, cs, _nbytes, _fl in blocks.values for c in cs})
+    _placement_rows(h, blocks, x, P, space, homogeneous, edge_pairs)
+    y, readers = _held_params(h, seq, blocks, x, P)
+    _time_rows(h, problem, seq, blocks, x, y, readers, T, P, space, comm, edge_pairs)
+    limit = _memory_rows(h, problem, seq, blocks, x, y, readers, P, space, edge_pairs)
+    h.setObjective(T)
+    h.setMinimize()
+    return _Mip(h, x, x_index, float(limit), homogeneous)
+
+
+def _update_ms(seq: OpSequence) -> np.ndarray:
+    """Each parameter's optimizer step (zero where the sequence has none)."""
+    return seq.param_update_ms if seq.param_update_ms is not None else np.zeros(len(seq.param_total))
+
+
+def _placement_rows(h, blocks: Blocks, x, P: int, space: str, homogeneous: bool,
+                    edge_pairs: list[tuple[int, int]]) -> None:
+    """Convexity in ``seq`` space; symmetry rows for interchangeable GPUs."""
+    B = blocks.n
     if space == "seq":
         # Convex stages, stage g on GPU g: every value flows to the same or a later GPU.
         if P > 1:
             pos = [h.qsum([g * x[b][g] for g in range(1, P)]) for b in range(B)]
-            pairs = {(p, c) for p, cs, _nbytes, _fl in blocks.values for c in cs}
-            for p, c in sorted(pairs):
+            for p, c in edge_pairs:
                 h.addConstr(pos[c] - pos[p] >= 0)
             if homogeneous:
                 # interchangeable GPUs: the used ones are a prefix (shifting stages down costs nothing)
@@ -633,13 +666,16 @@ def _build_mip(problem: Problem, seq: OpSequence, blocks: Blocks, P: int, space:
                 else:
                     h.addConstr(x[b][g] - h.qsum([x[a][g - 1] for a in range(b)]) <= 0)
 
+
+def _held_params(h, seq: OpSequence, blocks: Blocks, x, P: int) -> tuple[dict, dict[int, list[int]]]:
+    """``y[q, g]``: GPU ``g`` holds parameter ``q``; and the blocks reading each parameter."""
+    upd_ms = _update_ms(seq)
     # y[q][g]: GPU g holds parameter q (some block on g reads it): its memory, and its optimizer
     # step's share U / M of every micro-batch.
     readers: dict[int, list[int]] = {}
     for b, qs in enumerate(blocks.params):
         for q in qs:
             readers.setdefault(q, []).append(b)
-    upd_ms = seq.param_update_ms if seq.param_update_ms is not None else np.zeros(len(seq.param_total))
     y: dict[tuple[int, int], object] = {}
     for q, bs in readers.items():
         if blocks.param_total[q] == 0 and not upd_ms[q] > 0:
@@ -648,6 +684,17 @@ def _build_mip(problem: Problem, seq: OpSequence, blocks: Blocks, P: int, space:
             y[q, g] = v = h.addVariable(lb=0.0, ub=1.0)
             for b in bs:
                 h.addConstr(v - x[b][g] >= 0)
+    return y, readers
+
+
+def _time_rows(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, readers: dict[int, list[int]], T,
+               P: int, space: str, comm: bool, edge_pairs: list[tuple[int, int]]) -> None:
+    """``T`` at least every GPU's compute (recomputation, updates and tied-gradient sums in it),
+    and, with ``comm``, its inter-GPU sends and receives."""
+    B = blocks.n
+    cluster = problem.cluster
+    rec_mid, rec_last = problem.recomputes(False), problem.recomputes(True)
+    upd_ms = _update_ms(seq)
     M = problem.micro_batches
     # Tied tensors: a GPU holding one that another GPU also holds sums that holder's gradient part
     # before its update (w[q, g, k] >= y[q, g] + y[q, k] - 1); stages sharing one GPU are not seen
@@ -670,7 +717,6 @@ def _build_mip(problem: Problem, seq: OpSequence, blocks: Blocks, P: int, space:
                         h.addConstr(w - y[q, g] - y[q, k] >= -1)
                         tied_terms[g].append(c * w)
 
-    edge_pairs = sorted({(p, c) for p, cs, _nbytes, _fl in blocks.values for c in cs})
     # Compute per GPU; recomputation is skipped by the last stage, which holds the loss.
     rec = blocks.recompute_ms if rec_mid else np.zeros(B)
     last_stage_work = []           # compute of the last stage's share of blocks, over all GPUs
@@ -728,13 +774,20 @@ def _build_mip(problem: Problem, seq: OpSequence, blocks: Blocks, P: int, space:
             if recv[g]:
                 h.addConstr(T - h.qsum(recv[g]) >= 0)
 
+
+def _memory_rows(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, readers: dict[int, list[int]],
+                 P: int, space: str, edge_pairs: list[tuple[int, int]]) -> float:
+    """Memory per GPU (see :func:`_held_memory` and :func:`_depth_memory`); returns the limit
+    the rows use, the GPU's memory less the reserve."""
+    B = blocks.n
+    rec_mid = problem.recomputes(False)
     # Weights, gradients and optimizer state, each tensor once per GPU that reads it, plus the
     # activations any plan must hold: a stage that does not recompute keeps at least one
     # micro-batch's full activations, one that does rebuilds them (when it has work to redo).
     k_min = min(MemoryModel.of(problem).in_flight(0, g0) for g0 in (False, True))
     act_coef = 1 if rec_mid else k_min
     act_ok = [not rec_mid or blocks.recompute_ms[b] > 0 for b in range(B)]
-    limit = limit - problem.memory_reserve
+    limit = problem.cluster.gpu_memory - problem.memory_reserve
     own_max: list = [None] * P
     # A task's transient holds at least the working memory of the node it runs (evaluate's
     # working sets add each node's own activations), on top of the rebuilt activations when
@@ -773,10 +826,7 @@ def _build_mip(problem: Problem, seq: OpSequence, blocks: Blocks, P: int, space:
 
     if space == "seq" and P > 1 and np.isfinite(limit):
         _depth_memory(h, problem, seq, blocks, x, y, own_max, P, float(limit), rec_mid, act_ok, edge_pairs)
-
-    h.setObjective(T)
-    h.setMinimize()
-    return _Mip(h, x, x_index, float(limit), homogeneous)
+    return limit
 
 
 def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, limit: float, k_min: int,
