@@ -261,9 +261,10 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
 
     ``Plan.info`` reports ``mip_objective_ms`` (the MIP value of the solver's incumbent; in
     ``mixed`` space of the first solve's), ``mip_bound_ms`` (the proven lower bound on the
-    MIP objective, hence on the Eq. 1 objective of any plan in the space: in ``seq`` space
-    less assignments cut off for memory, in ``mixed`` space the first solve's, before any
-    cut; ``bound_uncut_ms`` is the last solve's there),
+    MIP objective, hence on the Eq. 1 objective of any plan in the space: in ``seq`` space of
+    every split that fits, the last solve's bound or the best priced split cut off before it
+    where lower; in ``mixed`` space the first solve's, before any cut; ``bound_uncut_ms`` is
+    the last solve's there),
     ``space_bound_ms`` (a bound over every plan of ``space_bound_covers``: in ``seq`` space
     every convex split that fits, since each assignment cut off was priced; in ``mixed``
     space every plan, from the first solve, before any cut), ``optimal``, ``gap`` and
@@ -414,7 +415,9 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         covers = "every plan" if space == "mixed" else "every convex split with one stage per GPU"
     # In mixed space a later solve's bound skips the assignments cut off before it (whose other
     # stagings were not priced): only the first solve's bound covers every plan.
-    valid, valid_obj = (bound, mip_obj) if lazy else (space_bound, first_obj)
+    # In seq space the last solve's bound skips the assignments cut off, each priced: the best of
+    # those that fit (fit_bound) keeps it a bound over every split that fits, never above the plan.
+    valid, valid_obj = ((fit_bound if fit_bound is not None else bound), mip_obj) if lazy else (space_bound, first_obj)
     if valid is None:
         # No solve finished with a solution (a plan found before it, e.g. the warm start, is
         # returned): evaluate's own bound is the one that holds for every plan.
@@ -464,7 +467,6 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     if "simulated_period_ms" in getattr(best[0], "info", {}):
         plan.info["simulated_period_ms"] = best[0].info["simulated_period_ms"]
     return plan
-
 
 
 def relaxed_objective(problem: Problem, plan: Plan, *, space: str = "mixed", comm: bool = True,
@@ -792,7 +794,18 @@ def _memory_rows(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, rea
     # A task's transient holds at least the working memory of the node it runs (evaluate's
     # working sets add each node's own activations), on top of the rebuilt activations when
     # the stage recomputes and of what it keeps otherwise: own_max[g] >= that of g's nodes.
-    own = [float(max(problem.profile.nodes[n].activation_bytes for n in m)) for m in blocks.members]
+    # Without recomputation (and in seq space, one stage per GPU) the transient is at least the
+    # working set of a stage holding the node alone, the values it reads and writes with its own
+    # activations (plan.working_sets of the node: walking a larger stage meets them all live at
+    # the node). Recomputing stages in mixed space sum it with another stage's activations below,
+    # which holds for the node's activations only.
+    if space == "mixed" and rec_mid:
+        own = [float(max(problem.profile.nodes[n].activation_bytes for n in m)) for m in blocks.members]
+    else:
+        from ..plan import working_sets
+
+        own = [float(max(max(working_sets(problem, [n])) for n in m)) for m in blocks.members]
+    own_top = max(own, default=0.0)
     for g in range(P):
         own_max[g] = h.addVariable(lb=0.0)
         for b in range(B):
@@ -821,16 +834,18 @@ def _memory_rows(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, rea
                 else:
                     h.addConstr(params <= float(limit))
     if space == "mixed" and np.isfinite(limit):
-        _held_memory(h, problem, blocks, x, y, own_max, P, float(limit), k_min, edge_pairs, depth=B == seq.n,
-                     recompute=rec_mid)
+        _held_memory(h, problem, blocks, x, y, own_max, own_top, P, float(limit), k_min, edge_pairs,
+                     depth=B == seq.n, recompute=rec_mid, param_names=seq.param_names)
 
     if space == "seq" and P > 1 and np.isfinite(limit):
-        _depth_memory(h, problem, seq, blocks, x, y, own_max, P, float(limit), rec_mid, act_ok, edge_pairs)
+        _depth_memory(h, problem, seq, blocks, x, y, own_max, own_top, P, float(limit), rec_mid, act_ok,
+                      edge_pairs)
     return limit
 
 
-def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, limit: float, k_min: int,
-                 edge_pairs: list[tuple[int, int]], depth: bool = True, recompute: bool = False) -> None:
+def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, own_top: float, P: int, limit: float,
+                 k_min: int, edge_pairs: list[tuple[int, int]], depth: bool = True, recompute: bool = False,
+                 param_names: list[str] | None = None) -> None:
     """Memory of every stage a GPU holds at once, for ``mixed`` space.
 
     With ``recompute`` (the schedule's stages rebuild their activations, which the transient of
@@ -841,12 +856,19 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, lim
     input value some node of the stage saves, once per stage), summed over the stages of a GPU.
     Counting every saved input value once per GPU (``z[v, g] >= x[b, g]`` for each block ``b``
     that saves ``v``) and every stage at ``k_min`` is a lower bound of that sum whatever the
-    staging; with ``depth`` (blocks of one node, which no staging splits) a block with a
-    descendant on another GPU counts at ``in_flight(1)``, its stage having a successor. To it
-    come the receive buffers of the values a GPU reads from another (one flow-control window
-    each, gpipe's at least ``k_min``) and the graph inputs it reads, as evaluate keeps them. So
-    the MIP stays a relaxation of every plan; without these rows it checks one block's
-    activations at a time and, under tight memory, its optima rarely fit once priced.
+    staging; with ``depth`` (blocks of one node, which no staging splits) a block counts at
+    ``in_flight`` of the number of GPU changes on its longest path of blocks (each change is a
+    stage boundary, so the stage's depth is at least that; linear in the depth where
+    ``in_flight`` is, else its chord) and at ``in_flight(1)`` once a descendant is on another GPU.
+    To it come the receive buffers of the values a GPU reads from another (one flow-control
+    window each, gpipe's at least ``k_min``), the gradients of the values another GPU reads
+    from it (``in_flight(1)`` each), one gradient of each tied tensor it holds that another GPU
+    also holds, a second copy of the weights, gradients and state of a tensor two of its blocks
+    read when a path between them leaves the GPU (they are then in two stages), and the graph
+    inputs it reads, as evaluate keeps them. So the MIP stays a relaxation of every plan
+    (``tests/test_partition_exact_relaxation.py`` checks it on random plans); without these rows
+    it checks one block's activations at a time and, under tight memory, its optima rarely fit
+    once priced.
     """
     prof = problem.profile
     own = [float(sum(prof.nodes[n].activation_bytes - prof.nodes[n].first_saved_bytes for n in m))
@@ -881,28 +903,116 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, lim
         k_1 = k_min
     if not depth:
         k_1 = k_min
+    # Deeper still: a stage's depth (its longest path to a sink of the stage graph) is at least
+    # the number of GPU changes along any path of blocks from one of its blocks, each change being
+    # a stage boundary on an acyclic stage graph. s[b] >= s[c] + (p and c apart) gives that count;
+    # in_flight(d) >= k_min + slope * d on the longest path's range (exact where in_flight is
+    # linear in the depth: async, pipedream, 2bw, 2gw), so a block keeps at least
+    # own[b] * (k_min + slope * s[b]) micro-batches' activations.
+    B = blocks.n
+    longest = [0] * B                   # edges on the longest path of blocks from b
+    succ: dict[int, list[int]] = {}
+    for p, c in edge_pairs:
+        succ.setdefault(p, []).append(c)
+    for b in range(B - 1, -1, -1):      # blocks are in topological order
+        longest[b] = max((longest[c] + 1 for c in succ.get(b, ())), default=0)
+    deepest = max(longest, default=0)
+    slope, f_max = 0.0, max(k_min, k_1)
+    if depth and P > 1 and deepest > 0:
+        try:
+            f = [min(mm.in_flight(d, g0) for g0 in (False, True)) for d in range(deepest + 1)]
+            slope = max(0.0, min((f[d] - k_min) / d for d in range(1, deepest + 1)))
+            f_max = max(f_max, f[-1])
+        except ScheduleError:
+            pass
+    sw = None
+    if slope > 0 and not recompute:
+        sw = [h.addVariable(lb=0.0, ub=float(longest[b])) for b in range(B)]
+        for p, c in edge_pairs:
+            apart = h.addVariable(lb=0.0, ub=1.0)
+            for g in range(P):
+                h.addConstr(apart - x[p][g] + x[c][g] >= 0)
+            h.addConstr(sw[p] - sw[c] - apart >= 0)
+    # A tensor read by two blocks with a path between them through another GPU is in two stages
+    # (stages are convex, their graph being acyclic), so that GPU holds two copies: evaluate
+    # counts weights, gradients and state per stage holding them (tied embeddings, shared layers).
+    split_pairs = _split_pairs(blocks, succ, ptot)
+    # Gradients coming back: a stage whose output another GPU reads waits for that value's
+    # gradient for each micro-batch it holds in flight (evaluate's grads_back), so the maker's
+    # GPU keeps at least k_1 of them (k_min for coarsened blocks).
+    block_of = {n: b for b, m in enumerate(blocks.members) for n in m}
+    grads = problem.grad_values
+    grads_back: list[tuple[int, set[int], int]] = []
+    for n, b in block_of.items():
+        out: dict[str, tuple[int, set[int]]] = {}
+        for e in graph.out_edges(n):
+            if e.value in grads and e.bytes and e.dst in block_of and block_of[e.dst] != b:
+                out.setdefault(e.value, (int(e.bytes), set()))[1].add(block_of[e.dst])
+        grads_back += [(b, cs, nbytes) for nbytes, cs in out.values()]
     kept = (window * sum(nb for _p, cs, nb, _fl in blocks.values if cs and nb > 0)
             + data_steps * sum(nb for nb, _ in inputs.values()))
-    largest = max(float(prof.nodes[n].activation_bytes) for m in blocks.members for n in m)
+    # Tied tensors held on several GPUs: each holder's gradient waits on the others' GPUs
+    # (plan.shared_gradient_receive), one at least per GPU holding it with a holder elsewhere.
+    shared_grad: dict[int, float] = {}
+    if P > 1 and param_names:
+        count: dict[int, int] = {}
+        for qs in blocks.params:
+            for q in qs:
+                count[q] = count.get(q, 0) + 1
+        for q, n_readers in count.items():
+            nb = float(prof.params[param_names[q]].grad_bytes)
+            if n_readers > 1 and nb > 0 and (q, 0) in y:
+                shared_grad[q] = nb
+    kept += (sum(ptot[q] for q in split_pairs) + k_1 * sum(nb for _b, _cs, nb in grads_back)
+             + sum(shared_grad.values()))
     if recompute:
-        need = sum(ptot.values()) + kept + max(float(a) for a in blocks.activation_bytes) + largest * depth
+        need = sum(ptot.values()) + kept + max(float(a) for a in blocks.activation_bytes) + own_top * depth
     else:
-        need = (sum(ptot.values()) + max(k_min, k_1) * sum(own) + k_min * sum(nb for nb, _ in saved.values())
-                + kept + largest)
+        need = (sum(ptot.values()) + f_max * sum(own) + k_min * sum(nb for nb, _ in saved.values())
+                + kept + own_top)
     if need <= limit:
         return                              # nothing can exceed the memory: no constraint binds
     for g in range(P):
         terms = [ptot[q] * v for (q, gg), v in y.items() if gg == g and ptot[q] > 0]
+        for q, pairs_q in split_pairs.items():
+            extra = h.addVariable(lb=0.0, ub=1.0)        # a second copy of q on g
+            for b1, b2, between in pairs_q:
+                for c in between:
+                    h.addConstr(extra - x[b1][g] - x[b2][g] + x[c][g] >= -1)
+            terms.append(ptot[q] * extra)
+        for q, nb in shared_grad.items():
+            sr = h.addVariable(lb=0.0, ub=1.0)          # >= 1 when g and another GPU hold q
+            for k in range(P):
+                if k != g:
+                    h.addConstr(sr - y[q, g] - y[q, k] >= -1)
+            terms.append(nb * sr)
+        for b, cs, nbytes in grads_back:
+            r = h.addVariable(lb=0.0, ub=1.0)          # >= 1 when b is on g and a reader is not
+            for c in cs:
+                h.addConstr(r - x[b][g] + x[c][g] >= 0)
+            terms.append(k_1 * nbytes * r)
         if not recompute or depth:          # (depth: single-node blocks, see partition_exact's rows)
             terms.append(own_max[g])
         if not recompute:
             terms += [k_min * own[b] * x[b][g] for b in range(blocks.n) if own[b] > 0]
-        if not recompute and depth and k_1 > k_min and P > 1:
-            e = [h.addVariable(lb=0.0, ub=1.0) for _b in range(blocks.n)]
-            for p, c in edge_pairs:
-                h.addConstr(e[p] - x[p][g] + x[c][g] >= 0)          # c on another GPU
-                h.addConstr(e[p] - e[c] - x[p][g] >= -1)            # c on g, with a descendant elsewhere
-            terms += [(k_1 - k_min) * own[b] * e[b] for b in range(blocks.n) if own[b] > 0]
+        if not recompute and depth and P > 1 and (k_1 > k_min or sw is not None):
+            # the micro-batches beyond k_min a block keeps on g: the larger of the two bounds
+            e = None
+            if k_1 > k_min:
+                e = [h.addVariable(lb=0.0, ub=1.0) for _b in range(B)]
+                for p, c in edge_pairs:
+                    h.addConstr(e[p] - x[p][g] + x[c][g] >= 0)          # c on another GPU
+                    h.addConstr(e[p] - e[c] - x[p][g] >= -1)            # c on g, with a descendant elsewhere
+            for b in range(B):
+                if own[b] <= 0 or longest[b] == 0:
+                    continue
+                a = h.addVariable(lb=0.0)
+                if e is not None:
+                    h.addConstr(a - (k_1 - k_min) * own[b] * e[b] >= 0)
+                if sw is not None:
+                    big = slope * own[b] * longest[b]      # off g (x = 0) the row is void
+                    h.addConstr(a - slope * own[b] * sw[b] - big * x[b][g] >= -big)
+                terms.append(a)
         for v, (nbytes, bs) in saved.items():
             if nbytes <= 0 or recompute:
                 continue
@@ -933,8 +1043,40 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, P: int, lim
                 h.addConstr(base + float(blocks.activation_bytes[b]) * x[b][g] <= limit)
 
 
-def _depth_memory(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, own_max, P: int, limit: float,
-                  rec_mid: bool, act_ok: list[bool], edge_pairs: list[tuple[int, int]]) -> None:
+def _split_pairs(blocks: Blocks, succ: dict[int, list[int]], ptot: dict[int, float]
+                 ) -> dict[int, list[tuple[int, int, list[int]]]]:
+    """Per parameter read by several blocks (with memory): each pair of its readers with a path
+    between them, and the blocks strictly between (on some path from one to the other)."""
+    B = blocks.n
+    readers: dict[int, list[int]] = {}
+    for b, qs in enumerate(blocks.params):
+        for q in qs:
+            if ptot.get(q, 0.0) > 0:
+                readers.setdefault(q, []).append(b)
+    readers = {q: bs for q, bs in readers.items() if len(bs) > 1}
+    if not readers:
+        return {}
+    below = [0] * B                     # bit c set: c is reachable from b (b excluded)
+    for b in range(B - 1, -1, -1):      # blocks are in topological order
+        for c in succ.get(b, ()):
+            below[b] |= below[c] | (1 << c)
+    above = [0] * B                     # bit a set: b is reachable from a
+    for b in range(B):
+        for c in succ.get(b, ()):
+            above[c] |= above[b] | (1 << b)
+    out: dict[int, list[tuple[int, int, list[int]]]] = {}
+    for q, bs in readers.items():
+        for i, b1 in enumerate(bs):
+            for b2 in bs[i + 1:]:
+                lo, hi = min(b1, b2), max(b1, b2)
+                mid = below[lo] & above[hi]
+                if mid:
+                    out.setdefault(q, []).append((lo, hi, [c for c in range(B) if mid >> c & 1]))
+    return out
+
+
+def _depth_memory(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, own_max, own_top: float, P: int,
+                  limit: float, rec_mid: bool, act_ok: list[bool], edge_pairs: list[tuple[int, int]]) -> None:
     """Memory at each stage's depth, for ``seq`` space (stage g on GPU g).
 
     A stage at depth ``d`` (its longest path to a sink of the stage graph) keeps
@@ -991,7 +1133,7 @@ def _depth_memory(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, ow
     pw = {q: float(seq.param_bytes[q]) for q in ptot}
     big = (sum(ptot.values()) + max(xs) * sum(pw.values())
            + (ks[-1] + 1) * (recv_all + sum(inputs) + sum(act))
-           + max(float(problem.profile.nodes[n].activation_bytes) for m in blocks.members for n in m))
+           + own_top)
     if big <= limit:
         return                              # nothing can exceed the memory: no constraint binds
     for g in range(P - 1):
