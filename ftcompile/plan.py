@@ -162,8 +162,10 @@ class Problem:
 
     def recomputes(self, is_last: bool) -> bool:
         """Whether a stage recomputes its forward in backward: at the end of the pipeline
-        (``is_last``: depth 0) or inside it (see :attr:`StageProgram.recompute`)."""
-        return self.program(0 if is_last else 1).recompute
+        (``is_last``: depth 0) or inside it (see :attr:`StageProgram.recompute`). A stage at depth 0
+        is in 2gw's second group (:func:`~ftcompile.runtime.schedules.groups_2gw`), which does not
+        recompute there; the group is ignored by the other schedules."""
+        return self.program(0, 1).recompute if is_last else self.program(1).recompute
 
     @functools.cached_property
     def grad_values(self) -> frozenset[str]:

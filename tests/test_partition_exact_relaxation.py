@@ -186,3 +186,38 @@ def test_rows_hold_for_random_plans_of_traced_models(model, schedule, recompute)
     blocks = coarsen(seq, max_nodes, problem.recomputes(False), MemoryModel.of(problem))
     for _ in range(12):
         _check(problem, random_plan(problem, blocks.members, rng), max_nodes=max_nodes)
+
+
+# --------------------------------------------------------------------------- cases a review found
+
+def test_a_sink_stage_without_the_loss_skips_recomputation_too():
+    """A stage at depth 0 that does not hold the loss (a side output nobody reads downstream)
+    skips recomputation in evaluate; the MIP once let only the loss's GPU skip it, 0.01 ms over."""
+    opts = dict(blocks=3, heads=True, mask=True, gpus=3, tied=True, side=True, bandwidth=2e10, micro_batches=16)
+    problem = replace(branchy_problem(3808, schedule="async", **opts), recompute=True)
+    plan = random_plan(problem, [[n.id] for n in problem.graph.op_nodes()], random.Random(3808))
+    assert sum(1 for s in evaluate(problem, plan).stages if s.depth == 0) > 1
+    _check(problem, plan)
+
+
+def test_2gw_last_stage_does_not_recompute_in_the_mip_either():
+    """A depth-0 stage is in 2gw's second group, which does not recompute there."""
+    problem = replace(branchy_problem(4791, blocks=2, heads=True, mask=False, gpus=2, micro_batches=8,
+                                      schedule="2gw"), recompute=True)
+    assert not problem.recomputes(True)
+    plan = random_plan(problem, [[n.id] for n in problem.graph.op_nodes()], random.Random(4791))
+    _check(problem, plan)
+
+
+def test_frozen_tensors_have_no_extra_weight_versions_in_seq_space():
+    """pipedream keeps extra versions of trainable weights only; a large frozen embedding must
+    not be counted again at each version."""
+    from ftcompile.profile import ParamCost
+
+    problem = branchy_problem(0, blocks=1, gpus=3, schedule="pipedream", bandwidth=2e10)
+    problem.graph.params["embed.weight"].requires_grad = False
+    c = problem.profile.params["embed.weight"]
+    problem.profile.params["embed.weight"] = ParamCost(20 * c.bytes, 0, 0)
+    problem.__dict__.pop("grad_values", None)              # recomputed for the frozen tensor
+    plan = Plan("c", 3, [Stage(0, 0, [1]), Stage(1, 1, [4]), Stage(2, 2, [2, 3] + list(range(5, 13)))])
+    _check(problem, plan, space="seq")

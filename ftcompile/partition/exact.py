@@ -719,8 +719,21 @@ def _time_rows(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, reade
                         h.addConstr(w - y[q, g] - y[q, k] >= -1)
                         tied_terms[g].append(c * w)
 
-    # Compute per GPU; recomputation is skipped by the last stage, which holds the loss.
+    # Compute per GPU; recomputation is skipped by the stages at depth 0: the last stage, which
+    # holds the loss, and any other sink of the stage graph, which holds only blocks with no path
+    # to the loss ("dead": a side output, a counter nobody reads).
     rec = blocks.recompute_ms if rec_mid else np.zeros(B)
+    dead = [False] * B
+    if blocks.loss is not None:
+        reach = [False] * B
+        reach[blocks.loss] = True
+        succ: dict[int, list[int]] = {}
+        for p_, c_ in edge_pairs:
+            succ.setdefault(p_, []).append(c_)
+        for b in range(B - 1, -1, -1):         # blocks are in topological order
+            reach[b] = reach[b] or any(reach[c] for c in succ.get(b, ()))
+        dead = [not r for r in reach]
+    rec_live = float(sum(rec[b] for b in range(B) if not dead[b]))
     last_stage_work = []           # compute of the last stage's share of blocks, over all GPUs
     for g in range(P):
         load = h.qsum([float(blocks.compute_ms[b] + rec[b]) * x[b][g] for b in range(B)]
@@ -730,24 +743,28 @@ def _time_rows(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, reade
             saved = h.addVariable(lb=0.0)
             h.addConstr(saved - h.qsum([float(rec[b]) * x[b][g] for b in range(B)]) <= 0)
             if blocks.loss is not None:
-                h.addConstr(saved - float(rec.sum()) * x[blocks.loss][g] <= 0)
+                h.addConstr(saved - rec_live * x[blocks.loss][g]
+                            - h.qsum([float(rec[b]) * x[b][g] for b in range(B) if dead[b] and rec[b] > 0]) <= 0)
             if space == "mixed" and blocks.loss is not None:
-                # Only the last stage skips recomputation, and its own compute fits in its
-                # period: u[b] (the share of block b in it) is a fractional knapsack of size T.
+                # Only sink stages skip recomputation; the last one's own compute fits in its
+                # period: u[b] (the share of block b in a sink stage on g) is, over the blocks
+                # with a path to the loss, a fractional knapsack of size T.
                 u = [h.addVariable(lb=0.0, ub=1.0) for _b in range(B)]
                 for b in range(B):
                     h.addConstr(u[b] - x[b][g] <= 0)
-                    h.addConstr(u[b] - x[blocks.loss][g] <= 0)
-                # The last stage is a sink of the stage graph: whatever its blocks feed is in it.
+                    if not dead[b]:
+                        h.addConstr(u[b] - x[blocks.loss][g] <= 0)
+                # A sink stage has no successor: whatever its blocks feed is in it.
                 for p_, c_ in edge_pairs:
                     h.addConstr(u[p_] - u[c_] <= 0)
-                last_stage_work += [float(blocks.compute_ms[b]) * u[b] for b in range(B)]
+                last_stage_work += [float(blocks.compute_ms[b]) * u[b] for b in range(B) if not dead[b]]
                 h.addConstr(saved - h.qsum([float(rec[b]) * u[b] for b in range(B)]) <= 0)
             load = load - saved
         h.addConstr(T - load >= 0)
     if last_stage_work:
-        # One last stage in all (only the loss GPU has u > 0 in an integer solution); summing
-        # over GPUs keeps the LP relaxation from splitting the loss to save more.
+        # One last stage in all (only the loss GPU has u > 0 on blocks with a path to the loss in an
+        # integer solution); summing over GPUs keeps the LP relaxation from splitting the loss to
+        # save more.
         h.addConstr(T - h.qsum(last_stage_work) >= 0)
 
     # Communication between GPUs.
@@ -1130,7 +1147,10 @@ def _depth_memory(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, ow
     for (g, k), fv in f.items():
         h.addConstr(depth[g] - depth[k] - P * fv >= 1 - P)
     ptot = {q: float(blocks.param_total[q]) for q in {q for (q, _g) in y}}
-    pw = {q: float(seq.param_bytes[q]) for q in ptot}
+    # extra weight versions copy the trainable tensors only (evaluate's trainable_bytes)
+    prof = problem.profile
+    pw = {q: (float(seq.param_bytes[q]) if not seq.param_names or prof.params[seq.param_names[q]].grad_bytes
+              else 0.0) for q in ptot}
     big = (sum(ptot.values()) + max(xs) * sum(pw.values())
            + (ks[-1] + 1) * (recv_all + sum(inputs) + sum(act))
            + own_top)
