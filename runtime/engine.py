@@ -715,7 +715,9 @@ class RankEngine:
         seed = self._seed(k)
         t0 = time.perf_counter()
         if outs is None and not (self._opt[st.id][0] or any(self._needs_grad(v) for v in spec.outputs)):
-            outs = ()       # frozen stage (freeze training): no gradient to compute, skip the recomputation
+            # Nothing to differentiate (a frozen stage in freeze training, or a side branch no loss
+            # reads): skip the recomputation; inputs that need a gradient get zeros below.
+            outs, weights = (), st.params
         if outs is None:
             weights = self._weights(st, version, across_update=False)
             args = [self._leaf(v, x) for v, x in zip(spec.inputs, args)]
