@@ -194,7 +194,7 @@ def _kind(exc: BaseException) -> tuple[str, int | None]:
     if isinstance(exc, PipelineHang):
         m = re.search(r"\(rank (\d+)\)", text)
         return "hang", int(m.group(1)) if m else None
-    m = re.search(r"lost rank (\d+)", text)
+    m = re.search(r"lost rank (\d+)", text) or re.search(r"sending to rank (\d+) failed, its process is gone", text)
     if m:
         return "lost", int(m.group(1))
     if "lost a peer" in text:

@@ -1,0 +1,49 @@
+"""Which rank the launcher blames when several fail at once (runtime/launch.py: summarize).
+
+A rank killed by a signal is the root cause; a peer that then fails to reach it reports a lost
+peer, whichever way it noticed: its receiver thread ("lost rank N") or a send that found the
+connection closed ("sending to rank N failed, its process is gone"). Both must be classed as
+"lost", or the launcher names the survivor and exits 1 instead of 128 + the signal (a race
+test_faults.py's killed-rank test lost once in CI).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from ftcompile.runtime.launch import summarize
+from ftcompile.runtime.transport import TransportError
+from ftcompile.runtime.worker import _kind
+
+
+@pytest.mark.parametrize("message", [
+    "rank 1: lost rank 0 (stages [0]): RuntimeError: Connection closed by peer",
+    "rank 1: sending to rank 0 failed, its process is gone (Connection closed by peer); see rank 0's error",
+])
+def test_a_peer_that_is_gone_is_a_lost_peer(message):
+    assert _kind(TransportError(message)) == ("lost", 0)
+
+
+def test_an_own_error_stays_an_error():
+    assert _kind(RuntimeError("rank 1: no room for the checkpoint")) == ("error", None)
+
+
+@pytest.mark.parametrize("message", [
+    "rank 1: lost rank 0 (stages [0]): RuntimeError: Connection closed by peer",
+    "rank 1: sending to rank 0 failed, its process is gone (Connection closed by peer); see rank 0's error",
+])
+def test_the_killed_rank_is_named_and_its_signal_is_the_exit_status(tmp_path, message):
+    kind, peer = _kind(TransportError(message))
+    record = tmp_path / "rank1.json"
+    record.write_text(json.dumps({"ftcompile": {"rank": 1, "kind": kind, "peer": peer, "code": 1,
+                                                "shown": False, "time": 1.0}}))
+    failures = {0: SimpleNamespace(exitcode=-signal.SIGKILL, error_file=str(tmp_path / "none.json"),
+                                   message="killed"),
+                1: SimpleNamespace(exitcode=1, error_file=str(record), message=message)}
+    lines, code = summarize(failures, lambda r: f"rank {r}")
+    assert code == 128 + signal.SIGKILL
+    assert lines == ["rank 0 was killed by SIGKILL (signal 9)"]
