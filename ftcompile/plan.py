@@ -188,6 +188,12 @@ class Problem:
                 out.update(v for v, meta in node.outputs.items() if meta.tensor is not None and meta.tensor.is_floating)
         return frozenset(out)
 
+    @functools.cached_property
+    def node_working_sets(self) -> dict[int, tuple[int, int]]:
+        """:func:`working_sets` of each op node alone, computed once per problem: exact's memory
+        rows read every node's at each MIP they build."""
+        return {n.id: working_sets(self, [n.id]) for n in self.graph.op_nodes()}
+
     def update_ms(self, param_names) -> float:
         """The optimizer step over these parameters (:func:`update_time_ms`)."""
         return update_time_ms(self, param_names)

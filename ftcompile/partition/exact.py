@@ -50,6 +50,7 @@ assignments cut off.
 
 from __future__ import annotations
 
+import importlib
 import time
 from dataclasses import dataclass
 
@@ -275,20 +276,11 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     Infeasible
         If highspy is missing, no plan fits memory, or none was found in time.
     """
-    try:
-        import highspy
-    except ImportError as exc:                               # pragma: no cover
-        raise Infeasible(f"exact partitioning needs highspy: {exc}") from None
-    if space not in SPACES:
-        raise ValueError(f"unknown space {space!r}; choose one of {', '.join(SPACES)}")
+    import highspy
+
     t0 = time.perf_counter()
-    seq = op_sequence(problem)
-    if seq.n == 0:
-        raise Infeasible("the graph has no op nodes")
-    rec_mid = problem.recomputes(False)
-    blocks = coarsen(seq, max_nodes, rec_mid, MemoryModel.of(problem))
+    seq, blocks, P = _prepare(problem, space, max_nodes)
     B = blocks.n
-    P = min(problem.num_gpus, B)
     cluster = problem.cluster
 
     # A model too large to build in reasonable time (many GPUs: P^2 transfer variables per value)
@@ -492,16 +484,9 @@ def relaxed_objective(problem: Problem, plan: Plan, *, space: str = "mixed", com
     Infeasible
         If highspy is missing or the solve does not finish in ``time_limit`` seconds.
     """
-    try:
-        import highspy
-    except ImportError as exc:                               # pragma: no cover
-        raise Infeasible(f"exact partitioning needs highspy: {exc}") from None
-    if space not in SPACES:
-        raise ValueError(f"unknown space {space!r}; choose one of {', '.join(SPACES)}")
-    seq = op_sequence(problem)
-    blocks = coarsen(seq, max_nodes, problem.recomputes(False), MemoryModel.of(problem))
-    B = blocks.n
-    P = min(problem.num_gpus, B)
+    import highspy
+
+    seq, blocks, P = _prepare(problem, space, max_nodes)
     gpu_of_node = {n: st.gpu for st in plan.stages for n in st.nodes}
     gpu_of: list[int] = []
     for b, m in enumerate(blocks.members):
@@ -536,6 +521,23 @@ def relaxed_objective(problem: Problem, plan: Plan, *, space: str = "mixed", com
         raise Infeasible(f"exact: the fixed assignment did not solve in {time_limit:.0f} s "
                          f"(HiGHS: {h.modelStatusToString(status)})")
     return float(h.getInfo().objective_function_value)
+
+
+def _prepare(problem: Problem, space: str, max_nodes: int) -> tuple[OpSequence, Blocks, int]:
+    """What every MIP of ``problem`` starts from: its op sequence, the blocks (coarsened above
+    ``max_nodes`` op nodes) and how many GPUs the MIP places them on. Checks what can be checked
+    before any work: highspy present, a known space, op nodes to place."""
+    try:
+        importlib.import_module("highspy")
+    except ImportError as exc:                               # pragma: no cover
+        raise Infeasible(f"exact partitioning needs highspy: {exc}") from None
+    if space not in SPACES:
+        raise ValueError(f"unknown space {space!r}; choose one of {', '.join(SPACES)}")
+    seq = op_sequence(problem)
+    if seq.n == 0:
+        raise Infeasible("the graph has no op nodes")
+    blocks = coarsen(seq, max_nodes, problem.recomputes(False), MemoryModel.of(problem))
+    return seq, blocks, min(problem.num_gpus, blocks.n)
 
 
 def _by_first_use(gpus: list[int]) -> tuple[list[int], dict[int, int]]:
@@ -600,6 +602,27 @@ def _warm_start(problem: Problem, mip: "_Mip", blocks: Blocks, P: int, space: st
 
 
 @dataclass
+class _Links:
+    """How blocks connect, built once per MIP and shared by its rows."""
+
+    edge_pairs: list[tuple[int, int]]        # (producer block, consumer block), sorted
+    succ: dict[int, list[int]]               # block -> the blocks reading its values
+    readers: dict[int, list[int]]            # parameter -> the blocks reading it, in order
+
+    @staticmethod
+    def of(blocks: Blocks) -> "_Links":
+        edge_pairs = sorted({(p, c) for p, cs, _nbytes, _fl in blocks.values for c in cs})
+        succ: dict[int, list[int]] = {}
+        for p, c in edge_pairs:
+            succ.setdefault(p, []).append(c)
+        readers: dict[int, list[int]] = {}
+        for b, qs in enumerate(blocks.params):
+            for q in qs:
+                readers.setdefault(q, []).append(b)
+        return _Links(edge_pairs, succ, readers)
+
+
+@dataclass
 class _Mip:
     """The model :func:`partition_exact` solves: ``x[b][g]`` (block ``b`` on GPU ``g``)."""
 
@@ -629,11 +652,11 @@ def _build_mip(problem: Problem, seq: OpSequence, blocks: Blocks, P: int, space:
     for b in range(B):
         h.addConstr(h.qsum(x[b]) == 1)
     homogeneous = len({cluster.bandwidth(g, k) for g in range(P) for k in range(P) if g != k}) <= 1
-    edge_pairs = sorted({(p, c) for p, cs, _nbytes, _fl in blocks.values for c in cs})
-    _placement_rows(h, blocks, x, P, space, homogeneous, edge_pairs)
-    y, readers = _held_params(h, seq, blocks, x, P)
-    _time_rows(h, problem, seq, blocks, x, y, readers, T, P, space, comm, edge_pairs)
-    limit = _memory_rows(h, problem, seq, blocks, x, y, readers, P, space, edge_pairs)
+    links = _Links.of(blocks)
+    _placement_rows(h, blocks, x, P, space, homogeneous, links.edge_pairs)
+    y = _held_params(h, seq, blocks, x, P, links.readers)
+    _time_rows(h, problem, seq, blocks, x, y, T, P, space, comm, links)
+    limit = _memory_rows(h, problem, seq, blocks, x, y, P, space, links)
     h.setObjective(T)
     h.setMinimize()
     return _Mip(h, x, x_index, float(limit), homogeneous)
@@ -669,15 +692,10 @@ def _placement_rows(h, blocks: Blocks, x, P: int, space: str, homogeneous: bool,
                     h.addConstr(x[b][g] - h.qsum([x[a][g - 1] for a in range(b)]) <= 0)
 
 
-def _held_params(h, seq: OpSequence, blocks: Blocks, x, P: int) -> tuple[dict, dict[int, list[int]]]:
-    """``y[q, g]``: GPU ``g`` holds parameter ``q``; and the blocks reading each parameter."""
+def _held_params(h, seq: OpSequence, blocks: Blocks, x, P: int, readers: dict[int, list[int]]) -> dict:
+    """``y[q, g]``: GPU ``g`` holds parameter ``q`` (some block on g reads it): its memory, and
+    its optimizer step's share U / M of every micro-batch. Parameters with neither have none."""
     upd_ms = _update_ms(seq)
-    # y[q][g]: GPU g holds parameter q (some block on g reads it): its memory, and its optimizer
-    # step's share U / M of every micro-batch.
-    readers: dict[int, list[int]] = {}
-    for b, qs in enumerate(blocks.params):
-        for q in qs:
-            readers.setdefault(q, []).append(b)
     y: dict[tuple[int, int], object] = {}
     for q, bs in readers.items():
         if blocks.param_total[q] == 0 and not upd_ms[q] > 0:
@@ -686,15 +704,16 @@ def _held_params(h, seq: OpSequence, blocks: Blocks, x, P: int) -> tuple[dict, d
             y[q, g] = v = h.addVariable(lb=0.0, ub=1.0)
             for b in bs:
                 h.addConstr(v - x[b][g] >= 0)
-    return y, readers
+    return y
 
 
-def _time_rows(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, readers: dict[int, list[int]], T,
-               P: int, space: str, comm: bool, edge_pairs: list[tuple[int, int]]) -> None:
+def _time_rows(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, T, P: int, space: str, comm: bool,
+               links: _Links) -> None:
     """``T`` at least every GPU's compute (recomputation, updates and tied-gradient sums in it),
     and, with ``comm``, its inter-GPU sends and receives."""
     B = blocks.n
     cluster = problem.cluster
+    readers, edge_pairs = links.readers, links.edge_pairs
     rec_mid, rec_last = problem.recomputes(False), problem.recomputes(True)
     upd_ms = _update_ms(seq)
     M = problem.micro_batches
@@ -727,11 +746,8 @@ def _time_rows(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, reade
     if blocks.loss is not None:
         reach = [False] * B
         reach[blocks.loss] = True
-        succ: dict[int, list[int]] = {}
-        for p_, c_ in edge_pairs:
-            succ.setdefault(p_, []).append(c_)
         for b in range(B - 1, -1, -1):         # blocks are in topological order
-            reach[b] = reach[b] or any(reach[c] for c in succ.get(b, ()))
+            reach[b] = reach[b] or any(reach[c] for c in links.succ.get(b, ()))
         dead = [not r for r in reach]
     rec_live = float(sum(rec[b] for b in range(B) if not dead[b]))
     last_stage_work = []           # compute of the last stage's share of blocks, over all GPUs
@@ -794,11 +810,12 @@ def _time_rows(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, reade
                 h.addConstr(T - h.qsum(recv[g]) >= 0)
 
 
-def _memory_rows(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, readers: dict[int, list[int]],
-                 P: int, space: str, edge_pairs: list[tuple[int, int]]) -> float:
+def _memory_rows(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, P: int, space: str,
+                 links: _Links) -> float:
     """Memory per GPU (see :func:`_held_memory` and :func:`_depth_memory`); returns the limit
     the rows use, the GPU's memory less the reserve."""
     B = blocks.n
+    readers = links.readers
     rec_mid = problem.recomputes(False)
     # Weights, gradients and optimizer state, each tensor once per GPU that reads it, plus the
     # activations any plan must hold: a stage that does not recompute keeps at least one
@@ -819,9 +836,8 @@ def _memory_rows(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, rea
     if space == "mixed" and rec_mid:
         own = [float(max(problem.profile.nodes[n].activation_bytes for n in m)) for m in blocks.members]
     else:
-        from ..plan import working_sets
-
-        own = [float(max(max(working_sets(problem, [n])) for n in m)) for m in blocks.members]
+        ws = problem.node_working_sets
+        own = [float(max(max(ws[n]) for n in m)) for m in blocks.members]
     own_top = max(own, default=0.0)
     for g in range(P):
         own_max[g] = h.addVariable(lb=0.0)
@@ -851,17 +867,17 @@ def _memory_rows(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, rea
                 else:
                     h.addConstr(params <= float(limit))
     if space == "mixed" and np.isfinite(limit):
-        _held_memory(h, problem, blocks, x, y, own_max, own_top, P, float(limit), k_min, edge_pairs,
+        _held_memory(h, problem, blocks, x, y, own_max, own_top, P, float(limit), k_min, links,
                      depth=B == seq.n, recompute=rec_mid, param_names=seq.param_names)
 
     if space == "seq" and P > 1 and np.isfinite(limit):
         _depth_memory(h, problem, seq, blocks, x, y, own_max, own_top, P, float(limit), rec_mid, act_ok,
-                      edge_pairs)
+                      links.edge_pairs)
     return limit
 
 
 def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, own_top: float, P: int, limit: float,
-                 k_min: int, edge_pairs: list[tuple[int, int]], depth: bool = True, recompute: bool = False,
+                 k_min: int, links: _Links, depth: bool = True, recompute: bool = False,
                  param_names: list[str] | None = None) -> None:
     """Memory of every stage a GPU holds at once, for ``mixed`` space.
 
@@ -927,10 +943,8 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, own_top: fl
     # linear in the depth: async, pipedream, 2bw, 2gw), so a block keeps at least
     # own[b] * (k_min + slope * s[b]) micro-batches' activations.
     B = blocks.n
+    edge_pairs, succ = links.edge_pairs, links.succ
     longest = [0] * B                   # edges on the longest path of blocks from b
-    succ: dict[int, list[int]] = {}
-    for p, c in edge_pairs:
-        succ.setdefault(p, []).append(c)
     for b in range(B - 1, -1, -1):      # blocks are in topological order
         longest[b] = max((longest[c] + 1 for c in succ.get(b, ())), default=0)
     deepest = max(longest, default=0)
@@ -953,7 +967,7 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, own_top: fl
     # A tensor read by two blocks with a path between them through another GPU is in two stages
     # (stages are convex, their graph being acyclic), so that GPU holds two copies: evaluate
     # counts weights, gradients and state per stage holding them (tied embeddings, shared layers).
-    split_pairs = _split_pairs(blocks, succ, ptot)
+    split_pairs = _split_pairs(B, links, ptot)
     # Gradients coming back: a stage whose output another GPU reads waits for that value's
     # gradient for each micro-batch it holds in flight (evaluate's grads_back), so the maker's
     # GPU keeps at least k_1 of them (k_min for coarsened blocks).
@@ -972,13 +986,9 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, own_top: fl
     # (plan.shared_gradient_receive), one at least per GPU holding it with a holder elsewhere.
     shared_grad: dict[int, float] = {}
     if P > 1 and param_names:
-        count: dict[int, int] = {}
-        for qs in blocks.params:
-            for q in qs:
-                count[q] = count.get(q, 0) + 1
-        for q, n_readers in count.items():
+        for q, bs in links.readers.items():
             nb = float(prof.params[param_names[q]].grad_bytes)
-            if n_readers > 1 and nb > 0 and (q, 0) in y:
+            if len(bs) > 1 and nb > 0 and (q, 0) in y:
                 shared_grad[q] = nb
     kept += (sum(ptot[q] for q in split_pairs) + k_1 * sum(nb for _b, _cs, nb in grads_back)
              + sum(shared_grad.values()))
@@ -1060,17 +1070,11 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, own_top: fl
                 h.addConstr(base + float(blocks.activation_bytes[b]) * x[b][g] <= limit)
 
 
-def _split_pairs(blocks: Blocks, succ: dict[int, list[int]], ptot: dict[int, float]
-                 ) -> dict[int, list[tuple[int, int, list[int]]]]:
-    """Per parameter read by several blocks (with memory): each pair of its readers with a path
-    between them, and the blocks strictly between (on some path from one to the other)."""
-    B = blocks.n
-    readers: dict[int, list[int]] = {}
-    for b, qs in enumerate(blocks.params):
-        for q in qs:
-            if ptot.get(q, 0.0) > 0:
-                readers.setdefault(q, []).append(b)
-    readers = {q: bs for q, bs in readers.items() if len(bs) > 1}
+def _split_pairs(B: int, links: _Links, ptot: dict[int, float]) -> dict[int, list[tuple[int, int, list[int]]]]:
+    """Per parameter read by several of the ``B`` blocks (with memory): each pair of its readers
+    with a path between them, and the blocks strictly between (on some path from one to the other)."""
+    succ = links.succ
+    readers = {q: bs for q, bs in links.readers.items() if len(bs) > 1 and ptot.get(q, 0.0) > 0}
     if not readers:
         return {}
     below = [0] * B                     # bit c set: c is reachable from b (b excluded)
