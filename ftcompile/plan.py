@@ -46,7 +46,8 @@ from .hardware import HardwareSpec, load_hardware
 from .ir import OpGraph, atomic_write_text
 from .profile import Profile, held_activation_bytes
 from .runtime.allreduce import BUCKET_BYTES as ALLREDUCE_BUCKET_BYTES
-from .runtime.schedules import SCHEDULES, StageProgram, flow_control, flow_window, stage_program, stage_programs
+from .runtime.schedules import (SCHEDULES, StageProgram, flow_control, flow_window, shared_lag, stage_program,
+                                stage_programs)
 from .units import format_bytes
 
 PLAN_VERSION = 1
@@ -159,6 +160,12 @@ class Problem:
         """Every stage's runtime program (stage id -> depth), 2gw groups included."""
         return stage_programs(self.schedule, depths, micro_batches=self.micro_batches, steps=steps,
                               recompute=self.recompute, advance=self.advance)
+
+    @property
+    def shared_lag(self) -> int:
+        """Steps by which shared (tied) tensors apply their summed gradient late under this
+        schedule (:func:`~ftcompile.runtime.schedules.shared_lag`; clipping exchanges norms)."""
+        return shared_lag(self.schedule, self.clip_grad_norm)
 
     def recomputes(self, is_last: bool) -> bool:
         """Whether a stage recomputes its forward in backward: at the end of the pipeline
@@ -579,14 +586,24 @@ def shared_update_transient(prof, names: Iterable[str], holders: dict[str, int])
     return sum(2 * prof.params[n].grad_bytes for n in names if holders.get(n, 0) > 1 and prof.params[n].grad_bytes)
 
 
-def shared_gradient_receive(graph: OpGraph, prof, stages: Iterable[tuple[int, Iterable[int]]]) -> dict[int, int]:
-    """Per GPU: bytes of shared (tied) tensors' gradients that arrive from holders on other GPUs.
+def shared_gradient_copies(remote: int, local: int, lag: int) -> int:
+    """Gradients of one shared tensor a GPU keeps besides its stages' own: one per holder on
+    another GPU (its part, waiting for this GPU's holders' update), and where the schedule lags
+    the tensor (:attr:`Problem.shared_lag`) a second one per remote holder (the next step's part
+    can come before the last is used) and one per local holder (its own part, kept a step)."""
+    return (1 + lag) * remote + lag * local
+
+
+def shared_gradient_receive(graph: OpGraph, prof, stages: Iterable[tuple[int, Iterable[int]]],
+                            lag: int = 0) -> dict[int, int]:
+    """Per GPU: bytes of shared (tied) tensors' gradients that wait there (:func:`shared_gradient_copies`).
 
     ``stages`` are ``(gpu, nodes)`` pairs. At the start of its U(j) each holder sends its gradient
     once to every other GPU holding the tensor (the runtime's ``_begin_update``: one message per
     rank, read by every holder there); it waits there until that GPU's holders reach their own
-    U(j), through their remaining backwards and the other stages' tasks, so it adds to whatever
-    the GPU runs meanwhile. Holders on the same GPU hand over the gradient itself (no copy).
+    U(j) (lagging: U(j+1)), through their remaining backwards and the other stages' tasks, so it
+    adds to whatever the GPU runs meanwhile. Holders on the same GPU hand over the gradient
+    itself (no copy).
     """
     gpus_of: dict[str, list[int]] = {}
     for gpu, nodes in stages:
@@ -599,8 +616,9 @@ def shared_gradient_receive(graph: OpGraph, prof, stages: Iterable[tuple[int, It
             continue
         for g in set(gs):
             remote = sum(1 for h in gs if h != g)
-            if remote:
-                out[g] = out.get(g, 0) + remote * prof.params[prm].grad_bytes
+            n = shared_gradient_copies(remote, len(gs) - remote, lag)
+            if n:
+                out[g] = out.get(g, 0) + n * prof.params[prm].grad_bytes
     return out
 
 
@@ -777,7 +795,8 @@ def evaluate(problem: Problem, plan: Plan, *, windows: dict[tuple[int, int], int
         receive[g] += w * b
     for sc in stage_costs:
         receive[sc.gpu] += sc.in_flight * sc.grads_back_bytes
-    for g, b in shared_gradient_receive(graph, prof, [(s.gpu, s.nodes) for s in plan.stages]).items():
+    for g, b in shared_gradient_receive(graph, prof, [(s.gpu, s.nodes) for s in plan.stages],
+                                        problem.shared_lag).items():
         receive[g] += b
     send = [0] * plan.num_gpus
     where = plan.stage_of()

@@ -20,8 +20,9 @@ Model
   taken micro-batch ``k - W`` (the plan's flow-control windows,
   :func:`~ftcompile.plan.plan_windows`); ``B(k)`` waits for the gradient of
   every output that carries one; ``U(j)`` waits for the other holders'
-  gradients of shared (tied) weights and, when clipping, for every stage to
-  reach ``U(j)`` (the global norm).
+  gradients of shared (tied) weights of step ``j`` (of step ``j - 1`` where the
+  schedule lags them, :attr:`~ftcompile.plan.Problem.shared_lag`) and, when
+  clipping, for every stage to reach ``U(j)`` (the global norm).
 * **Transfers.** After ``F(k)`` a stage sends, once per destination GPU, the
   values the stages there read; after ``B(k)`` it sends the gradients of the
   values it read back to their producers; at ``U(j)`` the gradients of shared
@@ -49,7 +50,6 @@ says so (``steady=False``) and ``L`` is the average over the second half.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields, replace
 
@@ -171,6 +171,7 @@ class _Stage:
     readers: list = field(default_factory=list)      # [(reader stage, W)]
     shared: list = field(default_factory=list)       # [(other holder, bytes of shared gradients sent to it)]
     shared_wait: dict = field(default_factory=dict)  # other holder -> bytes of its gradients waiting here
+    shared_own: int = 0                # lagging: bytes of its own shared gradients kept a step
     input_bytes: int = 0               # graph inputs read per micro-batch
 
 
@@ -245,6 +246,11 @@ def _build(problem: Problem, plan: Plan, cost, sg: nx.DiGraph, depth: dict[int, 
     for (h, o), nbytes in sorted(link.items()):
         out[h].shared.append((o, nbytes))
         out[o].shared_wait[h] = wait[(h, o)]
+    if problem.shared_lag:
+        for prm, hs in holders.items():
+            if len(hs) > 1:
+                for h in hs:
+                    out[h].shared_own += problem.profile.params[prm].grad_bytes
     return out
 
 
@@ -375,7 +381,9 @@ class _Sim:
         # U(j)
         if st.ar > 0 and (s, k) not in self.ar_done:
             return False
-        if not all(k in self.shared_in.get((h, s), ()) for h, _ in st.shared):
+        # U(k) sums the other holders' parts of step k, or k - 1 where shared tensors lag
+        j = k - self.problem.shared_lag
+        if j >= 0 and not all(j in self.shared_in.get((h, s), ()) for h, _ in st.shared):
             return False
         if self.problem.clip_grad_norm and self.u_begun.get(k, 0) < len(self.st):
             return False
@@ -521,8 +529,11 @@ class _Sim:
                 self.send(s, (g, self.st[u].gpu), nbytes, k, ("grad", s, u, k, nbytes), u, k // M)
         else:
             self.mem(g, "transient", -st.t_upd)
-            for h, nbytes in st.shared_wait.items():
-                self.mem(g, "receive", -nbytes)
+            if k >= self.problem.shared_lag:              # the parts U(k) summed
+                for h, nbytes in st.shared_wait.items():
+                    self.mem(g, "receive", -nbytes)
+            if st.shared_own:                             # lagging: its own part waits for U(k + 1)
+                self.mem(g, "receive", st.shared_own - (st.shared_own if k > 0 else 0))
             j = k
             self.step_done[j] = self.step_done.get(j, 0) + 1
             done_here = self.data_done[(g, j)] = self.data_done.get((g, j), 0) + 1

@@ -64,7 +64,7 @@ from .manifest import Manifest, torch_dtype
 from .memory import MemoryMeter, optimizer_tensors
 from .ops import mix_seed
 from .package import Package
-from .schedules import StageProgram, Task, flow_control, flow_window, needs_version, stage_programs
+from .schedules import StageProgram, Task, flow_control, flow_window, needs_version, shared_lag, stage_programs
 
 ACT, GRAD, SHARED, NORM, STATS, CREDIT, FIN = 1, 2, 3, 4, 5, 6, 9
 NONFINITE = ("stop", "skip")
@@ -139,6 +139,27 @@ def flow_windows(manifest: Manifest, progs: dict[int, StageProgram],
     w = {(p, c): flow_window(progs[p], depth[c]) for p, c in returns}
     w.update({e: x for e, x in (windows or {}).items() if e in w})
     return flow_control(returns, {s: p.in_flight for s, p in progs.items()}, w)
+
+
+#: The optimizer-state key under which a checkpoint keeps a lagging shared tensor's pending sum.
+LAGGED_GRAD = "lagged_grad"
+
+
+def lags_shared(cfg: TrainConfig) -> bool:
+    """Whether shared tensors apply their summed gradient one step late under ``cfg``
+    (:func:`~ftcompile.runtime.schedules.shared_lag`); the engine and the reference both ask here."""
+    return bool(shared_lag(cfg.schedule, bool(cfg.clip_grad_norm) or cfg.nonfinite == "skip"))
+
+
+def sum_parts(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Holders' gradient parts of a shared tensor summed in the order given (stage order): every
+    holder, and the reference, add the same tensors the same way, so the copies stay bit-equal."""
+    if len(parts) == 1:
+        return parts[0].clone()
+    total = parts[0] + parts[1]
+    for g in parts[2:]:
+        total.add_(g)
+    return total
 
 
 def grad_order(manifest: Manifest, v: str) -> list[int]:
@@ -316,6 +337,13 @@ class RankEngine:
         self._shared = self.m.shared_params()
         self._local_holders = {n: tuple(h for h in sorted(hs) if self.ranks[h] == rank)
                                for n, hs in self._shared.items()}
+        # Shared tensors lag by a step (schedules without a flush): U(j) applies step j-1's sum.
+        # ``_carry[stage][name]``: a summed gradient not applied yet (the last step of the previous
+        # segment, or a checkpoint's), taken by the segment's first update.
+        self._lag = lags_shared(cfg)
+        self._carry: dict[int, dict[str, torch.Tensor]] = {}
+        self._collecting: set[int] = set()            # stages waiting for the last step's parts
+        self._last_step = -1
         self.step_offset = 0
         self._parked: dict[int, list[tuple]] = {}     # messages of segments this rank has not begun
         self._refs: dict[tuple, int] = {}
@@ -590,13 +618,8 @@ class RankEngine:
             j = task.index
             if st.update_phase == 1:
                 return [f"the average of its gradients of step {j} over its {self.replicas} replicas"]
-            mine = set(st.params) if st.update_phase < 3 else set()
-            for name, holders in self._shared.items():
-                if name in mine:
-                    for h in holders:
-                        if h != st.id and ("S", name, j, h, st.id) not in self.inbox:
-                            miss.append(f"shared gradient of {name} for step {j} from stage {h} "
-                                        f"(rank {self.ranks[h]})")
+            if st.update_phase < 3:
+                miss += self._missing_shared(st, j - 1 if self._lag else j)
             if self.averaging is not None:
                 wait = self.averaging.ready(st.id, self.step_offset + j)
                 if wait:
@@ -605,6 +628,19 @@ class RankEngine:
                 for s in self.m.stages:
                     if ("N", j, s.id) not in self.inbox:
                         miss.append(f"gradient norm of step {j} from stage {s.id} (rank {self.ranks[s.id]})")
+        return miss
+
+    def _missing_shared(self, st: _Stage, j: int) -> list[str]:
+        """The other holders' gradients of step ``j`` of the shared tensors ``st`` holds, not in yet."""
+        miss = []
+        if j < 0:
+            return miss
+        for name, holders in self._shared.items():
+            if name in st.params:
+                for h in holders:
+                    if h != st.id and ("S", name, j, h, st.id) not in self.inbox:
+                        miss.append(f"shared gradient of {name} for step {j} from stage {h} "
+                                    f"(rank {self.ranks[h]})")
         return miss
 
     @property
@@ -696,7 +732,7 @@ class RankEngine:
 
     def _seed(self, k: int) -> int:
         """Micro-batch ``k`` of this segment, numbered across the replicas' global batch."""
-        M, R = self.cfg.micro_batches, self.replicas
+        M = self.cfg.micro_batches
         j, i = divmod(k, M)
         return micro_batch_seed(self.cfg.seed, self.step_offset + j, self.replica * M + i)
 
@@ -782,29 +818,61 @@ class RankEngine:
             p = st.params[name]
             g = (p.grad if p.grad is not None else torch.zeros_like(p)).detach()
             for h in self._local_holders[name]:
-                if h != st.id:
+                if h != st.id or self._lag:          # lagging: its own part waits for U(j+1) too
                     self._put(("S", name, j, st.id, h), g)
             for r in sorted({self.ranks[h] for h in holders} - {self.rank}):
                 self._send(r, [SHARED, self.param_index[name], j, st.id, 0], g)
         st.update_phase = 2
 
     def _sum_shared(self, st: _Stage, j: int) -> None:
-        """Every holder sums all holders' gradients in stage order, so the copies take the same step."""
+        """Every holder sums all holders' gradients in stage order, so the copies take the same step.
+
+        Lagging, U(j) takes step ``j - 1``'s sum (at the segment's first update, the carried one,
+        or none: the optimizer then leaves the tensor alone this step). Not lagging, a carried sum
+        (a checkpoint of a lagging run resumed by a schedule that does not lag) joins the first
+        update's gradient, so no step's gradient is lost.
+        """
+        carry = self._carry.pop(st.id, {}) if j == 0 else {}
+        if self._lag:
+            got = self._take_sums(st, j - 1) if j > 0 else {}
+            for name in self._shared:
+                if name in st.params:
+                    st.params[name].grad = got.get(name, carry.pop(name, None))
+        else:
+            parts: dict[str, list[torch.Tensor]] = {}
+            with self.cv:
+                for name, holders in self._shared.items():
+                    if name not in st.params:
+                        continue
+                    p = st.params[name]
+                    own = p.grad if p.grad is not None else torch.zeros_like(p)
+                    parts[name] = [own if h == st.id else self.inbox.pop(("S", name, j, h, st.id))
+                                   for h in sorted(holders)]
+            # Outside the lock: the receiver threads keep delivering meanwhile.
+            for name, gs in parts.items():
+                st.params[name].grad = sum_parts(gs)
+        for name, g in carry.items():
+            p = st.params.get(name)
+            if p is not None:
+                p.grad = g if p.grad is None else p.grad + g
+
+    def _take_sums(self, st: _Stage, j: int) -> dict[str, torch.Tensor]:
+        """Step ``j``'s summed gradient of each shared tensor ``st`` holds, its parts taken from the inbox."""
         parts: dict[str, list[torch.Tensor]] = {}
         with self.cv:
             for name, holders in self._shared.items():
-                if name not in st.params:
-                    continue
-                p = st.params[name]
-                own = p.grad if p.grad is not None else torch.zeros_like(p)
-                parts[name] = [own if h == st.id else self.inbox.pop(("S", name, j, h, st.id))
-                               for h in sorted(holders)]
-        # Outside the lock: the receiver threads keep delivering meanwhile.
-        for name, gs in parts.items():
-            total = gs[0] + gs[1]
-            for g in gs[2:]:
-                total.add_(g)
-            st.params[name].grad = total
+                if name in st.params:
+                    parts[name] = [self.inbox.pop(("S", name, j, h, st.id)) for h in sorted(holders)]
+        return {name: sum_parts(gs) for name, gs in parts.items()}
+
+    def _collect(self, st: _Stage) -> bool:
+        """At the end of a lagging segment: sum the last step's parts into the carry, once they are in."""
+        with self.cv:
+            if self._missing_shared(st, self._last_step):
+                return False
+        self._carry[st.id] = self._take_sums(st, self._last_step)
+        self._collecting.discard(st.id)
+        return True
 
     def _norm_part(self, st: _Stage, j: int) -> float:
         if j in st.bad_loss:
@@ -901,7 +969,7 @@ class RankEngine:
         if self.grad_hook is not None:
             self.grad_hook(st.id, self.step_offset + j, params)
         if not skip:
-            opt.step()
+            _optim.step(opt)
         if self.averaging is not None:
             self.averaging.after_step(st.id, self.step_offset + j, params)
         if sched is not None:
@@ -935,6 +1003,9 @@ class RankEngine:
             st = _Stage(sid, mod, prog, self._opt[sid][0], prog.tasks())
             st.advance()
             self.stages[sid] = st
+        self._last_step = steps - 1
+        self._collecting = {sid for sid in self.stages if self._lag and steps > 0
+                            and any(n in self._opt[sid][0] for n in self._shared)}
         self._losses: dict[int, float] = {}
         self._norms: dict[int, float] = {}
         self._skipped: set[int] = set()
@@ -986,9 +1057,12 @@ class RankEngine:
         if self.world_size > 1 and not self._threads:
             self.start()
         last_progress = time.monotonic()
-        while any(st.next is not None for st in order):
+        while any(st.next is not None or st.id in self._collecting for st in order):
             ran = False
             seen = self.arrivals
+            for st in order:
+                if st.next is None and st.id in self._collecting and self._collect(st):
+                    ran = True
             # Backwards first: they free memory and unblock upstream stages.
             for kinds in (("B", "U"), ("F",)):
                 for st in order:
@@ -1098,6 +1172,10 @@ class RankEngine:
         for st in self.stages.values():
             task = st.next
             if task is None:
+                if st.id in self._collecting:
+                    with self.cv:
+                        miss = self._missing_shared(st, self._last_step)
+                    lines.append(f"  stage {st.id} waits at the end of the segment: " + "; ".join(miss[:3]))
                 continue
             with self.cv:
                 miss = self._missing(st, task, data)
@@ -1158,6 +1236,8 @@ class RankEngine:
             mod = self.modules[sid]
             out[sid] = {"weights": {n: t.detach() for n, t in mod.state_dict().items()},
                         "optimizer": _optim.named_state(opt, params)}
+            for name, g in self._carry.get(sid, {}).items():     # a lagging shared tensor's pending sum
+                out[sid]["optimizer"].setdefault(name, {})[LAGGED_GRAD] = g.detach()
         return out
 
     def load_state(self, state: dict) -> None:
@@ -1184,6 +1264,12 @@ class RankEngine:
                                     "with") from None
             _optim.load_named_state(opt, params, opt_state, self.cfg.optimizer)
             _optim.set_position(opt, sched, self.cfg.optim_config(), int(state.get("step", 0)))
+            carry = {n: opt_state[n][LAGGED_GRAD].to(device=p.device, dtype=p.dtype).clone()
+                     for n, p in params.items() if LAGGED_GRAD in opt_state.get(n, {})}
+            if carry:
+                self._carry[sid] = carry
+            else:
+                self._carry.pop(sid, None)
 
 
 def merge_records(parts: list[dict]) -> dict:

@@ -80,6 +80,27 @@ def build(params: list[torch.nn.Parameter], cfg: OptimConfig):
     return opt, scheduler(opt, cfg)
 
 
+def step(opt) -> None:
+    """``opt.step()``, also where some parameters get their first gradient after the others.
+
+    torch's fused SGD with momentum starts its buffers only when none of a group's exists yet, and
+    fails on a parameter with a gradient but no buffer beside others that have one (a shared tensor
+    whose summed gradient lags a step, ``engine.lags_shared``). The non-fused SGD starts such a
+    buffer as the gradient itself; a zero buffer gives the same (``momentum * 0 + gradient``,
+    without dampening, the only SGD :func:`build` makes).
+    """
+    if isinstance(opt, torch.optim.SGD) and opt.defaults.get("fused"):
+        for group in opt.param_groups:
+            if not group["momentum"] or group["dampening"]:
+                continue
+            live = [p for p in group["params"] if p.grad is not None]
+            if any(opt.state[p].get("momentum_buffer") is not None for p in live):
+                for p in live:
+                    if opt.state[p].get("momentum_buffer") is None:
+                        opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    opt.step()
+
+
 def _fusable(params: list[torch.nn.Parameter]) -> bool:
     """torch's fused optimizers take floating tensors on one CPU or CUDA device."""
     devices = {p.device.type for p in params}

@@ -10,6 +10,10 @@ come from :func:`~ftcompile.runtime.engine.programs`, the ones the
 multi-process engine runs, so the engine must end with the weights this gives
 (up to floating-point summation order).
 
+Shared (tied) tensors sum their holders' gradients in stage order; under the
+schedules that lag them (:func:`~ftcompile.runtime.schedules.shared_lag`)
+step ``j`` applies step ``j - 1``'s sum, as the engine does.
+
 With weight prediction (FTPipe §4.2), a forward whose backward will use a
 later version runs on weights predicted that many updates ahead from version
 ``forward_version(k)`` and the optimizer state that came with it: the
@@ -27,7 +31,7 @@ import torch
 from torch.func import functional_call
 
 from . import optim as _optim
-from .engine import TrainConfig, accepts_update_buffers, grad_order, micro_batch_seed, programs
+from .engine import TrainConfig, accepts_update_buffers, grad_order, lags_shared, micro_batch_seed, programs, sum_parts
 from .package import Package
 
 
@@ -77,6 +81,8 @@ def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig,
     for s in modules:
         make_predictions(s, 0)
     shared = m.shared_params()
+    lag = lags_shared(cfg)
+    pending: dict[str, torch.Tensor] = {}
     inputs_of = {i.value for i in m.inputs if i.shape is not None}
     losses = []
     for j in range(steps):
@@ -150,13 +156,12 @@ def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig,
                 g = acc[s].get(n)
                 p.grad = g / R if g is not None and R > 1 else g
         for name, holders in shared.items():
-            total = None
-            for h in sorted(holders):
-                p = live[h][name]
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
-                total = g.clone() if total is None else total + g
+            total = sum_parts([live[h][name].grad if live[h][name].grad is not None
+                               else torch.zeros_like(live[h][name]) for h in sorted(holders)])
+            if lag:        # step j applies step j - 1's sum (none at the first step)
+                total, pending[name] = pending.get(name), total
             for h in holders:
-                live[h][name].grad = total.clone()
+                live[h][name].grad = total.clone() if total is not None else None
         if cfg.clip_grad_norm:
             sq = 0.0
             for s in sorted(modules):
@@ -169,7 +174,7 @@ def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig,
                 _optim.clip_to(live[s].values(), total_norm, cfg.clip_grad_norm)
         for s in modules:
             opt, sched = opts[s]
-            opt.step()
+            _optim.step(opt)
             if sched is not None:
                 sched.step()
             for p in live[s].values():

@@ -48,6 +48,18 @@ one-backward order without flushes (FTPipe Fig. 5; PipeDream; PipeDream-2BW);
 ``2gw`` (WPipe §3.2) runs G1 stages like ``1f1b`` and moves G0's forwards of
 step ``j+1`` ahead of its backwards of step ``j``.
 
+Shared (tied) tensors: every stage holding one sums all holders' gradients
+before its update, so the copies stay equal. With a flush per step that costs
+nothing; without one, the holder deepest in the pipeline (a language model's
+head, tied to the embedding) would idle at every ``U(j)`` until the step's
+last backward reached the first holder. So the schedules without a flush
+**lag** shared tensors by one step (:func:`shared_lag`): every holder applies
+at ``U(j)`` the summed gradient of step ``j - 1`` (none at the first update of
+a run), and keeps the sum of the segment's last step for the next segment
+(checkpoints carry it), so the trajectory does not depend on where segments
+end. Clipping or skipping non-finite steps exchanges the global gradient norm
+at every update, a wait of its own, so no lag then.
+
 Programs are generated lazily: a stage's program for a million steps costs
 no more memory than for one. Weight versions come from closed forms.
 """
@@ -63,6 +75,14 @@ SCHEDULES = ("gpipe", "1f1b", "async", "pipedream", "2bw", "2gw", "avgpipe")
 SYNCHRONOUS = ("gpipe", "1f1b", "avgpipe")
 #: Schedules where recomputation is the user's choice (``--recompute``).
 OPTIONAL_RECOMPUTE = ("gpipe", "1f1b", "2bw", "2gw", "avgpipe")
+
+
+def shared_lag(schedule: str, exchanges_norms: bool = False) -> int:
+    """Steps by which every holder of a shared tensor applies its summed gradient late: 1 for the
+    schedules without a flush per step (see the module docstring), 0 with a flush or when each
+    update exchanges the global gradient norm anyway (``exchanges_norms``: clipping, skipping
+    non-finite steps), which waits for every stage."""
+    return 0 if schedule in SYNCHRONOUS or exchanges_norms else 1
 
 
 class ScheduleError(ValueError):

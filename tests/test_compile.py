@@ -139,8 +139,9 @@ def test_reserve_larger_than_the_gpu_is_named(tmp_path, capsys):
 
 
 def test_compile_that_cannot_fit_says_what_would(tmp_path, capsys):
-    # 803 MB on a 2080 Ti preset: 3 MB beyond the 800 MB every GPU keeps free (the reserve)
-    rc = main(["compile", "t5-tiny", "--gpus", "2", "--gpu-memory", "803MB", "--replicas", "1", "--strategy",
+    # 804 MB on a 2080 Ti preset: 4 MB beyond the 800 MB every GPU keeps free (the reserve); the
+    # GPU holding the tied embedding needs more than 803 MB whatever the split (async lags it)
+    rc = main(["compile", "t5-tiny", "--gpus", "2", "--gpu-memory", "804MB", "--replicas", "1", "--strategy",
                "seq,mixed", "-q",
                "-o", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c")])
     err = capsys.readouterr().err

@@ -69,16 +69,22 @@ def assert_valid(pb: Problem, plan: Plan, strategy: str) -> None:
         assert len({s.gpu for s in plan.stages}) == len(plan.stages), "a Seq-pipe has one stage per GPU"
 
 
+# GPU memory as a share of one GPU's need, a little above what the op order cut in three equal
+# ranges needs under async: tied weights are copied per stage, each copy receives the others'
+# gradients (two per holder, and keeps its own a step, as async lags them), and working sets do
+# not shrink with the stage, so 0.5 fits nothing; the split needs 0.93 (t5-tiny) and 0.82 (gpt2-tiny).
+TIGHT = {"t5-tiny": 0.95, "gpt2-tiny": 0.85}
+
+
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("gpus, memory_share", [(3, None), (3, 0.8)])
-def test_every_strategy_keeps_the_plan_contract(strategy, model, gpus, memory_share):
+@pytest.mark.parametrize("gpus, tight", [(3, False), (3, True)])
+def test_every_strategy_keeps_the_plan_contract(strategy, model, gpus, tight):
+    memory_share = TIGHT[model] if tight else None
     pb = problem(model, gpus, memory_share)
     if memory_share is not None:
         # A plan that fits exists (the op nodes' order cut in three equal ranges), and one GPU
-        # cannot hold the model: the strategies that respect memory must find one. (Tied weights
-        # are copied per stage, each copy receives the others' gradients, and working sets do not
-        # shrink with the stage: 0.5 fits nothing; t5-tiny's split needs 0.78.)
+        # cannot hold the model: the strategies that respect memory must find one.
         ids = [n.id for n in pb.graph.op_nodes()]
         b = [0, len(ids) // 3, 2 * len(ids) // 3, len(ids)]
         assert evaluate(pb, Plan("even", 3, [Stage(k, k, ids[b[k]:b[k + 1]]) for k in range(3)])).feasible

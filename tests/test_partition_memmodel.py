@@ -64,7 +64,9 @@ def test_stage_bounds_bracket_evaluate_on_contiguous_splits(name, schedule, reco
     wsf, wsb = working_set_bounds(problem, ids)
     mm = MemoryModel.of(problem)
     rng = random.Random(7)
-    shared = sum(prof.params[p].bytes * problem.num_gpus for p in graph.params
+    # a tied tensor's parts from the other holders, at most one per other GPU, two where the schedule
+    # lags it, and its own part kept a step (plan.shared_gradient_copies)
+    shared = sum(prof.params[p].bytes * problem.num_gpus * (1 + problem.shared_lag) for p in graph.params
                  if sum(p in graph.node(n).params for n in ids) > 1)
     for _ in range(6):
         plan = _random_plan(problem, rng, stages=rng.randint(2, 5), scattered=False)

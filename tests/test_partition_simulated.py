@@ -9,6 +9,8 @@ every convex split (``tests/dags.py``), simulated one by one.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from dags import branchy_problem, convex_splits
@@ -72,13 +74,19 @@ def test_chosen_plan_simulates_within_3_percent_of_its_objective_where_a_convex_
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_tied_weights_wait_in_every_convex_split_and_compile_is_no_slower(seed):
+def test_tied_weights_wait_only_where_the_schedule_does_not_lag_them(seed):
     """With a tied tensor read at both ends of the DAG, each holder's update waits for the
-    other's gradient of the step, so even the fastest convex split in brute force simulates
-    well above its objective (the wait Eq. 1 does not count); compile's choice simulates no
-    slower than that split."""
+    other's gradient of the step unless the schedule lags the tensor (async does; with clipping
+    nothing lags, as every update waits for the global norm anyway). Clipped, even the fastest
+    convex split in brute force simulates well above its objective (the wait Eq. 1 does not
+    count); lagged, the optimal split simulates within 3% of it, and compile's choice no slower
+    than the fastest split."""
     problem = branchy_problem(seed, gpus=2, tied=True)
+    assert problem.shared_lag == 1
+    clipped = replace(problem, clip_grad_norm=True)
+    c_obj, _c_obj_sim, c_sim = brute_force_simulated(clipped)
+    assert c_sim > 1.03 * c_obj
     best_obj, best_obj_sim, best_sim = brute_force_simulated(problem)
-    assert best_sim > 1.03 * best_obj
+    assert best_obj_sim <= 1.03 * best_obj
     result = compile_plan(problem, STRATEGIES, jobs=1, time_limit=5)
     assert result.best().sim["period_ms"] <= best_sim * (1 + 1e-9)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from ..plan import Plan, Problem, Stage, evaluate
+from ..plan import Plan, Problem, Stage, evaluate, shared_gradient_copies
 from ..units import format_bytes
 from .base import Infeasible
 
@@ -189,6 +189,7 @@ class _State:
         self.send, self.recvf, self.recvb, self.pmem = z(), z(), z(), z()
         self.upd = z()
         self.holders: dict[int, int] = {}           # tied parameter -> blocks holding it
+        self.lag = problem.shared_lag
         self.count = [0] * P
         self.eps = 1e-2 * sum(data.work) / max(1, len(data.work))
         self.pref: list[dict[int, int]] = [dict() for _ in range(P)]
@@ -273,7 +274,8 @@ class _State:
         m = self.chain.memory(b, self.pmem[b], self.recvb[b], self.act[b], self.ginp[b])
         if self.d.pgrad:
             ref = self.pref[b]
-            m += sum(gb * (self.holders[q] - 1) for q, gb in self.d.pgrad.items() if q in ref)
+            m += sum(gb * shared_gradient_copies(self.holders[q] - 1, 1, self.lag)
+                     for q, gb in self.d.pgrad.items() if q in ref)
         return m
 
     def score(self) -> tuple[float, float, float]:

@@ -277,7 +277,7 @@ class MemoryModel:
         waiting = receive_windows(sg, flow, gpu_of)
         for (v, g), (w, b) in waiting.items():
             total[g] += w * b
-        for g, b in shared_gradient_receive(graph, prof, stages.values()).items():
+        for g, b in shared_gradient_receive(graph, prof, stages.values(), pr.shared_lag).items():
             total[g] += b
         # send buffers: a value leaving its GPU that no reader on that GPU waits for
         where = plan.stage_of()

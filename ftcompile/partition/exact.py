@@ -983,13 +983,18 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, own_top: fl
     kept = (window * sum(nb for _p, cs, nb, _fl in blocks.values if cs and nb > 0)
             + data_steps * sum(nb for nb, _ in inputs.values()))
     # Tied tensors held on several GPUs: each holder's gradient waits on the others' GPUs
-    # (plan.shared_gradient_receive), one at least per GPU holding it with a holder elsewhere.
+    # (plan.shared_gradient_receive), one at least per GPU holding it with a holder elsewhere;
+    # where the schedule lags them, two, and the GPU's own holder keeps its part a step
+    # (plan.shared_gradient_copies with one remote and one local holder).
+    from ..plan import shared_gradient_copies
+
     shared_grad: dict[int, float] = {}
     if P > 1 and param_names:
+        copies = shared_gradient_copies(1, 1, problem.shared_lag)
         for q, bs in links.readers.items():
             nb = float(prof.params[param_names[q]].grad_bytes)
             if len(bs) > 1 and nb > 0 and (q, 0) in y:
-                shared_grad[q] = nb
+                shared_grad[q] = copies * nb
     kept += (sum(ptot[q] for q in split_pairs) + k_1 * sum(nb for _b, _cs, nb in grads_back)
              + sum(shared_grad.values()))
     if recompute:

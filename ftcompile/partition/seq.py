@@ -546,7 +546,7 @@ def _seq_dp(problem: Problem, seq: OpSequence, counts: list[int]):
     # Tied tensors: a stage holding some but not all of a tensor's readers sums the other holders'
     # gradient parts before its update; charged as if every other reader were in another stage
     # (exact for a tensor read by two nodes, an upper bound otherwise).
-    from ..plan import _shared_sum_ms
+    from ..plan import _shared_sum_ms, shared_gradient_copies
 
     tied = []
     npos = {n: i for i, n in enumerate(seq.ids)}
@@ -558,7 +558,8 @@ def _seq_dp(problem: Problem, seq: OpSequence, counts: list[int]):
                          # memory: the other holders' gradients waiting (at most min(S, readers) - 1)
                          # and the update's sum and stand-in (shared_gradient_receive and
                          # shared_update_transient, with every other reader in another stage)
-                         {S: (min(S, len(r)) + 1) * prof.params[prm].grad_bytes for S in counts}))
+                         {S: (shared_gradient_copies(min(S, len(r)) - 1, 1, problem.shared_lag) + 2)
+                          * prof.params[prm].grad_bytes for S in counts}))
     trainable_w = np.zeros(N, dtype=np.int64)   # by last reading position < j: trainable weight bytes
     trainable = np.array([prof.params[nm].bytes if prof.params[nm].grad_bytes else 0
                           for nm in seq.param_names], dtype=np.int64)
