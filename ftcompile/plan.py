@@ -588,10 +588,12 @@ def shared_update_transient(prof, names: Iterable[str], holders: dict[str, int])
 
 def shared_gradient_copies(remote: int, local: int, lag: int) -> int:
     """Gradients of one shared tensor a GPU keeps besides its stages' own: one per holder on
-    another GPU (its part, waiting for this GPU's holders' update), and where the schedule lags
-    the tensor (:attr:`Problem.shared_lag`) a second one per remote holder (the next step's part
-    can come before the last is used) and one per local holder (its own part, kept a step)."""
-    return (1 + lag) * remote + lag * local
+    another GPU (its part, waiting for this GPU's holders' update); where the schedule lags the
+    tensor (:attr:`Problem.shared_lag`), two per holder, remote or local. A holder's part of step
+    ``j`` lives until every holder's ``U(j+1)`` has used it, and it sends its part of step ``j+1``
+    only once every part of step ``j`` is in (``engine._try_update``), so two of its steps at
+    most are alive: its part of ``j`` may still wait for a slower holder's ``U(j+1)``."""
+    return (1 + lag) * remote + 2 * lag * local
 
 
 def shared_gradient_receive(graph: OpGraph, prof, stages: Iterable[tuple[int, Iterable[int]]],

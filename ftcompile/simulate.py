@@ -453,7 +453,7 @@ class _Sim:
         if st.ar > 0:
             self.ar_queue.setdefault(st.gpu, deque()).append((s, j))
             self.dirty_lanes.add(st.gpu)
-        else:
+        elif not self.problem.shared_lag:
             self.send_shared(s, j)
 
     def send_shared(self, s: int, j: int) -> None:
@@ -504,6 +504,10 @@ class _Sim:
         else:
             dur = st.u
             self.mem(g, "transient", st.t_upd)
+            if self.problem.shared_lag:
+                # lagging, a holder sends its part of step k once U(k) can run (the parts of step
+                # k - 1 are in), as the engine does: no holder's parts run more than a step ahead
+                self.send_shared(s, k)
             if dur > 0:
                 self.events.append(Event(g, s, "U", k, now, now + dur, step=step))
         self.gpu_free[g] = False
@@ -532,8 +536,8 @@ class _Sim:
             if k >= self.problem.shared_lag:              # the parts U(k) summed
                 for h, nbytes in st.shared_wait.items():
                     self.mem(g, "receive", -nbytes)
-            if st.shared_own:                             # lagging: its own part waits for U(k + 1)
-                self.mem(g, "receive", st.shared_own - (st.shared_own if k > 0 else 0))
+            if st.shared_own and k < 2:                   # lagging: its own parts of two steps wait
+                self.mem(g, "receive", st.shared_own)
             j = k
             self.step_done[j] = self.step_done.get(j, 0) + 1
             done_here = self.data_done[(g, j)] = self.data_done.get((g, j), 0) + 1
@@ -602,7 +606,8 @@ class _Sim:
                     self.mem(g, "transient", -self.st[s].ar_bucket)
                     self.ar_done.add((s, j))
                     self.dirty_gpus.add(g)
-                    self.send_shared(s, j)
+                    if not self.problem.shared_lag:
+                        self.send_shared(s, j)
                     continue
                 if what[0] == "link":
                     key = what[1]

@@ -921,11 +921,19 @@ class RankEngine:
                 if err is not None:
                     raise PipelineError(f"rank {self.rank}: averaging stage {st.id}'s gradients of step "
                                         f"{self.step_offset + j} over its replicas failed: {err}")
-            self._begin_update(st, j)
+            if self._lag:
+                st.update_phase = 2          # its part is sent below, once step j - 1's parts are in
+            else:
+                self._begin_update(st, j)
         with self.cv:
             if self._missing(st, st.next, data):
                 return False
         if st.update_phase == 2:
+            if self._lag:
+                # Sent only now: a holder's part of step j cannot leave before every part of step
+                # j - 1 is in, so no holder runs more than a step ahead of the slowest and at most
+                # two steps' parts of each holder wait anywhere (plan.shared_gradient_copies).
+                self._begin_update(st, j)
             self._sum_shared(st, j)
             if self._exchanges_norms:
                 self._send_norm(st, j)

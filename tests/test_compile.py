@@ -162,8 +162,8 @@ def test_compile_that_cannot_fit_says_what_would(tmp_path, capsys):
                      "--replicas", "1", "--cache-dir", str(tmp_path / "c"), *extra])
 
     assert seq("--gpus", "2", "--gpu-memory", memory) == 0
-    assert seq("--gpus", str(gpus), "--gpu-memory", "803MB") == 0
-    assert seq("--gpus", str(gpus - 1), "--gpu-memory", "803MB") == 2
+    assert seq("--gpus", str(gpus), "--gpu-memory", "804MB") == 0
+    assert seq("--gpus", str(gpus - 1), "--gpu-memory", "804MB") == 2
     reserve = 800.0         # MB: the 2080 Ti preset's reserve; the advice is the least to 2 % beyond it
     assert memory.endswith("MB")
     less = reserve + (float(memory[:-2]) - reserve) * 0.97

@@ -70,10 +70,11 @@ def assert_valid(pb: Problem, plan: Plan, strategy: str) -> None:
 
 
 # GPU memory as a share of one GPU's need, a little above what the op order cut in three equal
-# ranges needs under async: tied weights are copied per stage, each copy receives the others'
-# gradients (two per holder, and keeps its own a step, as async lags them), and working sets do
-# not shrink with the stage, so 0.5 fits nothing; the split needs 0.93 (t5-tiny) and 0.82 (gpt2-tiny).
-TIGHT = {"t5-tiny": 0.95, "gpt2-tiny": 0.85}
+# ranges needs under async: tied weights are copied per stage, each GPU keeps two steps' gradient
+# parts of every holder (async lags them; a tiny model's embedding is most of its weights), and
+# working sets do not shrink with the stage, so 0.5 fits nothing; the split needs 0.985 (t5-tiny,
+# three holders of its embedding) and 0.871 (gpt2-tiny).
+TIGHT = {"t5-tiny": 0.99, "gpt2-tiny": 0.9}
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
