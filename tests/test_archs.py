@@ -156,8 +156,11 @@ def _cfg(schedule: str) -> TrainConfig:
 def eager_training(package: Path, cfg: TrainConfig, *, delay: int = 0):
     """A plain PyTorch loop on the original model: per step the mean micro-batch loss, and the
     model's final parameters and buffers. ``delay=1`` computes step ``j``'s gradients on the
-    weights of step ``max(j - 1, 0)`` and applies them to the newest (PipeDream-2BW)."""
+    weights of step ``max(j - 1, 0)`` and applies them to the newest (PipeDream-2BW). Where the
+    schedule lags the tensors several stages share (no flush: ``lags_shared``), step ``j`` applies
+    their gradient of step ``j - 1`` (none at step 0)."""
     from ftcompile.runtime import optim
+    from ftcompile.runtime.engine import lags_shared
 
     m = load_package(package).manifest
     model = rebuild_model({"model": m.model["name"], "options": m.model["options"]}).model
@@ -165,6 +168,8 @@ def eager_training(package: Path, cfg: TrainConfig, *, delay: int = 0):
     params = [p for p in model.parameters() if p.requires_grad]
     opt, _ = optim.build(params, optim.OptimConfig(cfg.optimizer, cfg.lr, cfg.momentum, cfg.betas, cfg.eps,
                                                    cfg.weight_decay, cfg.lr_schedule, cfg.warmup_steps, cfg.steps))
+    lagged = {id(p) for n, p in model.named_parameters() if n in m.shared_params()} if lags_shared(cfg) else set()
+    pending: dict[int, torch.Tensor | None] = {}
     batches = load_dataset("synthetic", m, micro_batches=cfg.micro_batches, seed=cfg.seed)
     live = [p.detach().clone() for p in params]
     previous = [t.clone() for t in live]
@@ -186,12 +191,15 @@ def eager_training(package: Path, cfg: TrainConfig, *, delay: int = 0):
             (loss / cfg.micro_batches).backward()
         step_losses.append(total / cfg.micro_batches)
         grads = [p.grad for p in params]
+        for i, p in enumerate(params):
+            if id(p) in lagged:
+                grads[i], pending[id(p)] = pending.get(id(p)), grads[i]
         previous = [t.clone() for t in live]
         with torch.no_grad():
             for p, w, g in zip(params, live, grads):
                 p.copy_(w)
                 p.grad = g
-        opt.step()
+        optim.step(opt)            # (a lagged tensor's first gradient comes a step after the others')
         live = [p.detach().clone() for p in params]
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     return step_losses, buffers
