@@ -161,10 +161,11 @@ class Problem:
         return stage_programs(self.schedule, depths, micro_batches=self.micro_batches, steps=steps,
                               recompute=self.recompute, advance=self.advance)
 
-    @property
+    @functools.cached_property
     def shared_lag(self) -> int:
         """Steps by which shared (tied) tensors apply their summed gradient late under this
-        schedule (:func:`~ftcompile.runtime.schedules.shared_lag`; clipping exchanges norms)."""
+        schedule (:func:`~ftcompile.runtime.schedules.shared_lag`; clipping exchanges norms).
+        Computed once: the simulator asks at every update it considers."""
         return shared_lag(self.schedule, self.clip_grad_norm)
 
     def recomputes(self, is_last: bool) -> bool:

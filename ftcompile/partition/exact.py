@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import networkx as nx
 import numpy as np
 
-from ..plan import Plan, Problem, Stage, evaluate, ordered, stage_graph
+from ..plan import Plan, Problem, Stage, evaluate, ordered, shared_gradient_copies, stage_graph
 from ..units import format_bytes
 from .base import Infeasible, MemoryModel
 from .seq import OpSequence, op_sequence
@@ -986,8 +986,6 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, own_top: fl
     # (plan.shared_gradient_receive), one at least per GPU holding it with a holder elsewhere;
     # where the schedule lags them, two, and the GPU's own holder keeps its part a step
     # (plan.shared_gradient_copies with one remote and one local holder).
-    from ..plan import shared_gradient_copies
-
     shared_grad: dict[int, float] = {}
     if P > 1 and param_names:
         copies = shared_gradient_copies(1, 1, problem.shared_lag)
