@@ -61,6 +61,7 @@ def add_parsers(sub) -> None:
                    help="recompute activations in backward (async always does, but for the last stage)")
     g.add_argument("--optimizer", choices=("sgd", "momentum", "adam", "adafactor"), default="adam",
                    help="optimizer whose state memory counts (default: adam)")
+    _add_run_settings(g)
     from .avgpipe import add_arguments as _avgpipe_arguments
 
     _avgpipe_arguments(g)
@@ -101,6 +102,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--schedule", choices=SCHEDULES, help="schedule (default: the plan's)")
     p.add_argument("--micro-batches", type=base._positive_int, metavar="M", help="default: the plan's")
     p.add_argument("--steps", type=base._positive_int, default=2, metavar="K", help="mini-batches measured (default: 2)")
+    p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
+                   help="recompute activations in backward (default: the plan's)")
+    _add_run_settings(p, default="the plan's")
     from .avgpipe import add_arguments as _avgpipe_arguments
 
     _avgpipe_arguments(p, auto=False)
@@ -126,6 +130,31 @@ def add_parsers(sub) -> None:
 
 
 # --------------------------------------------------------------------------- compile
+
+def _add_run_settings(g, default: str | None = None) -> None:
+    """The settings of `ftcompile run` that change what a plan costs, so that the plan is priced
+    (and later run) with them: a predicted weight copy per forward, and an update that waits for
+    every stage (no tied-weight lag)."""
+    g.add_argument("--weight-prediction", action=argparse.BooleanOptionalAction, default=None,
+                   help="async: forwards run on predicted weights, one more weight copy per forward "
+                        f"(default: {default or 'off'})")
+    g.add_argument("--clip-grad-norm", type=_positive_float, default=None, metavar="X",
+                   help="the run clips the global gradient norm: every update waits for all stages and "
+                        f"tied weights do not lag (default: {default or 'no clipping'})")
+    g.add_argument("--on-nonfinite", choices=("stop", "skip"), default=None,
+                   help="skip: the run skips non-finite steps, so every update waits for all stages "
+                        f"(default: {default or 'stop'})")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return v
+
 
 def _replicas_arg(text: str) -> int | None:
     """``--replicas``: ``auto`` (None: every count dividing the GPUs) or a positive integer."""
@@ -239,7 +268,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         from .avgpipe import format_tuning, problem_advance, tune_for_compile
 
         problem = Problem(graph, prof, cluster, schedule=args.schedule, micro_batches=args.micro_batches,
-                          recompute=args.recompute, advance=problem_advance(args))
+                          recompute=args.recompute, advance=problem_advance(args),
+                          weight_prediction=bool(args.weight_prediction), clip_grad_norm=args.clip_grad_norm,
+                          on_nonfinite=args.on_nonfinite or "stop")
         t = lap("profile", t)
 
         from .compile import resolve_strategies
@@ -414,7 +445,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .avgpipe import problem_advance, setting
 
     args.schedule = schedule
-    problem = replace(problem_from_doc(doc, graph, prof, schedule=schedule, micro_batches=args.micro_batches),
+    problem = replace(problem_from_doc(doc, graph, prof, schedule=schedule, micro_batches=args.micro_batches,
+                                       recompute=args.recompute, weight_prediction=args.weight_prediction,
+                                       clip_grad_norm=args.clip_grad_norm, on_nonfinite=args.on_nonfinite),
                       advance=problem_advance(args))
     result = simulate(problem, plan, steps=args.steps)
     par = None

@@ -259,12 +259,51 @@ def _preflight(args: argparse.Namespace):
     from .runtime.worker import config_from_args
 
     programs(m, config_from_args(res.args, m), 1)      # ScheduleError: e.g. 2bw with too few micro-batches
+    _check_planned(package, res.args, ui)
     load_dataset(res.args.data, m, micro_batches=res.args.micro_batches, seed=res.args.seed)
     _check_weights(package)
     if replicas > 1:
         ui.note(f"{nproc} ranks: {replicas} replicas of a {nproc // replicas}-rank pipeline, "
                 f"{res.args.rank_order or m.rank_order}")
     return package, res, (nproc, replicas)
+
+
+def _check_planned(package, args, ui) -> None:
+    """Price the plan again when the run's settings are not those it was planned with: a note with
+    the new figures, or, when the plan no longer fits its GPUs, a refusal on ``cuda`` (a warning
+    on the CPU, where the plan's GPUs are not the ones used)."""
+    from .reprice import LABELS, of_run, reprice
+    from .units import format_bytes
+
+    if args.schedule == "avgpipe":
+        return      # N parallel models per GPU: priced by the AvgPipe tuning (ftcompile.avgpipe), not here
+    try:
+        r = reprice(package.path, of_run(args))
+    except Exception as exc:  # noqa: BLE001 - advisory: a package that trains must not be refused for it
+        print(f"{base.PROG}: warning: the plan could not be priced for this run's settings "
+              f"({type(exc).__name__}: {exc}); its figures are for the settings it was compiled with",
+              file=sys.stderr)
+        return
+    if r is None:
+        return
+    what = ", ".join(f"{LABELS.get(name, name)} {_setting(old)} -> {_setting(new)}" for name, old, new in r.changed)
+    if r.fits:
+        was = f" (planned: {r.planned_period_ms:.3f})" if r.planned_period_ms else ""
+        ui.note(f"this run is not the one the plan was priced for ({what}); priced again for it: "
+                f"{r.period_ms:.3f} ms per micro-batch simulated{was}, peak "
+                f"{format_bytes(max(r.gpu_peak))} of the {format_bytes(r.gpu_memory)} of a GPU")
+        return
+    msg = (f"the plan does not fit this run's settings ({what}): {r.reason}. Run with the plan's settings, "
+           "or compile a plan for these "
+           "(`ftcompile compile` takes --schedule, --micro-batches, --recompute, --optimizer, "
+           "--weight-prediction, --clip-grad-norm and --on-nonfinite)")
+    if str(args.device).startswith("cuda"):
+        raise base.UsageError(msg)
+    print(f"{base.PROG}: warning: {msg}; on the CPU the run goes on", file=sys.stderr)
+
+
+def _setting(v) -> str:
+    return {True: "on", False: "off"}.get(v, str(v)) if isinstance(v, bool) else str(v)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

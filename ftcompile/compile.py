@@ -479,6 +479,7 @@ def plan_document(result: CompileResult, *, model: dict | None = None) -> dict:
                     "dtype": p.profile.dtype, "optimizer": p.profile.optimizer, "key": p.profile.key},
         "cluster": p.cluster.to_json(),
         "schedule": p.schedule, "micro_batches": p.micro_batches, "recompute": p.recompute,
+        "weight_prediction": p.weight_prediction, "clip_grad_norm": p.clip_grad_norm, "on_nonfinite": p.on_nonfinite,
         "lower_bound": {"objective_ms": result.lower_bound_ms,
                         "note": "total compute / GPUs, less the most recomputation the last stage can skip "
                                 "within its period and one GPU's memory; no plan that fits can beat it"},
@@ -532,15 +533,22 @@ def replicas_section(options, chosen: int | None, whole_cluster) -> dict:
                     "optimizer state are refused without partitioning" + screened}
 
 
-def problem_from_doc(doc: dict, graph, prof, *, schedule: str | None = None,
-                     micro_batches: int | None = None) -> Problem:
-    """The Problem a plan document was made for (its pipeline's GPUs, replicas and rings)."""
+def problem_from_doc(doc: dict, graph, prof, *, schedule: str | None = None, micro_batches: int | None = None,
+                     recompute: bool | None = None, weight_prediction: bool | None = None,
+                     clip_grad_norm: float | None = None, on_nonfinite: str | None = None) -> Problem:
+    """The Problem a plan document was made for (its pipeline's GPUs, replicas and rings, and the
+    run settings it was priced with); a setting given here replaces the document's."""
     from .cluster import ClusterSpec
 
     lay = doc.get("layout") or {}
     ring = lay.get("ring_bandwidth")
     return Problem(graph, prof, ClusterSpec.from_json(doc["cluster"]), schedule=schedule or doc["schedule"],
-                   micro_batches=micro_batches or doc["micro_batches"], recompute=doc.get("recompute"),
+                   micro_batches=micro_batches or doc["micro_batches"],
+                   recompute=doc.get("recompute") if recompute is None else recompute,
+                   weight_prediction=bool(doc.get("weight_prediction") if weight_prediction is None
+                                          else weight_prediction),
+                   clip_grad_norm=doc.get("clip_grad_norm") if clip_grad_norm is None else clip_grad_norm,
+                   on_nonfinite=on_nonfinite or doc.get("on_nonfinite") or "stop",
                    replicas=int(lay.get("replicas") or 1), ring_bandwidth=tuple(ring) if ring else None)
 
 

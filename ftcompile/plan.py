@@ -46,8 +46,8 @@ from .hardware import HardwareSpec, load_hardware
 from .ir import OpGraph, atomic_write_text
 from .profile import Profile, held_activation_bytes
 from .runtime.allreduce import BUCKET_BYTES as ALLREDUCE_BUCKET_BYTES
-from .runtime.schedules import (SCHEDULES, StageProgram, flow_control, flow_window, shared_lag, stage_program,
-                                stage_programs)
+from .runtime.schedules import (SCHEDULES, StageProgram, exchanges_norms, flow_control, flow_window, shared_lag,
+                                stage_program, stage_programs)
 from .units import format_bytes
 
 PLAN_VERSION = 1
@@ -102,7 +102,9 @@ class Problem:
     schedule: str = "async"
     micro_batches: int = 4
     recompute: bool | None = None       # None: the schedule's default
-    clip_grad_norm: bool = False        # every update waits for the global gradient norm
+    # Run settings that change what a plan costs (``ftcompile run`` takes them as the plan's):
+    clip_grad_norm: float | None = None     # clip the global gradient norm to this (all stages exchange norms)
+    on_nonfinite: str = "stop"              # "skip": every update waits for all stages' finite check
     weight_prediction: bool = False     # async: forwards on predicted weights (a copy per forward)
     # Replicas of this pipeline (data x pipeline parallelism): every update first averages each
     # stage's gradients over a ring of ``replicas`` GPUs whose slowest link, per pipeline GPU, is
@@ -118,6 +120,8 @@ class Problem:
             raise PlanError(f"micro-batches must be at least 1, got {self.micro_batches}")
         if self.replicas < 1:
             raise PlanError(f"replicas must be at least 1, got {self.replicas}")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise PlanError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
 
     def allreduce_ms(self, gpu: int, nbytes: int) -> float:
         """Averaging ``nbytes`` of gradients over the replicas of pipeline GPU ``gpu``."""
@@ -164,9 +168,16 @@ class Problem:
     @functools.cached_property
     def shared_lag(self) -> int:
         """Steps by which shared (tied) tensors apply their summed gradient late under this
-        schedule (:func:`~ftcompile.runtime.schedules.shared_lag`; clipping exchanges norms).
+        schedule (:func:`~ftcompile.runtime.schedules.shared_lag`; none where :attr:`exchanges_norms`).
         Computed once: the simulator asks at every update it considers."""
-        return shared_lag(self.schedule, self.clip_grad_norm)
+        return shared_lag(self.schedule, self.exchanges_norms)
+
+    @property
+    def exchanges_norms(self) -> bool:
+        """Whether every update first waits for a value of all stages: the global gradient norm
+        (clipping) or whether every stage's gradients are finite (``on_nonfinite="skip"``). The
+        runtime asks the same (:func:`~ftcompile.runtime.schedules.exchanges_norms`)."""
+        return exchanges_norms(self.clip_grad_norm, self.on_nonfinite)
 
     def recomputes(self, is_last: bool) -> bool:
         """Whether a stage recomputes its forward in backward: at the end of the pipeline

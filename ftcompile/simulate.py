@@ -22,7 +22,9 @@ Model
   every output that carries one; ``U(j)`` waits for the other holders'
   gradients of shared (tied) weights of step ``j`` (of step ``j - 1`` where the
   schedule lags them, :attr:`~ftcompile.plan.Problem.shared_lag`) and, when
-  clipping, for every stage to reach ``U(j)`` (the global norm).
+  clipping or skipping non-finite steps
+  (:attr:`~ftcompile.plan.Problem.exchanges_norms`), for every stage to reach
+  ``U(j)`` (the global norm, or every stage's finite check).
 * **Transfers.** After ``F(k)`` a stage sends, once per destination GPU, the
   values the stages there read; after ``B(k)`` it sends the gradients of the
   values it read back to their producers; at ``U(j)`` the gradients of shared
@@ -385,7 +387,7 @@ class _Sim:
         j = k - self.problem.shared_lag
         if j >= 0 and not all(j in self.shared_in.get((h, s), ()) for h, _ in st.shared):
             return False
-        if self.problem.clip_grad_norm and self.u_begun.get(k, 0) < len(self.st):
+        if self.problem.exchanges_norms and self.u_begun.get(k, 0) < len(self.st):
             return False
         return True
 
@@ -448,7 +450,7 @@ class _Sim:
         all-reduce lane), then send its shared gradients; count it for clipping."""
         st = self.st[s]
         self.u_begun[j] = self.u_begun.get(j, 0) + 1
-        if self.problem.clip_grad_norm and self.u_begun[j] == len(self.st):
+        if self.problem.exchanges_norms and self.u_begun[j] == len(self.st):
             self.dirty_gpus.update(self.stages_on)
         if st.ar > 0:
             self.ar_queue.setdefault(st.gpu, deque()).append((s, j))

@@ -64,7 +64,8 @@ from .manifest import Manifest, torch_dtype
 from .memory import MemoryMeter, optimizer_tensors
 from .ops import mix_seed
 from .package import Package
-from .schedules import StageProgram, Task, flow_control, flow_window, needs_version, shared_lag, stage_programs
+from .schedules import (StageProgram, Task, exchanges_norms, flow_control, flow_window, needs_version, shared_lag,
+                        stage_programs)
 
 ACT, GRAD, SHARED, NORM, STATS, CREDIT, FIN = 1, 2, 3, 4, 5, 6, 9
 NONFINITE = ("stop", "skip")
@@ -148,7 +149,7 @@ LAGGED_GRAD = "lagged_grad"
 def lags_shared(cfg: TrainConfig) -> bool:
     """Whether shared tensors apply their summed gradient one step late under ``cfg``
     (:func:`~ftcompile.runtime.schedules.shared_lag`); the engine and the reference both ask here."""
-    return bool(shared_lag(cfg.schedule, bool(cfg.clip_grad_norm) or cfg.nonfinite == "skip"))
+    return bool(shared_lag(cfg.schedule, exchanges_norms(cfg.clip_grad_norm, cfg.nonfinite)))
 
 
 def sum_parts(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -646,7 +647,7 @@ class RankEngine:
     @property
     def _exchanges_norms(self) -> bool:
         # Clipping needs the global norm; skipping non-finite steps needs every stage to agree.
-        return bool(self.cfg.clip_grad_norm) or self.cfg.nonfinite == "skip"
+        return exchanges_norms(self.cfg.clip_grad_norm, self.cfg.nonfinite)
 
     # ------------------------------------------------------------------ tasks
     def _cached(self, st: _Stage, k: int, data) -> tuple[bool, frozenset, tuple[int, int]]:

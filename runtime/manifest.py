@@ -257,6 +257,11 @@ class Manifest:
     #: GPUs, ranks numbered ``pipeline-major`` (replica r holds ranks r*P..r*P+P-1) or ``replica-major``.
     replicas: int = 1
     rank_order: str = "pipeline-major"
+    #: Run settings the plan was priced with besides schedule, micro-batches, recomputation and
+    #: optimizer: ``ftcompile run`` takes all of them as its defaults, so it runs as planned.
+    weight_prediction: bool = False
+    clip_grad_norm: float | None = None
+    on_nonfinite: str = "stop"
 
     # ----------------------------------------------------------------- queries
     @functools.cached_property
@@ -301,6 +306,8 @@ class Manifest:
             "params": [p.to_json() for p in self.params.values()],
             "imports": self.imports, "generator": self.generator,
             "replicas": self.replicas, "rank_order": self.rank_order,
+            "weight_prediction": self.weight_prediction, "clip_grad_norm": self.clip_grad_norm,
+            "on_nonfinite": self.on_nonfinite,
         }
 
     @staticmethod
@@ -325,6 +332,9 @@ class Manifest:
                 dropout_ops=int(d.get("dropout_ops", 0)), weights=d.get("weights", "stored"), imports=list(d.get("imports", [])),
                 generator=dict(d.get("generator", {})), replicas=int(d.get("replicas", 1)),
                 rank_order=str(d.get("rank_order", "pipeline-major")),
+                weight_prediction=bool(d.get("weight_prediction", False)),
+                clip_grad_norm=None if d.get("clip_grad_norm") is None else float(d["clip_grad_norm"]),
+                on_nonfinite=str(d.get("on_nonfinite") or "stop"),
             )
             m.check(where)
         except ManifestError:
@@ -340,6 +350,10 @@ class Manifest:
         ids = [s.id for s in self.stages]
         if len(set(ids)) != len(ids):
             raise ManifestError(f"{where}: stage ids repeat: {ids}")
+        if self.on_nonfinite not in ("stop", "skip") or (self.clip_grad_norm is not None and
+                                                         not self.clip_grad_norm > 0):
+            raise ManifestError(f"{where}: the planned run settings are corrupt (on_nonfinite "
+                                f"{self.on_nonfinite!r}, clip_grad_norm {self.clip_grad_norm!r})")
         graph_inputs = {i.value for i in self.inputs}
         for what, spec in [*self.values.items(), *self.params.items()]:
             if getattr(spec, "shape", None) is not None and torch_dtype(spec.dtype) is None:

@@ -55,11 +55,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=int, default=None, metavar="K",
                    help="steps of the whole run, those a resumed run already did included (default 10; with "
                         "--resume: the checkpoint's)")
-    g.add_argument("--recompute", action="store_true", default=None,
-                   help="gpipe/1f1b/2bw/2gw: recompute activations in backward (async always recomputes)")
-    g.add_argument("--weight-prediction", action="store_true", default=None,
+    g.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
+                   help="gpipe/1f1b/2bw/2gw: recompute activations in backward (async always recomputes; "
+                        "default: the plan's)")
+    g.add_argument("--weight-prediction", action=argparse.BooleanOptionalAction, default=None,
                    help="async: forward with weights predicted to the backward's version (FTPipe §4.2; "
-                        "momentum, adam, adamw)")
+                        "momentum, adam, adamw; default: the plan's)")
     g.add_argument("--parallel-pipelines", default=None, metavar="N|auto",
                    help="avgpipe: N parallel pipelines with elastic averaging, each on its own batch (they are the run's "
                         "replicas: --nproc counts the ranks of all N; default 1; auto: the plan's tuned choice)")
@@ -138,6 +139,8 @@ _VALUED = ("schedule", "micro_batches", "steps", "optimizer", "lr", "momentum", 
            "log_dir", "checkpoint_dir", "checkpoint_every", "progress", "advance", "on_nonfinite", "replicas",
            "rank_order", "parallel_pipelines", "elastic_alpha", "grad_norms_at", "grad_norms_layers", "grad_norms_file",
            "autocache")
+#: Flags whose default is the plan's, so that ``--no-FLAG`` means something.
+_NEGATABLE = ("recompute", "weight_prediction")
 _FLAGS = ("recompute", "weight_prediction", "no_dropout", "resume", "overwrite_checkpoints", "reset_optimizer",
           "measure_memory")
 
@@ -150,8 +153,11 @@ def worker_argv(args) -> list[str]:
         if value is not None:
             out += ["--" + name.replace("_", "-"), repr(value) if isinstance(value, float) else str(value)]
     for name in _FLAGS:
-        if getattr(args, name, None):
+        value = getattr(args, name, None)
+        if value:
             out.append("--" + name.replace("_", "-"))
+        elif value is False and name in _NEGATABLE:       # --no-recompute: against the plan's default
+            out.append("--no-" + name.replace("_", "-"))
     return out
 
 
@@ -345,6 +351,12 @@ def resolve(args, manifest, *, restart_run_id: str | None = None, replicas: int 
                                 "uninterrupted run would")
         if args.reset_optimizer:
             notes.append("--reset-optimizer: the optimizer state starts afresh")
+    # A run trains as its plan was priced unless told otherwise (an option given, or the resumed
+    # checkpoint's, wins): otherwise a plan made for recomputation, SGD or clipping would run
+    # without them and hold memory, or wait, that its figures never counted.
+    for name, planned in planned_settings(manifest).items():
+        if getattr(args, name, None) is None and planned is not None:
+            setattr(args, name, planned)
     for name, default in DEFAULTS.items():
         if getattr(args, name, None) is None:
             setattr(args, name, default)
@@ -363,6 +375,13 @@ def resolve(args, manifest, *, restart_run_id: str | None = None, replicas: int 
     if cli.recompute and schedule == "async" and cli.schedule is None:
         warnings.append("--recompute is implied by --schedule async (every stage but the last recomputes)")
     return Resolved(args, ck, notes, warnings)
+
+
+def planned_settings(manifest) -> dict:
+    """The run settings the package's plan was priced with, by option name (None: the default)."""
+    return {"recompute": manifest.recompute, "optimizer": manifest.optimizer,
+            "weight_prediction": manifest.weight_prediction, "clip_grad_norm": manifest.clip_grad_norm,
+            "on_nonfinite": manifest.on_nonfinite}
 
 
 def recorded_config(args) -> dict:

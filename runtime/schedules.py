@@ -77,6 +77,13 @@ SYNCHRONOUS = ("gpipe", "1f1b", "avgpipe")
 OPTIONAL_RECOMPUTE = ("gpipe", "1f1b", "2bw", "2gw", "avgpipe")
 
 
+def exchanges_norms(clip_grad_norm: float | None, on_nonfinite: str) -> bool:
+    """Whether every update first waits for a value of all stages: the global gradient norm
+    (clipping) or every stage's finite check (``on_nonfinite="skip"``). The engine, the reference
+    and the compiler's cost model (:attr:`ftcompile.plan.Problem.exchanges_norms`) all ask here."""
+    return bool(clip_grad_norm) or on_nonfinite == "skip"
+
+
 def shared_lag(schedule: str, exchanges_norms: bool = False) -> int:
     """Steps by which every holder of a shared tensor applies its summed gradient late: 1 for the
     schedules without a flush per step (see the module docstring), 0 with a flush or when each

@@ -103,7 +103,7 @@ def test_the_lag_removes_the_tied_wait_from_the_simulated_period():
     plan = partition_seq(base)
     assert len({st.gpu for st in plan.stages}) == 4
     assert simulate(base, plan).period_ms <= 1.02 * evaluate(base, plan).objective_ms
-    clipped = dataclasses.replace(base, clip_grad_norm=True)
+    clipped = dataclasses.replace(base, clip_grad_norm=1.0)
     assert simulate(clipped, plan).period_ms >= 1.3 * evaluate(clipped, plan).objective_ms
 
 
@@ -125,7 +125,7 @@ def test_the_memory_rule_counts_the_lagged_parts():
     tied = {p: gs for p, gs in holders.items() if len(gs) > 1}
     assert tied
     lagged = {g.gpu: g.memory_bytes for g in evaluate(base, plan).gpus}
-    flat = {g.gpu: g.memory_bytes for g in evaluate(dataclasses.replace(base, clip_grad_norm=True), plan).gpus}
+    flat = {g.gpu: g.memory_bytes for g in evaluate(dataclasses.replace(base, clip_grad_norm=1.0), plan).gpus}
     for g in range(2):
         extra = sum(prof.params[p].grad_bytes * (sum(h != g for h in gs) + 2 * sum(h == g for h in gs))
                     for p, gs in tied.items() if g in gs)

@@ -1,0 +1,124 @@
+"""A package's plan priced again under the settings a run actually uses.
+
+A plan's memory and period hold for the settings it was priced with: schedule, micro-batches,
+recomputation, optimizer, weight prediction, and whether every update waits for all stages
+(clipping, skipping non-finite steps). ``ftcompile run`` takes all of them from the plan unless
+told otherwise (:func:`ftcompile.runtime.options.planned_settings`); when an option changes one,
+the launcher prices the same plan under the run's settings before any rank starts
+(:func:`reprice`), says what changed and what the plan now needs, and refuses a run on GPUs
+that the plan no longer fits. It lives on the compiler side: ``ftcompile.runtime`` never imports
+the cost model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from .runtime.optim import PREDICTS
+from .runtime.schedules import OPTIONAL_RECOMPUTE, exchanges_norms
+
+#: Run optimizers priced as one of the profile's (AdamW keeps Adam's two moments).
+PRICED_AS = {"adamw": "adam"}
+#: How a setting is named in what a run prints.
+LABELS = {"micro_batches": "micro-batches", "weight_prediction": "weight prediction",
+          "exchanges_norms": "updates wait for all stages (clipping, --on-nonfinite skip)"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a plan's cost depends on among a run's options, each as it takes effect."""
+
+    schedule: str
+    micro_batches: int
+    recompute: bool | None   # asked for; None where the schedule decides (async always, pipedream never)
+    optimizer: str           # as priced: adamw is adam
+    weight_prediction: bool  # in effect: async with an optimizer that predicts
+    exchanges_norms: bool    # every update waits for all stages (clipping, skipping non-finite steps)
+
+    @staticmethod
+    def of(schedule: str, micro_batches: int, recompute, optimizer: str, weight_prediction, clip_grad_norm,
+           on_nonfinite: str | None) -> "Settings":
+        return Settings(schedule, int(micro_batches), bool(recompute) if schedule in OPTIONAL_RECOMPUTE else None,
+                        PRICED_AS.get(optimizer, optimizer),
+                        bool(weight_prediction) and schedule == "async" and optimizer in PREDICTS,
+                        exchanges_norms(clip_grad_norm, on_nonfinite or "stop"))
+
+
+def planned(manifest) -> Settings:
+    """The settings the package's plan was priced with."""
+    return Settings.of(manifest.schedule, manifest.micro_batches, manifest.recompute, manifest.optimizer,
+                       manifest.weight_prediction, manifest.clip_grad_norm, manifest.on_nonfinite)
+
+
+def of_run(args) -> Settings:
+    """The settings of resolved run options (:func:`ftcompile.runtime.options.resolve`)."""
+    return Settings.of(args.schedule, args.micro_batches, args.recompute, args.optimizer, args.weight_prediction,
+                       args.clip_grad_norm, args.on_nonfinite)
+
+
+def changes(plan: Settings, run: Settings) -> list[tuple[str, object, object]]:
+    """``(setting, planned, run)`` for every setting that differs (recomputation only where both
+    schedules let it be chosen: otherwise the schedule's change says it)."""
+    out = []
+    for f in dataclasses.fields(Settings):
+        a, b = getattr(plan, f.name), getattr(run, f.name)
+        if a != b and not (f.name == "recompute" and None in (a, b)):
+            out.append((f.name, a, b))
+    return out
+
+
+@dataclass
+class Repriced:
+    """The plan under the run's settings: the simulated period and every GPU's peak against its memory."""
+
+    changed: list[tuple[str, object, object]]
+    planned_period_ms: float | None      # the plan's own simulated period per micro-batch
+    period_ms: float                     # under the run's settings
+    gpu_peak: list[int]                  # simulated peak per GPU, reserve included
+    gpu_memory: int                      # what each GPU has
+    reason: str | None = None            # why the plan does not fit (evaluate's words), or None
+
+    @property
+    def fits(self) -> bool:
+        return self.reason is None
+
+
+def reprice(folder: str | os.PathLike, run: Settings) -> Repriced | None:
+    """The package's plan in ``folder`` priced and simulated under ``run``; None when nothing that
+    prices it differs from what it was planned with, or the package lacks its graph or profile."""
+    from .compile import problem_from_doc
+    from .ir import OpGraph
+    from .plan import Plan, evaluate, load_plan_file
+    from .profile import Profile, param_costs
+    from .runtime.manifest import Manifest
+    from .simulate import simulate
+    from .units import format_bytes
+
+    folder = os.fspath(folder)
+    doc = load_plan_file(os.path.join(folder, "plan.json"))
+    changed = changes(planned(Manifest.from_json(doc["package"])), run)
+    graph_file, profile_file = os.path.join(folder, "graph.json"), os.path.join(folder, "profile.json")
+    if not changed or not doc.get("plan") or not (os.path.isfile(graph_file) and os.path.isfile(profile_file)):
+        return None
+    graph, prof = OpGraph.load(graph_file), Profile.load(profile_file)
+    if run.optimizer != prof.optimizer:
+        # Another optimizer keeps other state: the same weights and gradients, its own state bytes.
+        state = param_costs(graph, run.optimizer)
+        prof = dataclasses.replace(prof, optimizer=run.optimizer, params={
+            n: dataclasses.replace(c, optimizer_bytes=state[n].optimizer_bytes) if n in state else c
+            for n, c in prof.params.items()})
+    problem = problem_from_doc(doc, graph, prof, schedule=run.schedule, micro_batches=run.micro_batches,
+                               recompute=bool(run.recompute), weight_prediction=run.weight_prediction)
+    # what prices a plan is whether updates wait for all stages, not the norm clipped to
+    problem = dataclasses.replace(problem, clip_grad_norm=1.0 if run.exchanges_norms else None, on_nonfinite="stop")
+    plan = Plan.from_json(doc["plan"])
+    cost = evaluate(problem, plan)
+    sim = simulate(problem, plan)
+    reason = cost.reason if not cost.feasible else None
+    if reason is None and not sim.memory_feasible:
+        g = max(range(len(sim.gpu_peak_memory)), key=lambda i: sim.gpu_peak_memory[i])
+        reason = f"GPU {g} peaks at {format_bytes(sim.gpu_peak_memory[g])} in the simulated run"
+    return Repriced(changed, (doc.get("simulation") or {}).get("period_ms"), sim.period_ms,
+                    list(sim.gpu_peak_memory), problem.cluster.gpu_memory, reason)

@@ -1,0 +1,159 @@
+"""A run trains as its plan was priced, and a run that is not is priced again before it starts.
+
+The package records every run setting its plan's memory and period depend on (schedule,
+micro-batches, recomputation, optimizer, weight prediction, clipping, skipping non-finite steps).
+`ftcompile run` takes them as its defaults; an option that changes one makes the launcher price
+the plan again (ftcompile.reprice) and refuse a GPU run the plan no longer fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ftcompile.cli import main
+from ftcompile.ir import OpGraph
+from ftcompile.plan import load_plan_file
+
+PLANNED = ["--schedule", "1f1b", "--recompute", "--optimizer", "sgd", "--clip-grad-norm", "0.5"]
+
+
+def _compile(out, *extra):
+    assert main(["compile", "gpt2-tiny", "--gpus", "2", "--replicas", "1", "--strategy", "seq", "--jobs", "1",
+                 "-q", "-o", str(out), *PLANNED, *extra]) == 0
+
+
+@pytest.fixture(scope="module")
+def tight(tmp_path_factory):
+    """A gpt2-tiny package planned for SGD with a GPU memory just above what its plan needs."""
+    root = tmp_path_factory.mktemp("reprice")
+    _compile(root / "probe")
+    need = max(json.loads((root / "probe" / "plan.json").read_text())["simulation"]["gpu_peak_memory"])
+    _compile(root / "pkg", "--gpu-memory", str(need + 4096))
+    return root / "pkg"
+
+
+def _resolved(pkg, *argv):
+    from ftcompile.runtime import load_package
+    from ftcompile.runtime.options import add_train_arguments, resolve
+
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    args = p.parse_args([str(pkg), *argv])
+    return resolve(args, load_package(pkg, verify=False).manifest).args, args
+
+
+def test_plan_and_package_record_the_run_settings(tight):
+    doc = load_plan_file(tight / "plan.json")
+    assert (doc["schedule"], doc["recompute"], doc["clip_grad_norm"], doc["on_nonfinite"],
+            doc["weight_prediction"]) == ("1f1b", True, 0.5, "stop", False)
+    pkg = doc["package"]
+    assert (pkg["optimizer"], pkg["recompute"], pkg["clip_grad_norm"], pkg["on_nonfinite"]) == ("sgd", True, 0.5, "stop")
+
+
+def test_run_defaults_to_the_plans_settings(tight):
+    from ftcompile.runtime.options import worker_argv
+
+    args, _ = _resolved(tight)
+    assert (args.schedule, args.optimizer, args.recompute, args.clip_grad_norm, args.on_nonfinite) == \
+        ("1f1b", "sgd", True, 0.5, "stop")
+    args, cli = _resolved(tight, "--optimizer", "adam", "--no-recompute")
+    assert (args.optimizer, args.recompute) == ("adam", False)
+    # the ranks get --no-recompute too, or they would take the plan's recomputation back
+    assert "--no-recompute" in worker_argv(cli)
+
+
+def test_a_run_as_planned_is_not_priced_again(tight):
+    from ftcompile.reprice import of_run, reprice
+
+    args, _ = _resolved(tight)
+    assert reprice(tight, of_run(args)) is None
+
+
+def _state_bytes_by_gpu(pkg) -> dict[int, int]:
+    """Adam's two fp32 moments of every parameter a GPU's stages read, counted from the graph."""
+    graph = OpGraph.load(pkg / "graph.json")
+    plan = load_plan_file(pkg / "plan.json")["plan"]
+    out = {}
+    for st in plan["stages"]:
+        names = {p for n in st["nodes"] for p in graph.node(n).params}
+        out.setdefault(st["gpu"], set()).update(names)
+    return {g: sum(8 * graph.params[p].numel for p in names if graph.params[p].requires_grad)
+            for g, names in out.items()}
+
+
+def test_another_optimizer_is_priced_with_its_state(tight):
+    from ftcompile.reprice import of_run, reprice
+
+    args, _ = _resolved(tight, "--optimizer", "adam")
+    r = reprice(tight, of_run(args))
+    assert r is not None and [c[0] for c in r.changed] == ["optimizer"]
+    planned = json.loads((tight / "plan.json").read_text())["simulation"]["gpu_peak_memory"]
+    state = _state_bytes_by_gpu(tight)
+    # the static part grows by the moments; the update's temporaries may add more, never less
+    for g, extra in state.items():
+        assert r.gpu_peak[g] - planned[g] >= extra > 0
+    assert not r.fits and "needs" in r.reason
+
+
+def test_a_gpu_run_the_plan_no_longer_fits_is_refused(tight, capsys):
+    from ftcompile import cli_package
+    from ftcompile.cli import UsageError, _Ui
+
+    args, cli = _resolved(tight, "--optimizer", "adam")
+    args.device = "cuda"
+    package = type("P", (), {"path": tight})()
+    with pytest.raises(UsageError, match=r"optimizer sgd -> adam.*compile a plan for these"):
+        cli_package._check_planned(package, args, _Ui(argparse.Namespace(quiet=False, json=False)))
+    args.device = "cpu"         # on the CPU the plan's GPUs are not in use: a warning only
+    cli_package._check_planned(package, args, _Ui(argparse.Namespace(quiet=False, json=False)))
+    assert "warning: the plan does not fit this run's settings (optimizer sgd -> adam)" in capsys.readouterr().err
+
+
+def test_run_takes_the_plans_settings_in_its_ranks(tight, tmp_path):
+    """Two real ranks: what the checkpoint records is what the plan was priced for."""
+    r = subprocess.run([sys.executable, "-m", "ftcompile", "run", str(tight), "--nproc", "2", "--steps", "1",
+                        "--progress", "off", "--log-dir", str(tmp_path / "log"), "--checkpoint-dir",
+                        str(tmp_path / "ck")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "priced again" not in r.stderr
+    meta = json.loads(next((tmp_path / "ck").glob("step-*/meta.json")).read_text())
+    cfg = meta["config"]
+    assert (cfg["optimizer"], cfg["recompute"], cfg["clip_grad_norm"], cfg["schedule"]) == ("sgd", True, 0.5, "1f1b")
+
+
+def test_simulate_prices_clipping(tmp_path, capsys):
+    """gpt2-tiny ties its embedding and head: async lags their gradient unless every update waits
+    for the global norm; `simulate --clip-grad-norm` must price the wait, and the plan's memory
+    without the lag's copies."""
+    from ftcompile.compile import problem_from_doc
+    from ftcompile.profile import Profile
+    from ftcompile.plan import Plan, evaluate
+
+    out = tmp_path / "o"
+    assert main(["compile", "gpt2-tiny", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "-q",
+                 "-o", str(out), "--schedule", "async"]) == 0
+    capsys.readouterr()
+    figures = {}
+    for extra in ([], ["--clip-grad-norm", "1"], ["--on-nonfinite", "skip"]):
+        assert main(["simulate", str(out), "--json", "-o", str(tmp_path / "t.png"), *extra]) == 0
+        figures[tuple(extra)] = json.loads(capsys.readouterr().out)
+    lagged, clipped, skipped = figures.values()
+    assert clipped["period_ms"] == skipped["period_ms"] > lagged["period_ms"]
+    doc = load_plan_file(out / "plan.json")
+    graph, prof = OpGraph.load(out / "graph.json"), Profile.load(out / "profile.json")
+    plan = Plan.from_json(doc["plan"])
+    mem = [g.memory_bytes for g in evaluate(problem_from_doc(doc, graph, prof), plan).gpus]
+    flat = [g.memory_bytes for g in evaluate(problem_from_doc(doc, graph, prof, clip_grad_norm=1.0), plan).gpus]
+    assert sum(flat) < sum(mem)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "x"])
+def test_compile_refuses_a_bad_clip(value, tmp_path, capsys):
+    assert main(["compile", "gpt2-tiny", "-o", str(tmp_path / "o"), "--clip-grad-norm", value]) == 2
+    assert "argument --clip-grad-norm: expected a" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
