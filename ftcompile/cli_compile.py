@@ -138,22 +138,39 @@ def _add_run_settings(g, default: str | None = None) -> None:
     g.add_argument("--weight-prediction", action=argparse.BooleanOptionalAction, default=None,
                    help="async: forwards run on predicted weights, one more weight copy per forward "
                         f"(default: {default or 'off'})")
-    g.add_argument("--clip-grad-norm", type=_positive_float, default=None, metavar="X",
+    g.add_argument("--clip-grad-norm", type=_clip_value, default=None, metavar="X|none",
                    help="the run clips the global gradient norm: every update waits for all stages and "
-                        f"tied weights do not lag (default: {default or 'no clipping'})")
+                        f"tied weights do not lag (default: {default or 'none'})")
     g.add_argument("--on-nonfinite", choices=("stop", "skip"), default=None,
                    help="skip: the run skips non-finite steps, so every update waits for all stages "
                         f"(default: {default or 'stop'})")
 
 
-def _positive_float(text: str) -> float:
+def _clip_value(text: str) -> float:
+    """``--clip-grad-norm``: a finite number > 0, or ``none`` (0.0: no clipping)."""
+    if text.strip().lower() in ("none", "off"):
+        return 0.0
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number or none, got {text!r}") from None
     if not (v > 0 and v != float("inf")):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, or none, got {text!r}")
     return v
+
+
+def _predicts(args, ui) -> bool:
+    """``--weight-prediction`` as it will take effect: only async forwards predict, and only from an
+    optimizer with momentum or moments (priced otherwise, the plan would count a copy never made)."""
+    from .runtime.optim import PREDICTS
+
+    if not args.weight_prediction:
+        return False
+    if args.schedule != "async" or args.optimizer not in PREDICTS:
+        ui.note(f"warning: --weight-prediction does nothing under --schedule {args.schedule} with --optimizer "
+                f"{args.optimizer} (async, with {', '.join(p for p in PREDICTS if p != 'adamw')}); priced without it")
+        return False
+    return True
 
 
 def _replicas_arg(text: str) -> int | None:
@@ -269,7 +286,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
         problem = Problem(graph, prof, cluster, schedule=args.schedule, micro_batches=args.micro_batches,
                           recompute=args.recompute, advance=problem_advance(args),
-                          weight_prediction=bool(args.weight_prediction), clip_grad_norm=args.clip_grad_norm,
+                          weight_prediction=_predicts(args, ui), clip_grad_norm=args.clip_grad_norm or None,
                           on_nonfinite=args.on_nonfinite or "stop")
         t = lap("profile", t)
 

@@ -78,6 +78,9 @@ def add_parsers(sub) -> None:
     add_train_arguments(p)
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="ranks to start on this host (default: the plan's GPU count)")
+    p.add_argument("--gpu-memory", default=None, metavar="SIZE",
+                   help="memory of each GPU this run uses, e.g. 80GB, when it differs from the cluster the plan "
+                        "was compiled for: a run whose settings differ from the plan's is priced against it")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="restart every rank up to K times after a failure; with --checkpoint-dir the restarted "
                         "ranks resume from the run's latest checkpoint (default 0)")
@@ -259,7 +262,7 @@ def _preflight(args: argparse.Namespace):
     from .runtime.worker import config_from_args
 
     programs(m, config_from_args(res.args, m), 1)      # ScheduleError: e.g. 2bw with too few micro-batches
-    _check_planned(package, res.args, ui)
+    _check_planned(package, res.args, ui, args, res.checkpoint)
     load_dataset(res.args.data, m, micro_batches=res.args.micro_batches, seed=res.args.seed)
     _check_weights(package)
     if replicas > 1:
@@ -268,17 +271,25 @@ def _preflight(args: argparse.Namespace):
     return package, res, (nproc, replicas)
 
 
-def _check_planned(package, args, ui) -> None:
+def _check_planned(package, args, ui, cli=None, checkpoint=None) -> None:
     """Price the plan again when the run's settings are not those it was planned with: a note with
     the new figures, or, when the plan no longer fits its GPUs, a refusal on ``cuda`` (a warning
     on the CPU, where the plan's GPUs are not the ones used)."""
-    from .reprice import LABELS, of_run, reprice
+    from .reprice import LABELS, SOURCES, of_run, reprice
+    from .cluster import parse_size
     from .units import format_bytes
+
+    gpu_memory = None
+    if getattr(cli, "gpu_memory", None):
+        try:
+            gpu_memory = parse_size(cli.gpu_memory)
+        except ValueError as exc:
+            raise base.UsageError(f"--gpu-memory: {exc}") from None
 
     if args.schedule == "avgpipe":
         return      # N parallel models per GPU: priced by the AvgPipe tuning (ftcompile.avgpipe), not here
     try:
-        r = reprice(package.path, of_run(args))
+        r = reprice(package.path, of_run(args), gpu_memory=gpu_memory)
     except Exception as exc:  # noqa: BLE001 - advisory: a package that trains must not be refused for it
         print(f"{base.PROG}: warning: the plan could not be priced for this run's settings "
               f"({type(exc).__name__}: {exc}); its figures are for the settings it was compiled with",
@@ -286,7 +297,16 @@ def _check_planned(package, args, ui) -> None:
         return
     if r is None:
         return
-    what = ", ".join(f"{LABELS.get(name, name)} {_setting(old)} -> {_setting(new)}" for name, old, new in r.changed)
+    was = ((checkpoint.meta.get("config") or {}) if checkpoint is not None else {})
+
+    def source(name: str) -> str:
+        opts = SOURCES.get(name, (name,))
+        if cli is not None and any(getattr(cli, o, None) is not None for o in opts):
+            return ""
+        return ", the checkpoint's" if any(o in was for o in opts) else ""
+
+    what = ", ".join(f"{LABELS.get(name, name)} {_setting(old)} -> {_setting(new)}{source(name)}"
+                     for name, old, new in r.changed)
     if r.fits:
         was = f" (planned: {r.planned_period_ms:.3f})" if r.planned_period_ms else ""
         ui.note(f"this run is not the one the plan was priced for ({what}); priced again for it: "
@@ -294,7 +314,8 @@ def _check_planned(package, args, ui) -> None:
                 f"{format_bytes(max(r.gpu_peak))} of the {format_bytes(r.gpu_memory)} of a GPU")
         return
     msg = (f"the plan does not fit this run's settings ({what}): {r.reason}. Run with the plan's settings, "
-           "or compile a plan for these "
+           "or compile a plan for these (or, if this run's GPUs have more memory than the plan's, "
+           "say so with --gpu-memory SIZE) "
            "(`ftcompile compile` takes --schedule, --micro-batches, --recompute, --optimizer, "
            "--weight-prediction, --clip-grad-norm and --on-nonfinite)")
     if str(args.device).startswith("cuda"):

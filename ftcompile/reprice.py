@@ -24,6 +24,8 @@ PRICED_AS = {"adamw": "adam"}
 #: How a setting is named in what a run prints.
 LABELS = {"micro_batches": "micro-batches", "weight_prediction": "weight prediction",
           "exchanges_norms": "updates wait for all stages (clipping, --on-nonfinite skip)"}
+#: The run options behind each setting.
+SOURCES = {"exchanges_norms": ("clip_grad_norm", "on_nonfinite")}
 
 
 @dataclass(frozen=True)
@@ -85,9 +87,11 @@ class Repriced:
         return self.reason is None
 
 
-def reprice(folder: str | os.PathLike, run: Settings) -> Repriced | None:
-    """The package's plan in ``folder`` priced and simulated under ``run``; None when nothing that
-    prices it differs from what it was planned with, or the package lacks its graph or profile."""
+def reprice(folder: str | os.PathLike, run: Settings, *, gpu_memory: int | None = None) -> Repriced | None:
+    """The package's plan in ``folder`` priced and simulated under ``run``, on GPUs of ``gpu_memory``
+    bytes (default: the plan's cluster's); None when nothing that prices it differs from what it was
+    planned with, or the package lacks its graph or profile. Raises ValueError when graph.json is
+    not the graph the plan was made for."""
     from .compile import problem_from_doc
     from .ir import OpGraph
     from .plan import Plan, evaluate, load_plan_file
@@ -103,6 +107,9 @@ def reprice(folder: str | os.PathLike, run: Settings) -> Repriced | None:
     if not changed or not doc.get("plan") or not (os.path.isfile(graph_file) and os.path.isfile(profile_file)):
         return None
     graph, prof = OpGraph.load(graph_file), Profile.load(profile_file)
+    prof.check_graph(graph)
+    if doc.get("graph_hash") != graph.content_hash():
+        raise ValueError(f"{graph_file} is not the graph plan.json was made for")
     if run.optimizer != prof.optimizer:
         # Another optimizer keeps other state: the same weights and gradients, its own state bytes.
         state = param_costs(graph, run.optimizer)
@@ -113,6 +120,8 @@ def reprice(folder: str | os.PathLike, run: Settings) -> Repriced | None:
                                recompute=bool(run.recompute), weight_prediction=run.weight_prediction)
     # what prices a plan is whether updates wait for all stages, not the norm clipped to
     problem = dataclasses.replace(problem, clip_grad_norm=1.0 if run.exchanges_norms else None, on_nonfinite="stop")
+    if gpu_memory is not None:
+        problem = dataclasses.replace(problem, cluster=dataclasses.replace(problem.cluster, gpu_memory=gpu_memory))
     plan = Plan.from_json(doc["plan"])
     cost = evaluate(problem, plan)
     sim = simulate(problem, plan)

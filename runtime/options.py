@@ -72,17 +72,19 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--elastic-alpha", type=float, default=None, metavar="A",
                    help="avgpipe: how far each parallel model is pulled toward their average per step (default 1/N)")
     g.add_argument("--on-nonfinite", choices=("stop", "skip"), default=None,
-                   help="a loss that is NaN or infinite: stop the run naming the step and stage (default), or "
-                        "skip that step's update on every stage and go on")
+                   help="a loss that is NaN or infinite: stop the run naming the step and stage, or skip that "
+                        "step's update on every stage and go on (default: the plan's, else stop)")
     g = p.add_argument_group("optimizer (with --resume, an option not given keeps the checkpoint's value)")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default adam")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
+                   help="default: the one the plan priced (adam unless compiled with another)")
     g.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3)")
     g.add_argument("--momentum", type=float, default=None, help="for --optimizer momentum, in [0, 1) (default 0.9)")
     g.add_argument("--weight-decay", type=float, default=None, help="default 0")
     g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=None, help="default constant")
     g.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default 0)")
-    g.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
-                   help="clip the global gradient norm (all stages together) to X > 0")
+    g.add_argument("--clip-grad-norm", type=clip_arg, default=None, metavar="X|none",
+                   help="clip the global gradient norm (all stages together) to X > 0; none: do not clip "
+                        "(default: the plan's, else none)")
     g = p.add_argument_group("data and devices")
     g.add_argument("--data", default=None, metavar="SPEC",
                    help="synthetic (default: random inputs of the right shapes), text (the Python standard "
@@ -161,6 +163,16 @@ def worker_argv(args) -> list[str]:
     return out
 
 
+def clip_arg(text: str) -> float:
+    """``--clip-grad-norm``: a number, or ``none`` (0.0: no clipping, also against the plan's)."""
+    if text.strip().lower() in ("none", "off"):
+        return 0.0
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or none, got {text!r}") from None
+
+
 def _finite(flag: str, value: float | None, *, low: float | None = None, low_open: bool = False,
             high_open: float | None = None, must: str = "") -> None:
     if value is None:
@@ -187,8 +199,9 @@ def check(args) -> list[str]:
     _finite("--lr", args.lr, low=0.0, must="a finite learning rate >= 0 (e.g. 1e-3)")
     _finite("--momentum", args.momentum, low=0.0, high_open=1.0, must="in [0, 1) (e.g. 0.9)")
     _finite("--weight-decay", args.weight_decay, low=0.0, must="a finite number >= 0 (e.g. 0.01)")
-    _finite("--clip-grad-norm", args.clip_grad_norm, low=0.0, low_open=True,
-            must="the largest gradient norm, a finite number > 0 (omit the option not to clip)")
+    if args.clip_grad_norm != 0.0:      # 0.0 is `none`: no clipping, whatever the plan was priced for
+        _finite("--clip-grad-norm", args.clip_grad_norm, low=0.0, low_open=True,
+                must="the largest gradient norm, a finite number > 0, or none not to clip")
     _finite("--timeout", args.timeout, low=0.0, low_open=True, must="a positive number of seconds")
     _finite("--heartbeat-timeout", args.heartbeat_timeout, low=0.0, low_open=True,
             must="a positive number of seconds")
@@ -281,6 +294,7 @@ def resolve(args, manifest, *, restart_run_id: str | None = None, replicas: int 
     warnings = check(args)
     notes: list[str] = []
     ck = None
+    from_checkpoint: set[str] = set()
     # The phases of a freeze run are packages of one model (frozen graphs record the base graph's hash).
     package = manifest.generator.get("base_graph_hash") or manifest.generator.get("graph_hash")
     if (not args.resume and restart_run_id and args.checkpoint_dir and os.environ.get("TORCHELASTIC_RESTART_COUNT",
@@ -300,6 +314,7 @@ def resolve(args, manifest, *, restart_run_id: str | None = None, replicas: int 
             if given is None:
                 if name in was:
                     setattr(args, name, old)
+                    from_checkpoint.add(name)
             elif name in was and given != old and name != "steps":
                 changed.append((name, old, given))
         new_opt, old_opt = args.optimizer or DEFAULTS["optimizer"], was.get("optimizer")
@@ -354,9 +369,15 @@ def resolve(args, manifest, *, restart_run_id: str | None = None, replicas: int 
     # A run trains as its plan was priced unless told otherwise (an option given, or the resumed
     # checkpoint's, wins): otherwise a plan made for recomputation, SGD or clipping would run
     # without them and hold memory, or wait, that its figures never counted.
+    taken = []
     for name, planned in planned_settings(manifest).items():
-        if getattr(args, name, None) is None and planned is not None:
+        if getattr(args, name, None) is None and name not in from_checkpoint and planned is not None:
             setattr(args, name, planned)
+            if planned != DEFAULTS.get(name):
+                taken.append(f"{name.replace('_', '-')} " + ({True: "on", False: "off"}.get(planned, str(planned))
+                                                              if isinstance(planned, bool) else str(planned)))
+    if taken:
+        notes.append("as the plan was priced: " + ", ".join(taken))
     for name, default in DEFAULTS.items():
         if getattr(args, name, None) is None:
             setattr(args, name, default)

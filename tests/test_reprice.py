@@ -107,10 +107,16 @@ def test_a_gpu_run_the_plan_no_longer_fits_is_refused(tight, capsys):
     args, cli = _resolved(tight, "--optimizer", "adam")
     args.device = "cuda"
     package = type("P", (), {"path": tight})()
-    with pytest.raises(UsageError, match=r"optimizer sgd -> adam.*compile a plan for these"):
-        cli_package._check_planned(package, args, _Ui(argparse.Namespace(quiet=False, json=False)))
+    ui = _Ui(argparse.Namespace(quiet=False, json=False))
+    with pytest.raises(UsageError, match=r"optimizer sgd -> adam.*compile a plan for these.*--gpu-memory"):
+        cli_package._check_planned(package, args, ui, cli)
+    # GPUs with more memory than the plan's cluster, said so: priced against them, and it fits
+    cli.gpu_memory = "2GB"
+    cli_package._check_planned(package, args, ui, cli)
+    assert "priced again for it" in capsys.readouterr().err
+    cli.gpu_memory = None
     args.device = "cpu"         # on the CPU the plan's GPUs are not in use: a warning only
-    cli_package._check_planned(package, args, _Ui(argparse.Namespace(quiet=False, json=False)))
+    cli_package._check_planned(package, args, ui, cli)
     assert "warning: the plan does not fit this run's settings (optimizer sgd -> adam)" in capsys.readouterr().err
 
 
@@ -124,6 +130,17 @@ def test_run_takes_the_plans_settings_in_its_ranks(tight, tmp_path):
     meta = json.loads(next((tmp_path / "ck").glob("step-*/meta.json")).read_text())
     cfg = meta["config"]
     assert (cfg["optimizer"], cfg["recompute"], cfg["clip_grad_norm"], cfg["schedule"]) == ("sgd", True, 0.5, "1f1b")
+    # `--clip-grad-norm none` turns the plan's clipping off, in every rank and in the checkpoint,
+    # and a resumed run keeps the checkpoint's setting rather than taking the plan's back
+    r = subprocess.run([sys.executable, "-m", "ftcompile", "run", str(tight), "--nproc", "2", "--steps", "1",
+                        "--progress", "off", "--log-dir", str(tmp_path / "log2"), "--checkpoint-dir",
+                        str(tmp_path / "ck2"), "--clip-grad-norm", "none"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "updates wait for all stages (clipping, --on-nonfinite skip) on -> off" in r.stderr
+    meta = json.loads(next((tmp_path / "ck2").glob("step-*/meta.json")).read_text())
+    assert meta["config"]["clip_grad_norm"] == 0.0
+    args, _ = _resolved(tight, "--resume", "--checkpoint-dir", str(tmp_path / "ck2"), "--steps", "2")
+    assert args.clip_grad_norm == 0.0
 
 
 def test_simulate_prices_clipping(tmp_path, capsys):
@@ -157,3 +174,10 @@ def test_compile_refuses_a_bad_clip(value, tmp_path, capsys):
     assert main(["compile", "gpt2-tiny", "-o", str(tmp_path / "o"), "--clip-grad-norm", value]) == 2
     assert "argument --clip-grad-norm: expected a" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_weight_prediction_without_an_optimizer_that_predicts_is_not_priced(tmp_path, capsys):
+    assert main(["compile", "gpt2-tiny", "--gpus", "2", "--replicas", "1", "--strategy", "seq", "--jobs", "1",
+                 "-o", str(tmp_path / "wp"), *PLANNED, "--weight-prediction"]) == 0    # 1f1b with SGD: none
+    assert "--weight-prediction does nothing under --schedule 1f1b with --optimizer sgd" in capsys.readouterr().err
+    assert load_plan_file(tmp_path / "wp" / "plan.json")["weight_prediction"] is False
