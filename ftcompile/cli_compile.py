@@ -144,6 +144,10 @@ def _add_run_settings(g, default: str | None = None) -> None:
     g.add_argument("--on-nonfinite", choices=("stop", "skip"), default=None,
                    help="skip: the run skips non-finite steps, so every update waits for all stages "
                         f"(default: {default or 'stop'})")
+    g.add_argument("--tied-lag", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedules without a flush: tied tensors apply the previous step's summed gradient, "
+                        "no update waits for it, each holder's GPU keeps two steps' parts; --no-tied-lag: "
+                        f"less memory, a wait per update (default: {default or 'on'})")
 
 
 def _clip_value(text: str) -> float:
@@ -287,7 +291,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         problem = Problem(graph, prof, cluster, schedule=args.schedule, micro_batches=args.micro_batches,
                           recompute=args.recompute, advance=problem_advance(args),
                           weight_prediction=_predicts(args, ui), clip_grad_norm=args.clip_grad_norm or None,
-                          on_nonfinite=args.on_nonfinite or "stop")
+                          on_nonfinite=args.on_nonfinite or "stop", tied_lag=args.tied_lag is not False)
         t = lap("profile", t)
 
         from .compile import resolve_strategies
@@ -464,7 +468,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     args.schedule = schedule
     problem = replace(problem_from_doc(doc, graph, prof, schedule=schedule, micro_batches=args.micro_batches,
                                        recompute=args.recompute, weight_prediction=args.weight_prediction,
-                                       clip_grad_norm=args.clip_grad_norm, on_nonfinite=args.on_nonfinite),
+                                       clip_grad_norm=args.clip_grad_norm, on_nonfinite=args.on_nonfinite,
+                                       tied_lag=args.tied_lag),
                       advance=problem_advance(args))
     result = simulate(problem, plan, steps=args.steps)
     par = None

@@ -480,6 +480,7 @@ def plan_document(result: CompileResult, *, model: dict | None = None) -> dict:
         "cluster": p.cluster.to_json(),
         "schedule": p.schedule, "micro_batches": p.micro_batches, "recompute": p.recompute,
         "weight_prediction": p.weight_prediction, "clip_grad_norm": p.clip_grad_norm, "on_nonfinite": p.on_nonfinite,
+        "tied_lag": p.tied_lag,
         "lower_bound": {"objective_ms": result.lower_bound_ms,
                         "note": "total compute / GPUs, less the most recomputation the last stage can skip "
                                 "within its period and one GPU's memory; no plan that fits can beat it"},
@@ -535,7 +536,8 @@ def replicas_section(options, chosen: int | None, whole_cluster) -> dict:
 
 def problem_from_doc(doc: dict, graph, prof, *, schedule: str | None = None, micro_batches: int | None = None,
                      recompute: bool | None = None, weight_prediction: bool | None = None,
-                     clip_grad_norm: float | None = None, on_nonfinite: str | None = None) -> Problem:
+                     clip_grad_norm: float | None = None, on_nonfinite: str | None = None,
+                     tied_lag: bool | None = None) -> Problem:
     """The Problem a plan document was made for (its pipeline's GPUs, replicas and rings, and the
     run settings it was priced with); a setting given here replaces the document's."""
     from .cluster import ClusterSpec
@@ -549,6 +551,7 @@ def problem_from_doc(doc: dict, graph, prof, *, schedule: str | None = None, mic
                                           else weight_prediction),
                    clip_grad_norm=doc.get("clip_grad_norm") if clip_grad_norm is None else clip_grad_norm,
                    on_nonfinite=on_nonfinite or doc.get("on_nonfinite") or "stop",
+                   tied_lag=bool(doc.get("tied_lag", True) if tied_lag is None else tied_lag),
                    replicas=int(lay.get("replicas") or 1), ring_bandwidth=tuple(ring) if ring else None)
 
 

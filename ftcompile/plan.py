@@ -105,6 +105,7 @@ class Problem:
     # Run settings that change what a plan costs (``ftcompile run`` takes them as the plan's):
     clip_grad_norm: float | None = None     # clip the global gradient norm to this (all stages exchange norms)
     on_nonfinite: str = "stop"              # "skip": every update waits for all stages' finite check
+    tied_lag: bool = True                   # False: tied tensors never lag (less memory, a wait per update)
     weight_prediction: bool = False     # async: forwards on predicted weights (a copy per forward)
     # Replicas of this pipeline (data x pipeline parallelism): every update first averages each
     # stage's gradients over a ring of ``replicas`` GPUs whose slowest link, per pipeline GPU, is
@@ -170,7 +171,7 @@ class Problem:
         """Steps by which shared (tied) tensors apply their summed gradient late under this
         schedule (:func:`~ftcompile.runtime.schedules.shared_lag`; none where :attr:`exchanges_norms`).
         Computed once: the simulator asks at every update it considers."""
-        return shared_lag(self.schedule, self.exchanges_norms)
+        return shared_lag(self.schedule, self.exchanges_norms, self.tied_lag)
 
     @property
     def exchanges_norms(self) -> bool:

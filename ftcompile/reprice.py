@@ -17,13 +17,13 @@ import os
 from dataclasses import dataclass
 
 from .runtime.optim import PREDICTS
-from .runtime.schedules import OPTIONAL_RECOMPUTE, exchanges_norms
+from .runtime.schedules import OPTIONAL_RECOMPUTE, SYNCHRONOUS, exchanges_norms
 
 #: Run optimizers priced as one of the profile's (AdamW keeps Adam's two moments).
 PRICED_AS = {"adamw": "adam"}
 #: How a setting is named in what a run prints.
 LABELS = {"micro_batches": "micro-batches", "weight_prediction": "weight prediction",
-          "exchanges_norms": "updates wait for all stages (clipping, --on-nonfinite skip)"}
+          "exchanges_norms": "updates wait for all stages (clipping, --on-nonfinite skip)", "tied_lag": "tied-weight lag"}
 #: The run options behind each setting.
 SOURCES = {"exchanges_norms": ("clip_grad_norm", "on_nonfinite")}
 
@@ -38,26 +38,28 @@ class Settings:
     optimizer: str           # as priced: adamw is adam
     weight_prediction: bool  # in effect: async with an optimizer that predicts
     exchanges_norms: bool    # every update waits for all stages (clipping, skipping non-finite steps)
+    tied_lag: bool | None = None   # asked for; None where the schedule flushes (nothing lags)
 
     @staticmethod
     def of(schedule: str, micro_batches: int, recompute, optimizer: str, weight_prediction, clip_grad_norm,
-           on_nonfinite: str | None) -> "Settings":
+           on_nonfinite: str | None, tied_lag=True) -> "Settings":
         return Settings(schedule, int(micro_batches), bool(recompute) if schedule in OPTIONAL_RECOMPUTE else None,
                         PRICED_AS.get(optimizer, optimizer),
                         bool(weight_prediction) and schedule == "async" and optimizer in PREDICTS,
-                        exchanges_norms(clip_grad_norm, on_nonfinite or "stop"))
+                        exchanges_norms(clip_grad_norm, on_nonfinite or "stop"),
+                        None if schedule in SYNCHRONOUS else tied_lag is not False)
 
 
 def planned(manifest) -> Settings:
     """The settings the package's plan was priced with."""
     return Settings.of(manifest.schedule, manifest.micro_batches, manifest.recompute, manifest.optimizer,
-                       manifest.weight_prediction, manifest.clip_grad_norm, manifest.on_nonfinite)
+                       manifest.weight_prediction, manifest.clip_grad_norm, manifest.on_nonfinite, manifest.tied_lag)
 
 
 def of_run(args) -> Settings:
     """The settings of resolved run options (:func:`ftcompile.runtime.options.resolve`)."""
     return Settings.of(args.schedule, args.micro_batches, args.recompute, args.optimizer, args.weight_prediction,
-                       args.clip_grad_norm, args.on_nonfinite)
+                       args.clip_grad_norm, args.on_nonfinite, getattr(args, "tied_lag", True))
 
 
 def changes(plan: Settings, run: Settings) -> list[tuple[str, object, object]]:
@@ -66,7 +68,7 @@ def changes(plan: Settings, run: Settings) -> list[tuple[str, object, object]]:
     out = []
     for f in dataclasses.fields(Settings):
         a, b = getattr(plan, f.name), getattr(run, f.name)
-        if a != b and not (f.name == "recompute" and None in (a, b)):
+        if a != b and not (f.name in ("recompute", "tied_lag") and None in (a, b)):
             out.append((f.name, a, b))
     return out
 
@@ -117,7 +119,8 @@ def reprice(folder: str | os.PathLike, run: Settings, *, gpu_memory: int | None 
             n: dataclasses.replace(c, optimizer_bytes=state[n].optimizer_bytes) if n in state else c
             for n, c in prof.params.items()})
     problem = problem_from_doc(doc, graph, prof, schedule=run.schedule, micro_batches=run.micro_batches,
-                               recompute=bool(run.recompute), weight_prediction=run.weight_prediction)
+                               recompute=bool(run.recompute), weight_prediction=run.weight_prediction,
+                               tied_lag=run.tied_lag is not False)
     # what prices a plan is whether updates wait for all stages, not the norm clipped to
     problem = dataclasses.replace(problem, clip_grad_norm=1.0 if run.exchanges_norms else None, on_nonfinite="stop")
     if gpu_memory is not None:

@@ -95,6 +95,7 @@ class TrainConfig:
     lr_schedule: str = "constant"     # constant, linear, cosine
     warmup_steps: int = 0
     clip_grad_norm: float | None = None
+    tied_lag: bool = True             # schedules without a flush: tied tensors apply the last step's sum
     recompute: bool = False           # gpipe, 1f1b, 2bw, 2gw: recompute in backward
     weight_prediction: bool = False   # async: forward on weights predicted to the backward's version
     seed: int = 0
@@ -149,7 +150,7 @@ LAGGED_GRAD = "lagged_grad"
 def lags_shared(cfg: TrainConfig) -> bool:
     """Whether shared tensors apply their summed gradient one step late under ``cfg``
     (:func:`~ftcompile.runtime.schedules.shared_lag`); the engine and the reference both ask here."""
-    return bool(shared_lag(cfg.schedule, exchanges_norms(cfg.clip_grad_norm, cfg.nonfinite)))
+    return bool(shared_lag(cfg.schedule, exchanges_norms(cfg.clip_grad_norm, cfg.nonfinite), cfg.tied_lag))
 
 
 def sum_parts(parts: list[torch.Tensor]) -> torch.Tensor:

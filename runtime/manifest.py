@@ -262,6 +262,7 @@ class Manifest:
     weight_prediction: bool = False
     clip_grad_norm: float | None = None
     on_nonfinite: str = "stop"
+    tied_lag: bool = True
 
     # ----------------------------------------------------------------- queries
     @functools.cached_property
@@ -307,7 +308,7 @@ class Manifest:
             "imports": self.imports, "generator": self.generator,
             "replicas": self.replicas, "rank_order": self.rank_order,
             "weight_prediction": self.weight_prediction, "clip_grad_norm": self.clip_grad_norm,
-            "on_nonfinite": self.on_nonfinite,
+            "on_nonfinite": self.on_nonfinite, "tied_lag": self.tied_lag,
         }
 
     @staticmethod
@@ -334,7 +335,7 @@ class Manifest:
                 rank_order=str(d.get("rank_order", "pipeline-major")),
                 weight_prediction=bool(d.get("weight_prediction", False)),
                 clip_grad_norm=None if d.get("clip_grad_norm") is None else float(d["clip_grad_norm"]),
-                on_nonfinite=str(d.get("on_nonfinite") or "stop"),
+                on_nonfinite=str(d.get("on_nonfinite") or "stop"), tied_lag=bool(d.get("tied_lag", True)),
             )
             m.check(where)
         except ManifestError:

@@ -23,17 +23,17 @@ from .checkpoint import Checkpoint, CheckpointError, check_resumable, latest
 from .control import HEARTBEAT_TIMEOUT_S
 from .layout import ORDERS
 from .optim import LR_SCHEDULES, OPTIMIZERS, PREDICTS, resume_change
-from .schedules import SCHEDULES
+from .schedules import SCHEDULES, SYNCHRONOUS
 
 #: Defaults of the options a resumed run otherwise takes from its checkpoint.
 DEFAULTS = {"steps": 10, "optimizer": "adam", "lr": 1e-3, "momentum": 0.9, "weight_decay": 0.0,
             "lr_schedule": "constant", "warmup_steps": 0, "seed": 0, "data": "synthetic", "recompute": False,
             "weight_prediction": False, "no_dropout": False, "clip_grad_norm": None, "on_nonfinite": "stop",
-            "advance": 0}
+            "advance": 0, "tied_lag": True}
 #: Recorded in every checkpoint's ``meta.json`` (``config``), and inherited by ``--resume``.
 RECORDED = ("schedule", "micro_batches", "steps", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
             "warmup_steps", "clip_grad_norm", "seed", "data", "recompute", "weight_prediction", "no_dropout",
-            "on_nonfinite", "advance")
+            "on_nonfinite", "advance", "tied_lag")
 
 
 class OptionError(ValueError):
@@ -71,6 +71,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "under LIMIT, e.g. adapt:6GiB (default: 90%% of the GPU's memory; none on the CPU))")
     g.add_argument("--elastic-alpha", type=float, default=None, metavar="A",
                    help="avgpipe: how far each parallel model is pulled toward their average per step (default 1/N)")
+    g.add_argument("--tied-lag", action=argparse.BooleanOptionalAction, default=None,
+                   help="async/pipedream/2bw/2gw: a tensor several stages share (tied embedding) applies the "
+                        "previous step's summed gradient, so no update waits for it; --no-tied-lag: each step's "
+                        "own, at a wait per update and less memory (default: the plan's, else on)")
     g.add_argument("--on-nonfinite", choices=("stop", "skip"), default=None,
                    help="a loss that is NaN or infinite: stop the run naming the step and stage, or skip that "
                         "step's update on every stage and go on (default: the plan's, else stop)")
@@ -142,8 +146,8 @@ _VALUED = ("schedule", "micro_batches", "steps", "optimizer", "lr", "momentum", 
            "rank_order", "parallel_pipelines", "elastic_alpha", "grad_norms_at", "grad_norms_layers", "grad_norms_file",
            "autocache")
 #: Flags whose default is the plan's, so that ``--no-FLAG`` means something.
-_NEGATABLE = ("recompute", "weight_prediction")
-_FLAGS = ("recompute", "weight_prediction", "no_dropout", "resume", "overwrite_checkpoints", "reset_optimizer",
+_NEGATABLE = ("recompute", "weight_prediction", "tied_lag")
+_FLAGS = ("recompute", "weight_prediction", "tied_lag", "no_dropout", "resume", "overwrite_checkpoints", "reset_optimizer",
           "measure_memory")
 
 
@@ -230,6 +234,9 @@ def check(args) -> list[str]:
                         "run on weights older than their backward's")
     if args.recompute and args.schedule == "async":
         warnings.append("--recompute is implied by --schedule async (every stage but the last recomputes)")
+    if getattr(args, "tied_lag", None) is False and args.schedule in SYNCHRONOUS:
+        warnings.append(f"--no-tied-lag does nothing under --schedule {args.schedule}: a schedule with a flush "
+                        "sums tied gradients within the step anyway")
     if args.warmup_steps and args.steps is not None and args.warmup_steps >= args.steps:
         warnings.append(f"--warmup-steps {args.warmup_steps} >= --steps {args.steps}: the whole run is warm-up")
     if args.checkpoint_every and args.steps is not None and args.checkpoint_every >= args.steps:
@@ -402,7 +409,7 @@ def planned_settings(manifest) -> dict:
     """The run settings the package's plan was priced with, by option name (None: the default)."""
     return {"recompute": manifest.recompute, "optimizer": manifest.optimizer,
             "weight_prediction": manifest.weight_prediction, "clip_grad_norm": manifest.clip_grad_norm,
-            "on_nonfinite": manifest.on_nonfinite}
+            "on_nonfinite": manifest.on_nonfinite, "tied_lag": manifest.tied_lag}
 
 
 def recorded_config(args) -> dict:

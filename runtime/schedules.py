@@ -84,12 +84,13 @@ def exchanges_norms(clip_grad_norm: float | None, on_nonfinite: str) -> bool:
     return bool(clip_grad_norm) or on_nonfinite == "skip"
 
 
-def shared_lag(schedule: str, exchanges_norms: bool = False) -> int:
+def shared_lag(schedule: str, exchanges_norms: bool = False, tied_lag: bool = True) -> int:
     """Steps by which every holder of a shared tensor applies its summed gradient late: 1 for the
-    schedules without a flush per step (see the module docstring), 0 with a flush or when each
+    schedules without a flush per step (see the module docstring), 0 with a flush, when each
     update exchanges the global gradient norm anyway (``exchanges_norms``: clipping, skipping
-    non-finite steps), which waits for every stage."""
-    return 0 if schedule in SYNCHRONOUS or exchanges_norms else 1
+    non-finite steps), which waits for every stage, or when the lag is turned off (``tied_lag``
+    False: ``--no-tied-lag``, for a plan that cannot hold the lag's extra gradients)."""
+    return 0 if schedule in SYNCHRONOUS or exchanges_norms or not tied_lag else 1
 
 
 class ScheduleError(ValueError):

@@ -181,3 +181,21 @@ def test_weight_prediction_without_an_optimizer_that_predicts_is_not_priced(tmp_
                  "-o", str(tmp_path / "wp"), *PLANNED, "--weight-prediction"]) == 0    # 1f1b with SGD: none
     assert "--weight-prediction does nothing under --schedule 1f1b with --optimizer sgd" in capsys.readouterr().err
     assert load_plan_file(tmp_path / "wp" / "plan.json")["weight_prediction"] is False
+
+
+def test_no_tied_lag_is_recorded_taken_and_priced(tmp_path, capsys):
+    """A plan compiled with --no-tied-lag (gpt2-tiny ties its embedding and head): recorded, taken
+    by the run, and a run turning the lag back on is priced with the lag's memory."""
+    from ftcompile.reprice import of_run, reprice
+
+    out = tmp_path / "nl"
+    assert main(["compile", "gpt2-tiny", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "-q",
+                 "-o", str(out), "--schedule", "async", "--no-tied-lag"]) == 0
+    doc = load_plan_file(out / "plan.json")
+    assert doc["tied_lag"] is False and doc["package"]["tied_lag"] is False
+    args, _ = _resolved(out)
+    assert args.tied_lag is False and reprice(out, of_run(args)) is None
+    args, _ = _resolved(out, "--tied-lag")
+    r = reprice(out, of_run(args))
+    assert [c[0] for c in r.changed] == ["tied_lag"]
+    assert sum(r.gpu_peak) > sum(doc["simulation"]["gpu_peak_memory"])

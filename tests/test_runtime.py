@@ -166,6 +166,8 @@ def cli_args(cfg: TrainConfig, pkg: Path, tmp: Path, nproc: int = 2) -> list[str
         a.append("--recompute")
     if cfg.weight_prediction:
         a.append("--weight-prediction")
+    if not cfg.tied_lag:
+        a.append("--no-tied-lag")
     if cfg.optimizer == "momentum":
         a += ["--momentum", repr(cfg.momentum)]
     return a

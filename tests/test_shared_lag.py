@@ -92,6 +92,36 @@ def test_clipping_keeps_the_tied_gradient_in_its_own_step(pkg, tmp_path):
     assert rel_error(got, plain_training(pkg, cfg, 1)[name]) < TOL
 
 
+@pytest.mark.slow
+def test_no_tied_lag_keeps_the_tied_gradient_in_its_own_step(pkg, tmp_path):
+    """--no-tied-lag (for a plan that cannot hold the lag's extra gradients): no clipping, and still
+    one step of async moves the tied tensor as plain training's first step does."""
+    name = _tied(pkg)
+    cfg = TrainConfig(schedule="async", micro_batches=4, steps=1, optimizer="sgd", lr=0.05, seed=5, tied_lag=False)
+    r = run_cli(*cli_args(cfg, pkg, tmp_path))
+    assert r.returncode == 0, r.stderr
+    got = ckpt.load_weights(ckpt.latest(tmp_path / "ckpt"))[name]
+    assert rel_error(got, plain_training(pkg, cfg, 1)[name]) < TOL
+
+
+def test_no_tied_lag_prices_the_wait_and_not_the_memory():
+    """Turned off, the lag's memory goes (the same rule as a plan for clipping, which does not lag
+    either) and the wait comes back: the period of the fast-link 4-GPU case rises above 1.3x its
+    objective, as with clipping, without the global norm's wait."""
+    assert all(shared_lag(s, tied_lag=False) == 0 for s in SCHEDULES)
+    _built, graph, prof = traced("gpt2-tiny")
+    cluster = load_cluster("2xcpu").with_overrides(gpus=4, bandwidth="1000000GB/s")
+    base = Problem(graph, prof, cluster, schedule="async", micro_batches=4)
+    plan = partition_seq(base)
+    off = dataclasses.replace(base, tied_lag=False)
+    clipped = dataclasses.replace(base, clip_grad_norm=1.0)
+    assert off.shared_lag == 0
+    mem = lambda p: [g.memory_bytes for g in evaluate(p, plan).gpus]   # noqa: E731
+    assert mem(off) == mem(clipped) and sum(mem(off)) < sum(mem(base))
+    assert simulate(off, plan).period_ms >= 1.3 * evaluate(off, plan).objective_ms
+    assert simulate(base, plan).period_ms <= 1.02 * evaluate(base, plan).objective_ms
+
+
 def test_the_lag_removes_the_tied_wait_from_the_simulated_period():
     """The head's stage no longer waits at each update for the embedding's last backward: under
     async the simulated period comes within 2% of the Eq. 1 objective (1.0103x measured), while
