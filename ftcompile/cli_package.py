@@ -275,7 +275,7 @@ def _check_planned(package, args, ui, cli=None, checkpoint=None) -> None:
     """Price the plan again when the run's settings are not those it was planned with: a note with
     the new figures, or, when the plan no longer fits its GPUs, a refusal on ``cuda`` (a warning
     on the CPU, where the plan's GPUs are not the ones used)."""
-    from .reprice import LABELS, SOURCES, of_run, reprice
+    from .reprice import LABELS, SOURCES, of_run, planned, reprice
     from .cluster import parse_size
     from .units import format_bytes
 
@@ -289,7 +289,7 @@ def _check_planned(package, args, ui, cli=None, checkpoint=None) -> None:
     if args.schedule == "avgpipe":
         return      # N parallel models per GPU: priced by the AvgPipe tuning (ftcompile.avgpipe), not here
     try:
-        r = reprice(package.path, of_run(args), gpu_memory=gpu_memory)
+        r = reprice(package.path, planned(package.manifest), of_run(args), gpu_memory=gpu_memory)
     except Exception as exc:  # noqa: BLE001 - advisory: a package that trains must not be refused for it
         print(f"{base.PROG}: warning: the plan could not be priced for this run's settings "
               f"({type(exc).__name__}: {exc}); its figures are for the settings it was compiled with",

@@ -89,8 +89,10 @@ class Repriced:
         return self.reason is None
 
 
-def reprice(folder: str | os.PathLike, run: Settings, *, gpu_memory: int | None = None) -> Repriced | None:
-    """The package's plan in ``folder`` priced and simulated under ``run``, on GPUs of ``gpu_memory``
+def reprice(folder: str | os.PathLike, plan_settings: Settings, run: Settings, *,
+            gpu_memory: int | None = None) -> Repriced | None:
+    """The package's plan in ``folder`` (priced with ``plan_settings``, :func:`planned`) priced and
+    simulated under ``run``, on GPUs of ``gpu_memory``
     bytes (default: the plan's cluster's); None when nothing that prices it differs from what it was
     planned with, or the package lacks its graph or profile. Raises ValueError when graph.json is
     not the graph the plan was made for."""
@@ -98,13 +100,12 @@ def reprice(folder: str | os.PathLike, run: Settings, *, gpu_memory: int | None 
     from .ir import OpGraph
     from .plan import Plan, evaluate, load_plan_file
     from .profile import Profile, param_costs
-    from .runtime.manifest import Manifest
     from .simulate import simulate
     from .units import format_bytes
 
     folder = os.fspath(folder)
     doc = load_plan_file(os.path.join(folder, "plan.json"))
-    changed = changes(planned(Manifest.from_json(doc["package"])), run)
+    changed = changes(plan_settings, run)
     graph_file, profile_file = os.path.join(folder, "graph.json"), os.path.join(folder, "profile.json")
     if not changed or not doc.get("plan") or not (os.path.isfile(graph_file) and os.path.isfile(profile_file)):
         return None
@@ -120,9 +121,9 @@ def reprice(folder: str | os.PathLike, run: Settings, *, gpu_memory: int | None 
             for n, c in prof.params.items()})
     problem = problem_from_doc(doc, graph, prof, schedule=run.schedule, micro_batches=run.micro_batches,
                                recompute=bool(run.recompute), weight_prediction=run.weight_prediction,
-                               tied_lag=run.tied_lag is not False)
-    # what prices a plan is whether updates wait for all stages, not the norm clipped to
-    problem = dataclasses.replace(problem, clip_grad_norm=1.0 if run.exchanges_norms else None, on_nonfinite="stop")
+                               tied_lag=run.tied_lag is not False, on_nonfinite="stop",
+                               # what prices a plan is whether updates wait for all stages, not the norm
+                               clip_grad_norm=1.0 if run.exchanges_norms else 0.0)
     if gpu_memory is not None:
         problem = dataclasses.replace(problem, cluster=dataclasses.replace(problem.cluster, gpu_memory=gpu_memory))
     plan = Plan.from_json(doc["plan"])

@@ -810,8 +810,9 @@ class RankEngine:
     def _begin_update(self, st: _Stage, j: int) -> None:
         """Phase 1 of U(j): send this stage's gradients of shared parameters to the other holders.
 
-        Each other holder on this rank gets the tensor itself (keyed by its own id); each other
-        rank gets one message, which its receiver hands to every holder there. Nobody writes
+        Every holder on this rank, this stage included, gets the tensor itself (keyed by its own
+        id; :meth:`_take_sums` sums every part from the inbox); each other rank gets one message,
+        which its receiver hands to every holder there. Nobody writes
         into a gradient once it is sent: holders sum into a tensor of their own.
         """
         for name, holders in self._shared.items():
@@ -819,9 +820,8 @@ class RankEngine:
                 continue
             p = st.params[name]
             g = (p.grad if p.grad is not None else torch.zeros_like(p)).detach()
-            for h in self._local_holders[name]:
-                if h != st.id or self._lag:          # lagging: its own part waits for U(j+1) too
-                    self._put(("S", name, j, st.id, h), g)
+            for h in self._local_holders[name]:      # itself too: every part is summed from the inbox
+                self._put(("S", name, j, st.id, h), g)
             for r in sorted({self.ranks[h] for h in holders} - {self.rank}):
                 self._send(r, [SHARED, self.param_index[name], j, st.id, 0], g)
         st.update_phase = 2
@@ -835,24 +835,11 @@ class RankEngine:
         update's gradient, so no step's gradient is lost.
         """
         carry = self._carry.pop(st.id, {}) if j == 0 else {}
-        if self._lag:
-            got = self._take_sums(st, j - 1) if j > 0 else {}
-            for name in self._shared:
-                if name in st.params:
-                    st.params[name].grad = got.get(name, carry.pop(name, None))
-        else:
-            parts: dict[str, list[torch.Tensor]] = {}
-            with self.cv:
-                for name, holders in self._shared.items():
-                    if name not in st.params:
-                        continue
-                    p = st.params[name]
-                    own = p.grad if p.grad is not None else torch.zeros_like(p)
-                    parts[name] = [own if h == st.id else self.inbox.pop(("S", name, j, h, st.id))
-                                   for h in sorted(holders)]
-            # Outside the lock: the receiver threads keep delivering meanwhile.
-            for name, gs in parts.items():
-                st.params[name].grad = sum_parts(gs)
+        step = j - 1 if self._lag else j
+        got = self._take_sums(st, step) if step >= 0 else {}
+        for name in self._shared:
+            if name in st.params:
+                st.params[name].grad = got.get(name, carry.pop(name, None) if self._lag else None)
         for name, g in carry.items():
             p = st.params.get(name)
             if p is not None:
@@ -865,6 +852,7 @@ class RankEngine:
             for name, holders in self._shared.items():
                 if name in st.params:
                     parts[name] = [self.inbox.pop(("S", name, j, h, st.id)) for h in sorted(holders)]
+        # Outside the lock: the receiver threads keep delivering meanwhile.
         return {name: sum_parts(gs) for name, gs in parts.items()}
 
     def _collect(self, st: _Stage) -> bool:

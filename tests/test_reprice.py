@@ -18,6 +18,7 @@ import pytest
 from ftcompile.cli import main
 from ftcompile.ir import OpGraph
 from ftcompile.plan import load_plan_file
+from ftcompile.runtime import load_package
 
 PLANNED = ["--schedule", "1f1b", "--recompute", "--optimizer", "sgd", "--clip-grad-norm", "0.5"]
 
@@ -37,8 +38,11 @@ def tight(tmp_path_factory):
     return root / "pkg"
 
 
+def _manifest(pkg):
+    return load_package(pkg, verify=False).manifest
+
+
 def _resolved(pkg, *argv):
-    from ftcompile.runtime import load_package
     from ftcompile.runtime.options import add_train_arguments, resolve
 
     p = argparse.ArgumentParser()
@@ -68,10 +72,10 @@ def test_run_defaults_to_the_plans_settings(tight):
 
 
 def test_a_run_as_planned_is_not_priced_again(tight):
-    from ftcompile.reprice import of_run, reprice
+    from ftcompile.reprice import of_run, planned, reprice
 
     args, _ = _resolved(tight)
-    assert reprice(tight, of_run(args)) is None
+    assert reprice(tight, planned(_manifest(tight)), of_run(args)) is None
 
 
 def _state_bytes_by_gpu(pkg) -> dict[int, int]:
@@ -87,10 +91,10 @@ def _state_bytes_by_gpu(pkg) -> dict[int, int]:
 
 
 def test_another_optimizer_is_priced_with_its_state(tight):
-    from ftcompile.reprice import of_run, reprice
+    from ftcompile.reprice import of_run, planned, reprice
 
     args, _ = _resolved(tight, "--optimizer", "adam")
-    r = reprice(tight, of_run(args))
+    r = reprice(tight, planned(_manifest(tight)), of_run(args))
     assert r is not None and [c[0] for c in r.changed] == ["optimizer"]
     planned = json.loads((tight / "plan.json").read_text())["simulation"]["gpu_peak_memory"]
     state = _state_bytes_by_gpu(tight)
@@ -106,7 +110,7 @@ def test_a_gpu_run_the_plan_no_longer_fits_is_refused(tight, capsys):
 
     args, cli = _resolved(tight, "--optimizer", "adam")
     args.device = "cuda"
-    package = type("P", (), {"path": tight})()
+    package = load_package(tight, verify=False)
     ui = _Ui(argparse.Namespace(quiet=False, json=False))
     with pytest.raises(UsageError, match=r"optimizer sgd -> adam.*compile a plan for these.*--gpu-memory"):
         cli_package._check_planned(package, args, ui, cli)
@@ -186,7 +190,7 @@ def test_weight_prediction_without_an_optimizer_that_predicts_is_not_priced(tmp_
 def test_no_tied_lag_is_recorded_taken_and_priced(tmp_path, capsys):
     """A plan compiled with --no-tied-lag (gpt2-tiny ties its embedding and head): recorded, taken
     by the run, and a run turning the lag back on is priced with the lag's memory."""
-    from ftcompile.reprice import of_run, reprice
+    from ftcompile.reprice import of_run, planned, reprice
 
     out = tmp_path / "nl"
     assert main(["compile", "gpt2-tiny", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "-q",
@@ -194,8 +198,8 @@ def test_no_tied_lag_is_recorded_taken_and_priced(tmp_path, capsys):
     doc = load_plan_file(out / "plan.json")
     assert doc["tied_lag"] is False and doc["package"]["tied_lag"] is False
     args, _ = _resolved(out)
-    assert args.tied_lag is False and reprice(out, of_run(args)) is None
+    assert args.tied_lag is False and reprice(out, planned(_manifest(out)), of_run(args)) is None
     args, _ = _resolved(out, "--tied-lag")
-    r = reprice(out, of_run(args))
+    r = reprice(out, planned(_manifest(out)), of_run(args))
     assert [c[0] for c in r.changed] == ["tied_lag"]
     assert sum(r.gpu_peak) > sum(doc["simulation"]["gpu_peak_memory"])
