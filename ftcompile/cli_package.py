@@ -310,8 +310,9 @@ def _check_planned(package, args, ui, cli=None, checkpoint=None) -> None:
     if r.fits:
         was = f" (planned: {r.planned_period_ms:.3f})" if r.planned_period_ms else ""
         ui.note(f"this run is not the one the plan was priced for ({what}); priced again for it: "
-                f"{r.period_ms:.3f} ms per micro-batch simulated{was}, peak "
-                f"{format_bytes(max(r.gpu_peak))} of the {format_bytes(r.gpu_memory)} of a GPU")
+                f"{r.period_ms:.3f} ms per micro-batch simulated{was}; busiest GPU's simulated peak "
+                f"{format_bytes(max(r.gpu_peak))} (reserve and buffers included) of its "
+                f"{format_bytes(r.gpu_memory)}")
         return
     msg = (f"the plan does not fit this run's settings ({what}): {r.reason}. Run with the plan's settings, "
            "or compile a plan for these (or, if this run's GPUs have more memory than the plan's, "
