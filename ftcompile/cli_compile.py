@@ -257,7 +257,7 @@ def _analytic_profile(graph, hw, optimizer: str, cache_dir: str | None, ui):
 def cmd_compile(args: argparse.Namespace) -> int:
     from .compile import CompileError, compile_plan, minimum_requirements, plan_document, write_report
     from .hardware import load_hardware
-    from .plan import Problem
+    from .plan import Problem, lags_tied_tensors
     from .profile import Profile
 
     ui = base._Ui(args)
@@ -302,25 +302,47 @@ def cmd_compile(args: argparse.Namespace) -> int:
             ui.note(f"warning: {w}")
         from .replicas import compile_replicated
 
-        done = []
-        with ui.steps("partition", "strategy") as bar:
-            def progress(r):
-                done.append(r.name)
-                bar(len(done), total * len(lays))
-                ui.note(f"{r.name}: " + (f"{r.cost.objective_ms:.3f} ms, {r.cost.efficiency:.1%} of the lower "
-                                         f"bound" if r.feasible else f"no plan ({r.reason})") + f" [{r.seconds:.1f} s]")
+        def partition(problem):
+            done = []
+            with ui.steps("partition", "strategy") as bar:
+                def progress(r):
+                    done.append(r.name)
+                    bar(len(done), total * len(lays))
+                    ui.note(f"{r.name}: " + (f"{r.cost.objective_ms:.3f} ms, {r.cost.efficiency:.1%} of the lower "
+                                             f"bound" if r.feasible else f"no plan ({r.reason})")
+                            + f" [{r.seconds:.1f} s]")
 
-            def option_done(o):
-                what = (f"{o.throughput:.3f} samples/s" + (" (screened)" if o.planned == "screened" else "")
-                        if o.feasible else f"skipped ({o.reason})" if o.planned == "bounded" else f"no plan ({o.reason})")
-                ui.note(f"{o.layout.pipeline_gpus} GPUs x {o.layout.replicas} replicas ({o.layout.order}): {what}")
+                def option_done(o):
+                    what = (f"{o.throughput:.3f} samples/s" + (" (screened)" if o.planned == "screened" else "")
+                            if o.feasible else f"skipped ({o.reason})" if o.planned == "bounded"
+                            else f"no plan ({o.reason})")
+                    ui.note(f"{o.layout.pipeline_gpus} GPUs x {o.layout.replicas} replicas ({o.layout.order}): {what}")
 
-            options, chosen = compile_replicated(problem, args.strategy, replicas=args.replicas, jobs=args.jobs,
-                                                 progress=option_done, strategy_progress=progress,
-                                                 max_stages=args.max_stages, time_limit=args.time_limit)
+                return compile_replicated(problem, args.strategy, replicas=args.replicas, jobs=args.jobs,
+                                          progress=option_done, strategy_progress=progress,
+                                          max_stages=args.max_stages, time_limit=args.time_limit)
+
+        options, chosen = partition(problem)
+        lag_note = None
+        if chosen is None and args.tied_lag is None and lags_tied_tensors(problem) and _searched(options):
+            # The lag's memory (two steps of every holder's gradient part per GPU) is what a plan
+            # cannot hold: without it the run is plain async training with a wait per update.
+            ui.note("no plan fits with the tied-weight lag; planning again without it (--no-tied-lag)")
+            unlagged = replace(problem, tied_lag=False)
+            options_nl, chosen_nl = partition(unlagged)
+            if chosen_nl is not None:
+                problem, options, chosen = unlagged, options_nl, chosen_nl
+                lag_note = ("no plan fits with the tied-weight lag (each holder's GPU keeps two steps of every "
+                            "holder's gradient part), so this plan is for --no-tied-lag: tied tensors update "
+                            "without lag and every update waits for their summed gradient; the package records "
+                            "it and `ftcompile run` trains so")
+                warnings.append(lag_note)
+                ui.note(f"warning: {lag_note}")
         t = lap("partition_and_simulate", t)
         result = _result_of(options, chosen)
         doc = plan_document(result, model=graph.source)
+        if lag_note:
+            doc["notes"] = [lag_note]
         if len(options) > 1 or options[0].layout.replicas > 1:
             from .compile import replicas_section
 
@@ -348,7 +370,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if result.chosen is None:
         reasons = result.failure_reasons() or "; ".join(
             f"{o.layout.pipeline_gpus} GPUs x {o.layout.replicas} replicas: {o.reason}" for o in options)
-        raise CompileError(f"no strategy found a plan that fits ({reasons}). To fit: {doc['requirements']}. "
+        lag = (" Or --no-tied-lag: the tied-weight lag keeps two steps of every holder's gradient part on "
+               "each holder's GPU." if args.tied_lag and lags_tied_tensors(problem) else "")
+        raise CompileError(f"no strategy found a plan that fits ({reasons}). To fit: {doc['requirements']}.{lag} "
                            f"The table is in {paths['report']}")
     if result.chosen is not None:
         used = len(result.best().plan.gpus()) * result.problem.replicas
@@ -370,6 +394,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if package:
         print(f"package: {args.output} (verify with `ftcompile verify {args.output}`)")
     return 0
+
+
+def _searched(options) -> bool:
+    """Whether some layout's strategies searched for a plan and did not fit: not refused for its static
+    memory nor proven unable to fit by one op node's needs (:func:`memory_floor`), which no setting
+    of the tied-weight lag changes."""
+    return any(o.planned != "refused" and o.result is not None and not o.result.info.get("proven_no_fit")
+               for o in options)
 
 
 def _result_of(options, chosen):

@@ -589,6 +589,25 @@ def _fmt_bytes(b: float | None) -> str:
     return f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.1f} MB"
 
 
+def _settings_text(doc: dict) -> str:
+    """The run settings recorded in ``doc`` that change a plan's price, where they differ from
+    the run's fixed defaults (which ``ftcompile run`` takes from the plan: ``options.planned_settings``)."""
+    from .runtime.schedules import SYNCHRONOUS
+
+    out = [f"optimizer {doc['profile']['optimizer']}"] if doc["profile"].get("optimizer") not in (None, "adam") else []
+    if doc.get("recompute"):
+        out.append("recompute")
+    if doc.get("weight_prediction"):
+        out.append("weight prediction")
+    if doc.get("clip_grad_norm"):
+        out.append(f"clip-grad-norm {doc['clip_grad_norm']:g}")
+    if doc.get("on_nonfinite") == "skip":
+        out.append("on-nonfinite skip")
+    if doc.get("tied_lag") is False and doc["schedule"] not in SYNCHRONOUS:
+        out.append("tied-weight lag off")
+    return ", ".join(out)
+
+
 def report_text(doc: dict) -> str:
     """A plain-text (Markdown) report of a plan document."""
     lines = []
@@ -607,6 +626,11 @@ def report_text(doc: dict) -> str:
                  f"schedule {doc['schedule']}, {doc['micro_batches']} micro-batches; "
                  f"costs {doc['profile']['method']} on {doc['profile']['hardware']}"
                  + (f"; at most {limits['max_stages']} stages" if limits.get("max_stages") else ""))
+    settings = _settings_text(doc)
+    if settings:
+        lines.append(f"priced for the run's settings: {settings}")
+    for note in doc.get("notes") or ():
+        lines.append(f"note: {note}")
     lines.append(f"lower bound: {doc['lower_bound']['objective_ms']:.3f} ms per micro-batch (every plan)")
     lines.append("")
     lines.append("| strategy | feasible | objective ms | simulated ms | bound ms | gap | speed-up | "

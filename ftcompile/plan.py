@@ -599,6 +599,22 @@ def shared_update_transient(prof, names: Iterable[str], holders: dict[str, int])
     return sum(2 * prof.params[n].grad_bytes for n in names if holders.get(n, 0) > 1 and prof.params[n].grad_bytes)
 
 
+def lags_tied_tensors(problem: Problem) -> bool:
+    """Whether the tied-weight lag can cost ``problem``'s plans memory: the schedule lags shared
+    tensors (:attr:`Problem.shared_lag`) and some trained tensor is read by two or more op nodes,
+    so that a plan may give it two holders (:func:`shared_gradient_copies`)."""
+    if not problem.shared_lag:
+        return False
+    readers: dict[str, int] = {}
+    for node in problem.graph.op_nodes():
+        for prm in set(node.params):
+            if problem.profile.params[prm].grad_bytes:
+                readers[prm] = readers.get(prm, 0) + 1
+                if readers[prm] > 1:
+                    return True
+    return False
+
+
 def shared_gradient_copies(remote: int, local: int, lag: int) -> int:
     """Gradients of one shared tensor a GPU keeps besides its stages' own: one per holder on
     another GPU (its part, waiting for this GPU's holders' update); where the schedule lags the

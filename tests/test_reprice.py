@@ -203,3 +203,50 @@ def test_no_tied_lag_is_recorded_taken_and_priced(tmp_path, capsys):
     r = reprice(out, planned(_manifest(out)), of_run(args))
     assert [c[0] for c in r.changed] == ["tied_lag"]
     assert sum(r.gpu_peak) > sum(doc["simulation"]["gpu_peak_memory"])
+
+
+def _uniform_need(out, *extra) -> int:
+    """The most memory a GPU needs (evaluate's figure, which decides fitting) in gpt2-tiny's uniform
+    split on 2 GPUs under async: the split does not depend on the memory, only whether it fits."""
+    assert main(["compile", "gpt2-tiny", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "-q",
+                 "-o", str(out), "--schedule", "async", *extra]) == 0
+    return max(g["memory_bytes"] for g in load_plan_file(out / "plan.json")["gpus"])
+
+
+@pytest.fixture(scope="module")
+def between(tmp_path_factory):
+    """A GPU memory between what gpt2-tiny's uniform split needs without the tied-weight lag and with it."""
+    root = tmp_path_factory.mktemp("lagfit")
+    lagged, unlagged = _uniform_need(root / "l"), _uniform_need(root / "n", "--no-tied-lag")
+    assert unlagged < lagged          # the lag keeps two steps of both holders' parts of the tied tensor
+    return (lagged + unlagged) // 2
+
+
+def test_compile_plans_without_the_lag_when_only_that_fits(between, tmp_path, capsys):
+    """No plan fits with the tied-weight lag, one fits without: compile returns that one, says so,
+    and records it, so the run trains without the lag."""
+    out = tmp_path / "fb"
+    assert main(["compile", "gpt2-tiny", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "--json",
+                 "-o", str(out), "--schedule", "async", "--gpu-memory", str(between)]) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert any("no plan fits with the tied-weight lag" in w for w in summary["warnings"])
+    assert "planning again without it (--no-tied-lag)" in captured.err
+    doc = load_plan_file(out / "plan.json")
+    assert doc["tied_lag"] is False and doc["package"]["tied_lag"] is False
+    assert all(g["memory_bytes"] <= between for g in doc["gpus"])
+    assert "tied-weight lag off" in (out / "report.md").read_text()
+    args, _ = _resolved(out)
+    assert args.tied_lag is False
+
+
+@pytest.mark.slow
+def test_compile_asked_for_the_lag_suggests_turning_it_off(between, tmp_path, capsys):
+    """With --tied-lag given, compile does not turn it off; its error names --no-tied-lag. (Slow:
+    the error's minimum requirements bisect the memory with Seq-pipe.)"""
+    out = tmp_path / "lag"
+    assert main(["compile", "gpt2-tiny", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "-o", str(out),
+                 "--schedule", "async", "--gpu-memory", str(between), "--tied-lag"]) == 2
+    err = capsys.readouterr().err
+    assert "no strategy found a plan that fits" in err and "Or --no-tied-lag" in err
+    assert "planning again" not in err
