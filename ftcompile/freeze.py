@@ -486,7 +486,8 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
                pipeline_gpus: int | None = None, strategies="auto", jobs: int | None = 1, hardware=None,
                recompute=None, profile_fn=None, replicas: int | None = None, cached_from: int = 0,
                split: bool = True, graph_at=None, micro_batches: int | None = None,
-               current: tuple[int, int] | None = None) -> PhasePlan:
+               current: tuple[int, int] | None = None, clip_grad_norm: float | None = None,
+               on_nonfinite: str = "stop") -> PhasePlan:
     """AutoPipe and AutoDP: the best ``(P, R = G / P, M)`` for ``frozen`` frozen layers.
 
     What a step trains is fixed over a run: ``samples_per_step`` samples (``S``; or
@@ -503,7 +504,9 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
     while some ``M`` fits. Without ``graph_at`` only ``b = b0`` is possible (``M = S / (R b0)``).
     ``micro_batches`` forces ``M``; ``pipeline_gpus`` forces ``P`` (a manual schedule);
     ``replicas`` keeps ``R`` fixed (AutoPipe without AutoDP: the GPUs a shorter pipeline frees
-    stay idle). Every priced ``(P, R, M, b)`` is in ``PhasePlan.tried``.
+    stay idle). Every priced ``(P, R, M, b)`` is in ``PhasePlan.tried``. ``recompute``,
+    ``clip_grad_norm`` and ``on_nonfinite`` are the run's settings: each plan is priced for them
+    as ``compile`` prices them and the phase's plan records them.
 
     AutoCache: where the frozen region's output can be cached (:func:`cache_cut`) and ``split``,
     each plan's stages that mix frozen and active nodes are split on their GPU
@@ -596,7 +599,8 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
                 tried.append({"P": P, "R": R, "M": M, "b": b, "feasible": False, "reason": str(exc)})
                 continue
             row, thr, make = _price_layout(sz, cluster, P, R, M, b, schedule=schedule, recompute=recompute,
-                                           strategies=strategies, jobs=jobs)
+                                           strategies=strategies, jobs=jobs, clip_grad_norm=clip_grad_norm,
+                                           on_nonfinite=on_nonfinite)
             tried.append(row)
             if make is None:
                 continue
@@ -644,7 +648,7 @@ def _pipeline_candidates(G: int, S: int, counts, *, pipeline_gpus: int | None, r
 
 
 def _price_layout(sz: _AtSize, cluster, P: int, R: int, M: int, b: int, *, schedule: str, recompute, strategies,
-                  jobs):
+                  jobs, clip_grad_norm: float | None = None, on_nonfinite: str = "stop"):
     """Partition and simulate ``sz``'s frozen graph as ``P x R`` with ``M`` micro-batches of ``b``.
 
     Returns the ``tried`` row, the simulated samples/s and, when a plan fits,
@@ -653,7 +657,8 @@ def _price_layout(sz: _AtSize, cluster, P: int, R: int, M: int, b: int, *, sched
     from .plan import Problem
     from .replicas import ReplicaLayout, replicated_problem
 
-    base = Problem(sz.graph, sz.profile, cluster, schedule=schedule, micro_batches=M, recompute=recompute)
+    base = Problem(sz.graph, sz.profile, cluster, schedule=schedule, micro_batches=M, recompute=recompute,
+                   clip_grad_norm=clip_grad_norm or None, on_nonfinite=on_nonfinite)
     pb = replicated_problem(base, cluster, ReplicaLayout(P, R))
     result = compile_plan(pb, strategies, jobs=jobs)
     row = {"P": P, "R": R, "M": M, "b": b, "feasible": result.chosen is not None}

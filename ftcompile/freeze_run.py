@@ -543,6 +543,9 @@ def run_freeze(args, spec: FreezeSpec) -> int:
     M = args.micro_batches or m0.micro_batches
     S = R0 * M * m0.micro_batch_size       # every step's samples, all replicas together, fixed over the run
     optimizer = args.optimizer or m0.optimizer
+    settings = _run_settings(args, m0)
+    _check_phase0(pkg0, args, schedule=schedule, micro_batches=args.micro_batches or m0.micro_batches,
+                  optimizer=optimizer, settings=settings)
     doc = json.loads((pkg0.path / "plan.json").read_text())
     cluster = load_cluster(spec.cluster) if spec.cluster else ClusterSpec.from_json(doc["cluster"])
     cluster = cluster.with_overrides(gpus=G)
@@ -569,7 +572,7 @@ def run_freeze(args, spec: FreezeSpec) -> int:
     if cache is not None and not cache.usable:
         note(f"AutoCache off: {cache.why_not}")
     run = _Run(args, spec, m0, steps, schedule, M, P, R0, S, optimizer, cluster, traces, graph, layer_paths,
-               log_dir, ck_dir, work, note, cache)
+               log_dir, ck_dir, work, note, cache, settings)
     try:
         return _phases(run)
     finally:
@@ -600,6 +603,39 @@ class _Run:
     work: Path
     note: object
     cache: CacheRun | None
+    # recompute, clip_grad_norm, on_nonfinite: what every phase trains with and is priced for
+    settings: dict = field(default_factory=dict)
+
+
+def _run_settings(args, m0) -> dict:
+    """The run settings that change a phase plan's price (under gpipe and 1f1b: recomputation,
+    and clipping or skipping, which make every update wait for all stages), resolved once as a
+    plain run resolves them (the option given, else the package's plan, else the default:
+    ``options.planned_settings``). Every phase is planned for them and its ranks are given them,
+    so that no phase falls back to the defaults its own package would record otherwise."""
+    from .runtime.options import DEFAULTS, planned_settings
+
+    planned = planned_settings(m0)
+    out = {}
+    for name in ("recompute", "clip_grad_norm", "on_nonfinite"):
+        v = getattr(args, name, None)
+        out[name] = v if v is not None else planned.get(name) if planned.get(name) is not None else DEFAULTS[name]
+    return out
+
+
+def _check_phase0(pkg0, args, *, schedule: str, micro_batches: int, optimizer: str, settings: dict) -> None:
+    """Phase 0 trains the package as compiled: price it again for the run's settings where they
+    differ from its plan's (the launcher's check of a plain run, ``cli_package._check_planned``), and
+    refuse a GPU run it no longer fits before anything starts. Later phases are planned for them."""
+    from .cli import _Ui
+    from .cli_package import _check_planned
+
+    resolved = copy.copy(args)
+    resolved.schedule, resolved.micro_batches, resolved.optimizer = schedule, micro_batches, optimizer
+    resolved.weight_prediction, resolved.tied_lag = False, True    # neither acts under gpipe or 1f1b
+    for name, value in settings.items():
+        setattr(resolved, name, value)
+    _check_planned(pkg0, resolved, _Ui(args), cli=args)
 
 
 def _phases(run: _Run) -> int:
@@ -632,6 +668,8 @@ def _phases(run: _Run) -> int:
         norms_file = work / f"norms-{end}"
         w = copy.copy(args)
         w.package, w.steps, w.micro_batches, w.schedule = package, end, M, schedule
+        for name, value in run.settings.items():        # as every phase was planned
+            setattr(w, name, value)
         w.log_dir, w.checkpoint_dir, w.checkpoint_every = str(log_dir), str(ck_dir), None
         w.replicas, w.rank_order = R, None      # the phase package's layout
         w.resume = step > 0
@@ -695,7 +733,9 @@ def _phases(run: _Run) -> int:
             ph = plan_phase(run.graph, layer_paths, new, run.cluster, samples_per_step=run.samples,
                             schedule=schedule, optimizer=run.optimizer, start_pipeline=P, pipeline_gpus=forced,
                             strategies=spec.strategy, cached_from=frozen if caching else 0,
-                            graph_at=run.traces.graph if resize else None, micro_batches=forced_m, current=(M, b))
+                            graph_at=run.traces.graph if resize else None, micro_batches=forced_m, current=(M, b),
+                            recompute=run.settings["recompute"], clip_grad_norm=run.settings["clip_grad_norm"],
+                            on_nonfinite=run.settings["on_nonfinite"])
             package = write_phase_package(ph, run.traces.built(ph.micro_batch_size), layer_paths,
                                           work / f"phase-{len(phases)}-frozen-{new}", input_ranges=ranges)
             plan_s = time.perf_counter() - t1

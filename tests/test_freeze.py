@@ -179,6 +179,29 @@ def test_autopipe_plans_fewer_gpus_per_pipeline_as_layers_freeze():
 
 
 
+def test_phase_plans_are_priced_for_the_runs_settings_and_record_them():
+    """A freeze run's phases are planned for its recomputation, clipping and skipping (so the phase
+    packages' ranks train as priced, not with the defaults a phase package would record otherwise)."""
+    from ftcompile.compile import problem_from_doc
+    from ftcompile.plan import Plan, evaluate
+
+    _, g, _ = traced("bert-tiny")
+    layers = find_layers(g)
+    cluster = load_cluster("2xcpu").with_overrides(gpus=4)
+    ph = plan_phase(g, layers, 1, cluster, global_micro_batches=4, schedule="1f1b", strategies="seq",
+                    pipeline_gpus=2, recompute=True, clip_grad_norm=0.5, on_nonfinite="skip")
+    doc = ph.doc
+    assert (doc["recompute"], doc["clip_grad_norm"], doc["on_nonfinite"]) == (True, 0.5, "skip")
+    prof = analytic_profile(ph.graph, load_hardware(cluster.hardware), optimizer="adam")
+    plan = Plan.from_json(doc["plan"])
+    as_recorded = evaluate(problem_from_doc(doc, ph.graph, prof), plan)
+    assert [gpu["memory_bytes"] for gpu in doc["gpus"]] == [gpu.memory_bytes for gpu in as_recorded.gpus]
+    assert doc["cost"]["objective_ms"] == pytest.approx(as_recorded.objective_ms, rel=1e-12)
+    # recomputation runs the active stages' forward again in backward: a larger load than without it
+    without = evaluate(problem_from_doc(doc, ph.graph, prof, recompute=False), plan)
+    assert doc["cost"]["objective_ms"] > without.objective_ms
+
+
 def _brute_force_layouts(name: str, frozen: int, G: int, S: int) -> dict[tuple[int, int], float]:
     """Every (P, M) with P halving from G, R = G / P, M dividing S / R in [P, 6P] (PipeTransformer's range):
     the model traced at b = S / (R M), frozen, priced analytically, partitioned by seq, simulated."""
@@ -374,6 +397,28 @@ def test_manual_freeze_run_equals_plain_pytorch_freezing_the_same_layers(bert4, 
     runs = [x for x in lines if "phase" in x]
     assert [x["steps"] for x in runs] == [[0, 2], [2, 4], [4, 6]]
     assert all(x["transition_s"] >= 0 and x["samples_per_s"] > 0 for x in runs)
+
+
+@pytest.mark.slow
+def test_freeze_run_trains_and_plans_every_phase_with_the_runs_settings(tmp_path):
+    """--recompute and --clip-grad-norm on a package compiled without them: phase 0 (the package as
+    compiled) is priced again for them, and the later phases are planned for them, record them and
+    train with them (the checkpoint's config)."""
+    from ftcompile.cli import main
+
+    pkg, log, ck = tmp_path / "pkg", tmp_path / "log", tmp_path / "ck"
+    assert main(["compile", "bert-tiny", "--gpus", "4", "--replicas", "1", "--schedule", "1f1b", "--strategy",
+                 "uniform", "-q", "-o", str(pkg)]) == 0        # with graph.json and profile.json, as compile writes
+    r = run_cli(str(pkg), "--nproc", "4", "--steps", "4", "--schedule", "1f1b", "--recompute",
+                "--clip-grad-norm", "100", "--log-dir", str(log), "--checkpoint-dir", str(ck),
+                "--freeze", "at=2:1@2x2,strategy=seq", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "this run is not the one the plan was priced for (recompute off -> on, " in r.stderr
+    phase1 = load_package(next((log / "freeze").glob("phase-1-*"))).manifest
+    assert (phase1.recompute, phase1.clip_grad_norm, phase1.on_nonfinite) == (True, 100.0, "stop")
+    config = json.loads(next(ck.glob("step-*/meta.json")).read_text())["config"]
+    assert (config["recompute"], config["clip_grad_norm"]) == (True, 100.0)
+    assert "as the plan was priced" not in r.stderr      # no phase fell back to a package's own settings
 
 
 @pytest.mark.slow
