@@ -278,6 +278,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
     with base._stdout_for(args), _native_stdout_to_stderr(args.json):
         graph, built = _graph_and_built(args, ui)
         _check_loss(graph, args.model)
+        from .codegen import CodegenError, check_custom_ops
+
+        try:
+            check_custom_ops(graph)          # before planning: the package could not call it
+        except CodegenError as exc:
+            raise CompileError(str(exc)) from None
         t = lap("trace", t0)
         if args.profile_file:
             prof = Profile.load(args.profile_file)

@@ -344,6 +344,20 @@ def _writes_and_views(ins) -> tuple[list[str], dict[str, str]]:
         views[ins.name] = first
     return written, views
 
+def check_custom_ops(graph: OpGraph) -> None:
+    """Refuse a graph calling a custom operator that generated stages could not call: no module on
+    the Python path registers it (``graph.source["custom_ops"]``, recorded by the tracer), so a rank's
+    fresh process would not have it. ``compile`` asks before planning."""
+    for target, module in (graph.source.get("custom_ops") or {}).items():
+        if not module:
+            ns, op, _ = target.split(".")
+            raise CodegenError(f"the model calls the custom operator {ns}::{op}, which no importable module "
+                               "registers (it was defined in the model's own file or at run time), so the "
+                               "generated stages, each run in a fresh process, could not call it: define it with "
+                               "torch.library in a module on the Python path and import that module in the "
+                               "model's file")
+
+
 class _Emitter:
     """Turns one stage's instructions into lines of Python."""
 
@@ -412,8 +426,10 @@ class _Emitter:
         if target.startswith("torch.nn.functional."):
             self.uses_functional = True
             return "F." + target[len("torch.nn.functional."):]
-        if target in ("ftcompile.trace_fx.index", "ftcompile.runtime.ops.index"):
+        if target == "ftcompile.trace_fx.index":
             return "rt.index"
+        if target.startswith("ftcompile.runtime.ops.") and len(parts) == 4:
+            return "rt." + parts[3]         # the runtime's own twins (index, copy_into)
         if parts[0] == "torch":
             return target
         if parts[0] == "math":
@@ -424,6 +440,12 @@ class _Emitter:
         if parts[0] == "ftcompile":
             raise CodegenError(f"operator {target} belongs to the compiler, which generated code must not "
                                "import; this is a bug in ftcompile's tracer")
+        custom = self.graph.source.get("custom_ops") or {}
+        if target in custom:
+            # A torch.library operator: called through torch.ops, registered by importing its module.
+            check_custom_ops(self.graph)
+            self.imports.add(custom[target])
+            return f"torch.ops.{target}"
         module = ".".join(parts[:-1])
         self.imports.add(module)
         return target

@@ -18,13 +18,65 @@ import torch
 from .ir import Instr, decode_literal
 
 
+#: ``torch.ops`` namespaces of PyTorch's own operators, there in every process that imports torch.
+TORCH_NAMESPACES = ("aten", "prims", "quantized", "_c10d_functional")
+#: First parts of target names that are Python paths, never operator namespaces.
+_PYTHON_ROOTS = ("operator", "torch", "math", "builtins", "ftcompile")
+
+
+def custom_op(name: str) -> torch._ops.OpOverload | None:
+    """The operator that a target name ``ns.op.overload`` names in a namespace outside PyTorch's own
+    (registered with ``torch.library``: ``transformers.grouped_mm_fallback.default``, which
+    transformers' mixture-of-experts layers call, or ``torchvision.nms.default``), or None when
+    no such operator is registered in this process (then the name may be a Python path)."""
+    parts = name.split(".")
+    if len(parts) != 3 or parts[0] in TORCH_NAMESPACES or parts[0] in _PYTHON_ROOTS or name.startswith("method:"):
+        return None
+    try:
+        op = getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
+    except (AttributeError, RuntimeError):
+        return None
+    return op if isinstance(op, torch._ops.OpOverload) else None
+
+
+def registering_module(op: torch._ops.OpOverload) -> str | None:
+    """The module whose import registers the custom operator ``op`` in a fresh process: where a
+    ``torch.library.custom_op`` was defined, else its namespace's package where that imports (a C++
+    extension's operators, ``torchvision::nms``, register when it is imported); None when neither."""
+    import importlib.machinery
+
+    # torch.library.custom_op's registry: there is no public lookup of an operator's definition.
+    from torch._library.custom_ops import OPDEFS
+
+    opdef = OPDEFS.get(op._schema.name)
+    module = getattr(getattr(opdef, "_init_fn", None), "__module__", None) or op.namespace
+    # Importable by name from the Python path, not only present in this process: a user's model
+    # file is imported under a made-up name (runtime.userfile) that no other process can import.
+    try:
+        found = importlib.machinery.PathFinder.find_spec(module.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        found = False
+    return module if found else None
+
+
+def import_custom_ops(graph) -> None:
+    """Register the custom operators ``graph`` calls in this process (a graph read from a file, in a
+    process that did not build the model), importing the modules the tracer recorded for them."""
+    for target, module in (graph.source.get("custom_ops") or {}).items():
+        if module and custom_op(target) is None:
+            importlib.import_module(module)
+
+
 @functools.lru_cache(maxsize=None)
 def resolve_target(name: str) -> Callable:
     """The callable behind an instruction target name (``aten.linear.default``, ``operator.getitem``)."""
     parts = name.split(".")
-    if len(parts) == 3 and hasattr(torch.ops, parts[0]) and parts[0] in ("aten", "prims", "quantized", "_c10d_functional"):
+    if len(parts) == 3 and parts[0] in TORCH_NAMESPACES:
         ns, op, overload = parts
         return getattr(getattr(getattr(torch.ops, ns), op), overload)
+    op = custom_op(name)
+    if op is not None:
+        return op
     if parts[0] == "operator":
         return getattr(operator, parts[1])
     if name.startswith("method:"):

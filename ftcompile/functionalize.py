@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -85,8 +85,10 @@ def _arg_sig(a) -> tuple[str, bool]:
     return (str(a.type), bool(a.kwarg_only))
 
 
-def out_of_place(target: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, dict[str, str]]:
+def out_of_place(target: torch._ops.OpOverload) -> tuple[Callable, dict[str, str]]:
     """The out-of-place twin of an in-place ATen operator, and how keyword names map onto it.
+
+    ``aten.copy_`` -> :func:`ftcompile.runtime.ops.copy_into` (``aten.copy`` has no derivative).
 
     ``aten.add_.Tensor`` -> ``aten.add.Tensor``; ``aten.dropout_.default`` ->
     ``aten.dropout.default`` (its first argument is ``input``, not ``self``). Only an
@@ -94,6 +96,11 @@ def out_of_place(target: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, 
     is the overload of the name without ``_`` whose argument types and keyword-only
     flags are the same (the same overload name first).
     """
+    if target is torch.ops.aten.copy_.default:
+        # aten.copy has no derivative: its twin would stop the gradient to the source.
+        from .runtime.ops import copy_into
+
+        return copy_into, {"self": "dst"}
     schema = target._schema
     args = schema.arguments
     writes = [a for a in args if a.alias_info is not None and a.alias_info.is_write]

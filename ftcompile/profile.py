@@ -39,7 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .execute import run_instrs
+from .execute import import_custom_ops, run_instrs
 from .hardware import HardwareSpec
 from .ir import Node, OpGraph, TensorMeta, atomic_write_text, iter_refs
 
@@ -658,6 +658,7 @@ def analytic_profile(graph: OpGraph, hardware: HardwareSpec, *, optimizer: str =
     dtype = dtype or graph_dtype(graph)
     if optimizer not in OPTIMIZERS:
         raise ProfileError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    import_custom_ops(graph)        # a graph read from a file: register the operators it calls
     meta_params = {name: _make_leaf(p.meta, "meta", p.trainable) for name, p in graph.params.items()}
     cache: dict[str, tuple[NodeCost, frozenset, int]] = {}
     costs: dict[int, NodeCost] = {}
@@ -825,6 +826,7 @@ def measured_profile(graph: OpGraph, params: Mapping[str, torch.Tensor], inputs:
         raise ProfileError("device cuda asked for, but torch sees no CUDA device; use --device cpu")
     if repeats < 1 or warmup < 0:
         raise ProfileError("repeats must be at least 1 and warmup at least 0")
+    import_custom_ops(graph)
     missing = [p for n in graph.op_nodes() for p in n.params if p not in params]
     if missing:
         raise ProfileError(f"no tensor given for graph parameter(s) {sorted(set(missing))[:5]}; "

@@ -47,6 +47,13 @@ class DataDependentError(TraceError):
 
 # Operators that only check metadata at trace time; they carry no data and would
 # pin otherwise movable nodes, so the OpGraph drops them.
+# Uninitialised tensors get zeros: their contents are undefined, so zeros are one valid choice, and
+# a stage then sends and recomputes the same bits every time (verify compares a stage's recomputed
+# outputs with its first ones; a scratch tensor filled by copy_ may cross a stage boundary).
+_ZEROED_TARGETS = {"aten.new_empty.default": "aten.new_zeros.default",
+                   "aten.empty_like.default": "aten.zeros_like.default",
+                   "aten.empty.memory_format": "aten.zeros.default"}
+
 _DROPPED_TARGETS = {
     "aten._assert_tensor_metadata.default",
     "aten._assert_scalar.default",
@@ -468,8 +475,14 @@ def build_opgraph(fx_nodes: Sequence[torch.fx.Node], placeholder_to_param: dict[
         if tname in _DROPPED_TARGETS:
             continue
         val = n.meta.get("val")
+        kwargs = dict(n.kwargs)
+        if tname in _ZEROED_TARGETS and (tname != "aten.empty.memory_format"
+                                         or kwargs.get("memory_format") in (None, torch.contiguous_format)):
+            tname = _ZEROED_TARGETS[tname]
+            if tname == "aten.zeros.default":
+                kwargs.pop("memory_format", None)       # zeros are contiguous
         ins = Instr(name=n.name, target=tname, args=enc(list(n.args)),
-                    kwargs={k: enc(v) for k, v in n.kwargs.items()})
+                    kwargs={k: enc(v) for k, v in kwargs.items()})
         if isinstance(val, (tuple, list)):
             ins.out = None
         else:
@@ -791,8 +804,28 @@ def _trace(model: torch.nn.Module, args: tuple, kwargs: dict, basic_blocks: Sequ
         graph.source["functionalized"] = functionalized
     if notes:
         graph.source.setdefault("notes", []).extend(notes)
+    ops = custom_ops(graph)
+    if ops:
+        graph.source["custom_ops"] = ops
     graph.validate()
     return graph
+
+
+def custom_ops(graph: OpGraph) -> dict[str, str | None]:
+    """Target name -> the module registering it, for every operator ``graph`` calls outside PyTorch's
+    own namespaces (:func:`~ftcompile.execute.custom_op`). Generated stages import those modules, and
+    a process reading the graph from a file imports them before running it
+    (:func:`~ftcompile.execute.import_custom_ops`); None: no importable module registers it."""
+    from .execute import custom_op, registering_module
+
+    out: dict[str, str | None] = {}
+    for node in graph.nodes:
+        for ins in node.instrs:
+            if ins.target not in out:
+                op = custom_op(ins.target)
+                if op is not None:
+                    out[ins.target] = registering_module(op)
+    return out
 
 
 def _trace_device(model: torch.nn.Module, args: tuple, kwargs: dict) -> str:

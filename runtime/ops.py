@@ -101,6 +101,15 @@ def _devices(args, kwargs) -> set:
     return out
 
 
+def copy_into(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """``dst.copy_(src)`` out of place: ``src`` in ``dst``'s dtype and device, broadcast to its shape.
+
+    The tracer's twin of ``aten.copy_`` (``ftcompile.functionalize.out_of_place``): ``aten.copy``
+    computes the same but has no derivative, so gradients would not reach ``src``. Here they do,
+    and none reaches ``dst``, whose values are overwritten."""
+    return src.to(device=dst.device, dtype=dst.dtype, non_blocking=non_blocking).expand_as(dst).clone()
+
+
 def index(x: Any, *idx: Any) -> Any:
     """``x[idx]`` with a tuple index; the string ``"..."`` stands for ``Ellipsis`` (torch.fx graphs)."""
     return x[tuple(Ellipsis if (isinstance(i, str) and i == "...") else i for i in idx)]

@@ -45,19 +45,21 @@ from ftcompile.weights import weight_source
 from test_runtime import call_of, cli_args, final_weights, losses, run_cli
 
 ARCHS = Path(__file__).parent / "archs"
-HF = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "phi", "gpt_neox", "falcon", "bloom",
+HF = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "gemma", "gemma2", "phi3", "phi", "gpt_neox", "falcon", "bloom",
       "gpt2", "gpt_neo", "opt", "marian", "pegasus", "mbart", "bart", "m2m100", "t5", "bert", "albert", "roberta",
       "electra", "distilbert", "deberta_v2", "vit_mae", "gpt2_autocast",
       # with torch's fused attention (dropout inside it keyed like any other)
       "llama_sdpa", "gpt2_sdpa", "bert_sdpa", "bart_sdpa", "t5_sdpa", "qwen3_sdpa"]
-PLAIN = ["resnet", "mobilenet_v2", "lstm_gru", "lstm_dropout", "random_masking"]
+PLAIN = ["resnet", "mobilenet_v2", "lstm_gru", "lstm_dropout", "random_masking", "slice_copy"]
 # In every run of the suite (CI's 20-minute budget): a rotary decoder with a no-grad region and
 # grouped-query attention, shared weights, BatchNorm statistics, aliased inputs and an
 # encoder-decoder, LSTM/GRU; `make test-slow` (pytest -m slow) runs the rest. Autocast, no-grad
 # and in-place ops also have small-model tests in test_trace_regions.py, SDPA's pricing in
 # test_profile.py; random_masking draws torch.rand in forward as vit_mae does.
-QUICK = {"llama", "albert", "resnet", "bloom", "m2m100", "lstm_gru", "random_masking"}
-QUICK_TRAINING = {("albert", "async")}     # several holders of one tensor per rank (2 ranks, 3 GPUs planned)
+QUICK = {"llama", "albert", "resnet", "bloom", "m2m100", "lstm_gru", "random_masking", "mixtral", "deepseek_v3",
+         "slice_copy"}
+QUICK_TRAINING = {("albert", "async"),     # several holders of one tensor per rank (2 ranks, 3 GPUs planned)
+                  ("mixtral", "1f1b")}     # ranks import the module registering the experts' custom operator
 VERIFY_TOL = 1e-6
 
 
@@ -119,6 +121,13 @@ def test_compiles_and_verifies(name, pkg_root):
     if name in ("vit_mae", "random_masking"):
         assert report.random_calls["package_other"] >= 1          # the masking noise is drawn in forward
         assert not report.notes                                  # keyed alike: no advice to pass it in
+    if name == "mixtral":      # the experts' custom operator, called through torch.ops by a stage importing its module
+        assert _traced(name)[1].source["custom_ops"] == {"transformers.grouped_mm_fallback.default":
+                                                          "transformers.integrations.moe"}
+        assert any("import transformers.integrations.moe" in p.read_text() for p in path.glob("stage_*.py"))
+    if name == "slice_copy":   # copy_ written out of place by a twin that passes the gradient on
+        ops = [ins.target for n in _traced(name)[1].nodes for ins in n.instrs]
+        assert "ftcompile.runtime.ops.copy_into" in ops and "aten.copy.default" not in ops
     if name in ("lstm_gru",):
         assert m.random_ops == 0                                 # no dropout between LSTM layers: not random
     if name == "lstm_dropout":
@@ -143,6 +152,19 @@ def test_rotary_decoder_in_basic_blocks_verifies(tmp_path):
     report = verify_package(str(tmp_path / "pkg"), tolerance=VERIFY_TOL)
     assert report.ok, [d.row() for d in report.failures[:5]] + report.notes
     assert report.compared["gradient"] > 0
+
+
+def test_a_custom_operator_no_other_process_can_import_is_refused_before_planning(tmp_path, capsys):
+    """A torch.library operator defined in the model's own file: ranks could not call it, so compile
+    says what to do before it plans anything, and writes nothing."""
+    from ftcompile.cli import main
+
+    out = tmp_path / "o"
+    assert main(["compile", f"{ARCHS / 'custom_op_model.py'}:build", "--gpus", "2", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "custom operator ftctest::scaled_tanh, which no importable module registers" in err
+    assert "define it with torch.library in a module on the Python path" in err
+    assert not out.exists()
 
 
 # --------------------------------------------------------------------------- training
@@ -219,6 +241,7 @@ CONSTRUCTS = {
     "lstm_gru": "LSTM and GRU",
     "vit_mae": "torch.rand inside forward (masking noise)",
     "albert": "one layer's weights shared by every layer",
+    "mixtral": "mixture of experts through a torch.library custom operator (transformers::grouped_mm_fallback)",
 }
 
 

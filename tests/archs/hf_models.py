@@ -62,6 +62,27 @@ def qwen3():
     return _causal(tf.Qwen3Config, tf.Qwen3ForCausalLM, **_DEC, head_dim=8)
 
 
+# Mixtures of experts as transformers 5.x ships them: the experts run through the custom operator
+# torch.ops.transformers.grouped_mm_fallback (transformers.integrations.moe) on the CPU.
+def mixtral():
+    return _causal(tf.MixtralConfig, tf.MixtralForCausalLM, **_DEC, num_local_experts=4, num_experts_per_tok=2)
+
+
+def qwen3_moe():
+    return _causal(tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, **_DEC, head_dim=8, num_experts=4,
+                   num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+def deepseek_v3():
+    """DeepSeek-V3: multi-head latent attention fills its keys with copy_ into slices of a new tensor
+    (the gradient must reach the source), a shared expert and grouped top-k routing."""
+    return _causal(tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, vocab_size=VOCAB, hidden_size=32,
+                   intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, kv_lora_rank=8, q_lora_rank=16,
+                   qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4, n_group=2, topk_group=1,
+                   num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=64)
+
+
 def gemma():
     return _causal(tf.GemmaConfig, tf.GemmaForCausalLM, **_DEC, head_dim=8)
 

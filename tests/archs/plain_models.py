@@ -165,6 +165,29 @@ def random_masking():
     return model, (torch.randn(4, 8, 16, generator=_gen(8)), torch.randint(0, 5, (4,), generator=_gen(9)))
 
 
+# --------------------------------------------------------------------------- copy_ into a new tensor
+
+class SliceCopy(nn.Module):
+    """Fills slices of a fresh tensor with copy_ (DeepSeek-V3's attention builds its keys so): the
+    gradient must reach both sources, through a dtype cast and a broadcast."""
+
+    def __init__(self, d: int = 8, classes: int = 5):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(d, d), nn.Linear(d, 1), nn.Linear(2 * d, classes)
+
+    def forward(self, x, target):
+        h = x.new_empty(x.shape[0], x.shape[1], 2 * x.shape[2])
+        h[..., : x.shape[2]].copy_(self.a(x).double())             # cast back to h's dtype
+        h[..., x.shape[2]:].copy_(self.b(x))                       # broadcast from width 1
+        logits = self.head(torch.relu(h)).mean(1)
+        return F.cross_entropy(logits, target), logits
+
+
+def slice_copy():
+    model = SliceCopy().train()
+    return model, (torch.randn(4, 6, 8, generator=_gen(10)), torch.randint(0, 5, (4,), generator=_gen(11)))
+
+
 # --------------------------------------------------------------------------- refused
 
 class MaskedMean(nn.Module):
