@@ -329,13 +329,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
                                           max_stages=args.max_stages, time_limit=args.time_limit)
 
         options, chosen = partition(problem)
-        lag_note = None
+        lag_note, least = None, problem      # least: the problem whose minimum requirements a failure names
         if chosen is None and args.tied_lag is None and lags_tied_tensors(problem) and _searched(options):
             # The lag's memory (two steps of every holder's gradient part per GPU) is what a plan
             # cannot hold: without it the run is plain async training with a wait per update.
             ui.note("no plan fits with the tied-weight lag; planning again without it (--no-tied-lag)")
             unlagged = replace(problem, tied_lag=False)
             options_nl, chosen_nl = partition(unlagged)
+            least = unlagged        # what compile falls back to: the least that fits is the unlagged plan's
             if chosen_nl is not None:
                 problem, options, chosen = unlagged, options_nl, chosen_nl
                 lag_note = ("no plan fits with the tied-weight lag (each holder's GPU keeps two steps of every "
@@ -360,7 +361,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
             ui.note(format_tuning(tuning))
             t = lap("avgpipe_tuning", t)
         if result.chosen is None:
-            doc["requirements"] = minimum_requirements(problem)
+            doc["requirements"] = minimum_requirements(least) + (
+                " (without the tied-weight lag, which compile turns off by itself where only that fits)"
+                if least is not problem else "")
             t = lap("requirements", t)
         doc["compile_seconds"] = round(time.perf_counter() - t0, 3)
         doc["phase_seconds"] = dict(phases)

@@ -49,7 +49,10 @@ HF = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3
       "gpt2", "gpt_neo", "opt", "marian", "pegasus", "mbart", "bart", "m2m100", "t5", "bert", "albert", "roberta",
       "electra", "distilbert", "deberta_v2", "vit_mae", "gpt2_autocast",
       # with torch's fused attention (dropout inside it keyed like any other)
-      "llama_sdpa", "gpt2_sdpa", "bert_sdpa", "bart_sdpa", "t5_sdpa", "qwen3_sdpa"]
+      "llama_sdpa", "gpt2_sdpa", "bert_sdpa", "bart_sdpa", "t5_sdpa", "qwen3_sdpa",
+      # more of today's families (slow): sliding and full layers, MoE with shared experts, no attention, speech
+      "gemma3", "cohere2", "olmo2", "granite", "starcoder2", "smollm3", "glm4", "gptj", "qwen2_moe", "olmoe",
+      "gpt_oss", "modernbert", "mamba2", "whisper"]
 PLAIN = ["resnet", "mobilenet_v2", "lstm_gru", "lstm_dropout", "random_masking", "slice_copy"]
 # In every run of the suite (CI's 20-minute budget): a rotary decoder with a no-grad region and
 # grouped-query attention, shared weights, BatchNorm statistics, aliased inputs and an

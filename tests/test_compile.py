@@ -140,9 +140,10 @@ def test_reserve_larger_than_the_gpu_is_named(tmp_path, capsys):
 
 def test_compile_that_cannot_fit_says_what_would(tmp_path, capsys):
     # 804 MB on a 2080 Ti preset: 4 MB beyond the 800 MB every GPU keeps free (the reserve); the
-    # GPU holding the tied embedding needs more than 803 MB whatever the split (async lags it)
+    # GPU holding the tied embedding needs more than 803 MB whatever the split (async lags it; with
+    # --tied-lag given compile keeps the lag, test_reprice covers its turning it off by itself)
     rc = main(["compile", "t5-tiny", "--gpus", "2", "--gpu-memory", "804MB", "--replicas", "1", "--strategy",
-               "seq,mixed", "-q",
+               "seq,mixed", "--tied-lag", "-q",
                "-o", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c")])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
@@ -158,7 +159,7 @@ def test_compile_that_cannot_fit_says_what_would(tmp_path, capsys):
     gpus = int(re.search(r"--gpus (\d+)\)", err).group(1))
 
     def seq(*extra):
-        return main(["compile", "t5-tiny", "--strategy", "seq", "-q", "--json", "-o", str(tmp_path / "s"),
+        return main(["compile", "t5-tiny", "--strategy", "seq", "--tied-lag", "-q", "--json", "-o", str(tmp_path / "s"),
                      "--replicas", "1", "--cache-dir", str(tmp_path / "c"), *extra])
 
     assert seq("--gpus", "2", "--gpu-memory", memory) == 0

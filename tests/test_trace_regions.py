@@ -203,7 +203,15 @@ def test_every_in_place_op_maps_to_its_out_of_place_form():
     assert out_of_place(aten.hardtanh_.default)[0] is aten.hardtanh.default       # ReLU6(inplace=True)
     assert out_of_place(aten.bernoulli_.float)[0] is aten.bernoulli.p             # another overload name
     assert out_of_place(aten.masked_fill_.Scalar)[0] is aten.masked_fill.Scalar
-    assert out_of_place(aten.copy_.default)[0] is aten.copy.default
+    # aten.copy has no derivative: copy_ becomes the runtime's copy_into, which passes the gradient on
+    from ftcompile.runtime.ops import copy_into
+
+    assert out_of_place(aten.copy_.default) == (copy_into, {"self": "dst"})
+    dst, src = torch.zeros(2, 3, dtype=torch.float64), torch.randn(3, requires_grad=True)
+    out = copy_into(dst, src)
+    assert out.dtype == torch.float64 and out.shape == (2, 3) and torch.equal(out[1], src.detach().double())
+    out.sum().backward()
+    assert torch.equal(src.grad, torch.full((3,), 2.0))          # broadcast over two rows: two ones each
 
 
 def test_mobilenet_in_place_dropout_stays_dropout():

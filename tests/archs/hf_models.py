@@ -242,6 +242,87 @@ def m2m100_layerdrop():
                    decoder_layerdrop=0.05)
 
 
+# --------------------------------------------------------------------------- more of today's architectures
+# (a sweep of transformers 5.24's families beyond the ones above; slow tests)
+
+_TOK = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_MIXED_LAYERS = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+
+
+def gemma3():
+    return _causal(tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, **_DEC, **_TOK, head_dim=8, query_pre_attn_scalar=8,
+                   **_MIXED_LAYERS)
+
+
+def cohere2():
+    return _causal(tf.Cohere2Config, tf.Cohere2ForCausalLM, **_DEC, **_TOK, head_dim=8, **_MIXED_LAYERS)
+
+
+def olmo2():
+    return _causal(tf.Olmo2Config, tf.Olmo2ForCausalLM, **_DEC, **_TOK)
+
+
+def granite():
+    return _causal(tf.GraniteConfig, tf.GraniteForCausalLM, **_DEC, **_TOK, embedding_multiplier=12.0,
+                   residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0)
+
+
+def starcoder2():
+    return _causal(tf.Starcoder2Config, tf.Starcoder2ForCausalLM, **_DEC, **_TOK, sliding_window=8)
+
+
+def smollm3():
+    return _causal(tf.SmolLM3Config, tf.SmolLM3ForCausalLM, **_DEC, **_TOK, no_rope_layer_interval=2)
+
+
+def glm4():
+    return _causal(tf.Glm4Config, tf.Glm4ForCausalLM, **_DEC, **_TOK, head_dim=8)
+
+
+def gptj():
+    return _causal(tf.GPTJConfig, tf.GPTJForCausalLM, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                   rotary_dim=4, n_positions=64, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+
+
+def qwen2_moe():
+    return _causal(tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, **_DEC, **_TOK, num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+
+def olmoe():
+    return _causal(tf.OlmoeConfig, tf.OlmoeForCausalLM, **_DEC, **_TOK, num_experts=4, num_experts_per_tok=2)
+
+
+def gpt_oss():
+    return _causal(tf.GptOssConfig, tf.GptOssForCausalLM, **_DEC, **_TOK, head_dim=8, num_local_experts=4,
+                   num_experts_per_tok=2, **_MIXED_LAYERS)
+
+
+def modernbert():
+    return _mlm(tf.ModernBertConfig, tf.ModernBertForMaskedLM, **_ENC, **_TOK,
+                local_attention=8, global_attn_every_n_layers=2, cls_token_id=1, sep_token_id=2)
+
+
+def mamba2():
+    """Mamba-2 (no attention: the state-space scan in plain PyTorch on the CPU)."""
+    model = _make(tf.Mamba2ForCausalLM, tf.Mamba2Config, vocab_size=VOCAB, hidden_size=32, state_size=8,
+                  num_hidden_layers=2, expand=2, conv_kernel=4, num_heads=8, head_dim=8, n_groups=1, chunk_size=8,
+                  time_step_rank=4)
+    ids = _ids()
+    return model, (), {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+def whisper():
+    """Whisper: a speech encoder over log-mel features (convolutions) and a text decoder."""
+    model = _make(tf.WhisperForConditionalGeneration, tf.WhisperConfig, vocab_size=VOCAB, num_mel_bins=8,
+                  d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=16,
+                  max_target_positions=32, decoder_start_token_id=1, begin_suppress_tokens=None,
+                  suppress_tokens=None, **_TOK)
+    feats = torch.randn(B, 8, 32, generator=torch.Generator().manual_seed(3))     # 2 x max_source_positions frames
+    return model, (feats,), {"labels": _ids(s=8, seed=2), "use_cache": False}
+
+
 def _sdpa(builder):
     """The same architecture with torch's fused scaled_dot_product_attention (transformers' default)."""
     def build():
