@@ -251,7 +251,7 @@ def _preflight(args: argparse.Namespace):
         print(f"{base.PROG}: warning: {w}", file=sys.stderr)
     for n in res.notes:
         ui.note(n)
-    log_dir = args.log_dir or str(package.path / "runs" / res.args.schedule)
+    log_dir = res.args.log_dir or str(package.path / "runs" / res.args.schedule)
     check_free(log_dir, what="logs")
     if args.checkpoint_dir:
         check_free(args.checkpoint_dir, what="checkpoints")

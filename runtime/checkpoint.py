@@ -90,6 +90,7 @@ class Checkpoint:
     step: int
     folder: Path
     meta: dict
+    note: str | None = None     # how it was found, where not through ``latest`` (said when resuming)
 
     @property
     def run_id(self) -> str | None:
@@ -178,9 +179,13 @@ def latest(root: str | os.PathLike) -> Checkpoint | None:
     try:
         text = (root / LATEST).read_text().strip()
     except FileNotFoundError:
-        return None
+        text = ""
     except OSError as exc:
         raise CheckpointError(f"{root / LATEST} cannot be read ({exc})") from None
+    if not text:
+        # A run that died between committing its first step folder and writing `latest`, or a
+        # `latest` lost since: the newest complete step folder is where it stood.
+        return _newest_complete(root)
     run_id = None
     try:
         doc = json.loads(text)
@@ -197,6 +202,20 @@ def latest(root: str | os.PathLike) -> Checkpoint | None:
                               "the folder mixes two runs; write the name of the step folder to resume into "
                               f"{root / LATEST}")
     return Checkpoint(int(meta["step"]), folder, meta)
+
+
+def _newest_complete(root: Path) -> Checkpoint | None:
+    """The step folder of ``root`` with the highest step whose ``meta.json`` reads, or None."""
+    folders = sorted((p for p in committed(root) if p.name != LATEST), key=lambda p: p.name, reverse=True)
+    for folder in folders:
+        try:
+            meta = _read_meta(folder)
+        except CheckpointError:
+            continue
+        return Checkpoint(int(meta["step"]), folder, meta,
+                          note=f"{root / LATEST} is missing or empty: resuming from the newest complete step "
+                               f"folder, {folder.name}")
+    return None
 
 
 def committed(root: str | os.PathLike) -> list[Path]:
@@ -296,8 +315,8 @@ def check_resumable(root: str | os.PathLike, *, package: str | None, steps: int)
     """The checkpoint ``--resume`` continues from, refusing one of another package or past ``steps``."""
     ck = latest(root)
     if ck is None:
-        raise CheckpointError(f"--resume: no checkpoint in {root} (no '{LATEST}' file); drop --resume to start "
-                              "afresh")
+        raise CheckpointError(f"--resume: no checkpoint in {root} (no '{LATEST}' file and no complete step "
+                              "folder); drop --resume to start afresh")
     if package is not None and ck.meta.get("package") != package:
         raise CheckpointError(f"{ck.folder} was written by another package (graph {ck.meta.get('package')}, this "
                               f"package's is {package}); resume with a package of the model it was trained with")
@@ -374,6 +393,12 @@ def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: d
                                             "the checkpoint would lack it (a bug)"))
     if world > 1:
         _check_copies(flat, all_sizes, control, step)
+    # A digest of every tensor written, kept in meta.json: load() checks what it reads against it,
+    # so a damaged file is refused instead of training on (safetensors checks only its header).
+    digests = {k: _digest(t) for k, t in written.items()}
+    if world > 1:
+        for d in control.all_gather(digests):
+            digests.update(d)
     needed = sum(unique.values()) + 64 * 1024 * world    # headers and meta.json
     staging = root / f"{STAGING_PREFIX}{step:08d}-{save_id}"
     # One rank decides for all: on a shared file system every host sees the same free space.
@@ -427,7 +452,7 @@ def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: d
         try:
             doc = {"format": FORMAT, "version": VERSION, "step": step, **meta, "scalars": scalars,
                    "bytes": sum(unique.values()), "tensors": len(unique),
-                   "written": time.strftime("%Y-%m-%d %H:%M:%S")}
+                   "written": time.strftime("%Y-%m-%d %H:%M:%S"), "digests": digests}
             atomic_write_text(staging / META, json.dumps(doc, indent=1))
             _commit(root, staging, step, meta.get("run_id"))
         except OSError as exc:
@@ -545,6 +570,13 @@ def load(ck: Checkpoint, names: Iterable[str], device: str | torch.device = "cpu
         raise CheckpointError(f"{ck.folder} cannot be read ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else ''}); resume from an older step folder "
                               f"by writing its name into {ck.folder.parent / LATEST}") from None
+    digests = ck.meta.get("digests") or {}     # none in checkpoints written before they were recorded
+    damaged = [k for k, t in template.items() if k in digests and _digest(t) != digests[k]]
+    if damaged:
+        raise CheckpointError(f"{ck.folder} is damaged: {len(damaged)} tensor(s) read back differ from what was "
+                              f"written ({', '.join(damaged[:3])}{'...' if len(damaged) > 3 else ''}; their digests in "
+                              f"{META} do not match); resume from an older step folder by writing its name into "
+                              f"{ck.folder.parent / LATEST}")
     scalars = ck.meta.get("scalars", {})
     out: dict = {"step": ck.step, "weights": {}, "optimizer": {}}
     for k, t in template.items():

@@ -33,7 +33,7 @@ DEFAULTS = {"steps": 10, "optimizer": "adam", "lr": 1e-3, "momentum": 0.9, "weig
 #: Recorded in every checkpoint's ``meta.json`` (``config``), and inherited by ``--resume``.
 RECORDED = ("schedule", "micro_batches", "steps", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
             "warmup_steps", "clip_grad_norm", "seed", "data", "recompute", "weight_prediction", "no_dropout",
-            "on_nonfinite", "advance", "tied_lag")
+            "on_nonfinite", "advance", "tied_lag", "checkpoint_every")
 
 
 class OptionError(ValueError):
@@ -313,6 +313,8 @@ def resolve(args, manifest, *, restart_run_id: str | None = None, replicas: int 
     if args.resume:
         ck = check_resumable(args.checkpoint_dir, package=package,
                              steps=args.steps if args.steps is not None else 2 ** 62)
+        if ck.note:
+            notes.append(ck.note)
         was = ck.meta.get("config") or {}
         changed = []
         for name in RECORDED:
@@ -324,6 +326,10 @@ def resolve(args, manifest, *, restart_run_id: str | None = None, replicas: int 
                     from_checkpoint.add(name)
             elif name in was and given != old and name != "steps":
                 changed.append((name, old, given))
+        if args.log_dir is None and ck.meta.get("log_dir"):
+            # the run's train.jsonl goes on in one file, not split between two folders
+            args.log_dir = ck.meta["log_dir"]
+            notes.append(f"logging into the resumed run's log folder {args.log_dir}")
         new_opt, old_opt = args.optimizer or DEFAULTS["optimizer"], was.get("optimizer")
         if old_opt and new_opt != old_opt:
             why = resume_change(old_opt, new_opt)

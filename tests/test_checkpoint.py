@@ -265,6 +265,61 @@ def test_resume_keeps_one_log_record_per_step(pkgs, tmp_path):
     assert "dropped" in r.stderr
 
 
+def test_a_resumed_run_keeps_its_checkpoint_interval_and_log_folder(pkgs, tmp_path):
+    """`run --checkpoint-dir C --resume` (the README's line after a crash) goes on checkpointing every N
+    steps into the same train.jsonl, as the interrupted run did: a second crash loses at most N steps."""
+    pkg = pkgs["seq"]
+    ok(run_cli(*args_for(pkg, tmp_path, "--checkpoint-every", "2", steps=4)))
+    (tmp_path / "ckpt" / "latest").write_text("step-00000002\n")      # as if it died after step 3
+    shutil.rmtree(tmp_path / "ckpt" / "step-00000004")
+    resume = [a for a in args_for(pkg, tmp_path, "--resume", steps=8)]
+    i = resume.index("--log-dir")
+    del resume[i:i + 2]                                                  # neither --log-dir nor --checkpoint-every
+    r = ok(run_cli(*resume))
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == \
+        [f"step-0000000{s}" for s in (2, 4, 6, 8)], r.stderr
+    assert steps_in(tmp_path / "log" / "train.jsonl") == list(range(8))
+    assert "logging into the resumed run's log folder" in r.stderr
+    assert not (pkg / "runs" / "1f1b" / "train.jsonl").exists() or \
+        steps_in(pkg / "runs" / "1f1b" / "train.jsonl") != list(range(2, 8))
+
+
+def test_a_checkpoint_damaged_inside_a_tensor_is_refused(pkgs, tmp_path):
+    """Bits flipped in a shard's tensor data (its header intact) are found by the digests in meta.json."""
+    pkg = pkgs["seq"]
+    ok(run_cli(*args_for(pkg, tmp_path, steps=1)))
+    last = ckpt.latest(tmp_path / "ckpt")
+    shard = max(last.folder.glob("*.safetensors"), key=lambda f: f.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    for i in range(len(data) - 4096, len(data) - 2048):                 # in the data, well past the header
+        data[i] ^= 0x04
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match="is damaged: .* differ from what was written"):
+        ckpt.load_weights(ckpt.latest(tmp_path / "ckpt"))
+    r = refused_or_failed(run_cli(*args_for(pkg, tmp_path, "--resume", steps=2)))
+    assert "is damaged" in r and "resume from an older step folder" in r
+
+
+def refused_or_failed(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    return r.stderr
+
+
+def test_without_latest_the_newest_complete_step_folder_is_resumed(pkgs, tmp_path):
+    """A run dying between committing a step folder and writing `latest` (or `latest` lost): --resume
+    takes the newest step folder whose meta.json reads, and says so."""
+    pkg = pkgs["seq"]
+    ok(run_cli(*args_for(pkg, tmp_path, "--checkpoint-every", "1", steps=3)))
+    root = tmp_path / "ckpt"
+    (root / "latest").unlink()
+    (root / "step-00000003" / "meta.json").unlink()                     # the newest is incomplete
+    found = ckpt.latest(root)
+    assert found.step == 2 and "newest complete step folder, step-00000002" in found.note
+    r = ok(run_cli(*args_for(pkg, tmp_path, "--checkpoint-every", "1", "--resume", steps=4)))
+    assert "newest complete step folder, step-00000002" in r.stderr
+    assert steps_in(tmp_path / "log" / "train.jsonl") == [0, 1, 2, 3]
+
+
 def test_temporaries_of_a_dead_run_are_removed_at_the_next_start(pkgs, tmp_path):
     pkg = pkgs["seq"]
     ok(run_cli(*args_for(pkg, tmp_path)))
