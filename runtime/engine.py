@@ -211,17 +211,34 @@ def accepts_update_buffers(module: torch.nn.Module) -> bool:
         return False
 
 
+#: Words of the errors PyTorch raises when a value indexes past a table: an embedding's
+#: "index out of range in self", cross-entropy's "Target 7000 is out of bounds", a CUDA kernel's
+#: device-side assert. Under ``_call`` they come from the data, not from ftcompile.
+_OUT_OF_RANGE = ("index out of range", "out of bounds", "device-side assert")
+
+
 def _call(module: torch.nn.Module, weights: dict, live: dict, args: tuple, seed: int, *, recompute: bool = False):
     # A recomputation repeats a forward that already ran: it must not update running
     # statistics (BatchNorm) a second time.
     kwargs = {"seed": seed}
     if recompute and getattr(module, "_ftc_updates_buffers", False):
         kwargs["update_buffers"] = False
-    # The live weights are the module's own: call it directly, skipping functional_call's
-    # re-parametrisation, which costs more than a small stage's compute.
-    if weights is live:
-        return module(*args, **kwargs)
-    return functional_call(module, weights, args, kwargs, strict=False)
+    try:
+        # The live weights are the module's own: call it directly, skipping functional_call's
+        # re-parametrisation, which costs more than a small stage's compute.
+        if weights is live:
+            return module(*args, **kwargs)
+        return functional_call(module, weights, args, kwargs, strict=False)
+    except (IndexError, RuntimeError) as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if not any(w in str(exc) for w in _OUT_OF_RANGE):
+            raise
+        from .data import DataError
+
+        raise DataError(f"stage {getattr(module, 'STAGE', '?')}: {type(exc).__name__}: {text}: a value of the "
+                        "data (a token id, a label, a position) is outside what the model takes: token ids must "
+                        "be below its vocabulary size, class labels below its number of classes (or the ignore "
+                        "index, -100); check the data (--data)") from None
 
 
 def micro_batch_seed(seed: int, step: int, index: int) -> int:

@@ -320,6 +320,23 @@ def test_without_latest_the_newest_complete_step_folder_is_resumed(pkgs, tmp_pat
     assert steps_in(tmp_path / "log" / "train.jsonl") == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("ids, labels, says", [(5000, 5, "index out of range"), (5, 7000, "Target 7000 is out of bounds")])
+def test_token_ids_or_labels_beyond_the_model_are_a_data_error(pkgs, tmp_path, ids, labels, says):
+    """A data function yielding token ids past the vocabulary (gpt2-tiny's is 1000), or labels past it:
+    an error naming the data, exit 2, not an internal error."""
+    m = load_package(pkgs["seq"]).manifest
+    tail = list(next(gi for gi in m.inputs if gi.shape).shape[1:])         # the sequence length
+    (tmp_path / "bad.py").write_text(
+        "import torch\n"
+        "def batches(micro_batches, **_):\n"
+        f"    shape = [micro_batches * {m.micro_batch_size}] + {tail}\n"
+        "    while True:\n"
+        f"        yield {{'input_ids': torch.full(shape, {ids}), 'labels': torch.full(shape, {labels})}}\n")
+    r = run_cli(*args_for(pkgs["seq"], tmp_path, "--data", f"{tmp_path / 'bad.py'}:batches", steps=1))
+    err = refused(r, says, "check the data (--data)")
+    assert "internal error" not in err
+
+
 def test_temporaries_of_a_dead_run_are_removed_at_the_next_start(pkgs, tmp_path):
     pkg = pkgs["seq"]
     ok(run_cli(*args_for(pkg, tmp_path)))
