@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from . import cli as base
 
@@ -205,6 +207,22 @@ def _check_weights(package) -> None:
             _check_file(package.path, s.weights, package.checksums[s.weights])
 
 
+def _usable_folder(path: str, option: str) -> None:
+    """Refuse, before any rank starts, a folder the run could not write into: a file, or a path that
+    cannot be created or written. Creating it is what the ranks would do first anyway."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise base.UsageError(f"{option} {path} is a file, not a folder; give a folder (it is created if missing)")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise base.UsageError(f"{option} {path} cannot be created: {exc.strerror or exc}"
+                              + (f" ({exc.filename})" if exc.filename and str(exc.filename) != path else "")
+                              + "; give a folder this user can create") from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise base.UsageError(f"{option} {path} is not writable by this user; give a folder it can write into")
+
+
 def _preflight(args: argparse.Namespace):
     """Everything that can refuse a run, checked before any rank starts; returns (package, resolved, nproc)."""
     from .runtime import checkpoint as ckpt
@@ -252,8 +270,10 @@ def _preflight(args: argparse.Namespace):
     for n in res.notes:
         ui.note(n)
     log_dir = res.args.log_dir or str(package.path / "runs" / res.args.schedule)
+    _usable_folder(log_dir, "--log-dir")
     check_free(log_dir, what="logs")
     if args.checkpoint_dir:
+        _usable_folder(args.checkpoint_dir, "--checkpoint-dir")
         check_free(args.checkpoint_dir, what="checkpoints")
         if res.checkpoint is None:
             ckpt.check_fresh(args.checkpoint_dir, overwrite=args.overwrite_checkpoints)

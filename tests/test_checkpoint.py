@@ -412,6 +412,17 @@ def test_nonsense_options_are_refused_before_any_rank_starts(pkgs, tmp_path, bad
     assert not (tmp_path / "log").exists() and not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.parametrize("option", ["--log-dir", "--checkpoint-dir"])
+def test_a_folder_option_naming_a_file_is_refused_before_any_rank_starts(pkgs, tmp_path, option):
+    (tmp_path / "afile").write_text("the user's file\n")
+    for path, says in [(tmp_path / "afile", "is a file, not a folder"),
+                       (tmp_path / "afile" / "sub", "cannot be created: Not a directory")]:
+        a = args_for(pkgs["seq"], tmp_path)
+        a[a.index(option) + 1] = str(path)
+        refused(run_cli(*a), f"{option} {path} {says}")
+    assert (tmp_path / "afile").read_text() == "the user's file\n"
+
+
 def test_pointless_options_are_warned_about(pkgs, tmp_path):
     r = ok(run_cli(str(pkgs["seq"]), "--nproc", "1", "--steps", "1", "--schedule", "async", "--optimizer", "sgd",
                    "--weight-prediction", "--momentum", "0.5", "--log-dir", str(tmp_path), "--progress", "off"))
