@@ -11,6 +11,7 @@ is lost. Each step record carries the run id (``"run"``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -57,13 +58,20 @@ class RunLog:
 
     def __init__(self, path: Path, run_id: str):
         self.path, self.run_id = path, run_id
-        self._f = open(path, "a", encoding="utf-8")
+        # Unbuffered bytes: a record is written with one call, and cut back whole if it fails.
+        self._f = open(path, "ab", buffering=0)
 
     def write(self, rec: dict) -> None:
+        data = (json.dumps(rec) + "\n").encode("utf-8")
+        end = self._f.seek(0, os.SEEK_END)
         try:
-            self._f.write(json.dumps(rec) + "\n")
-            self._f.flush()
+            done = 0
+            while done < len(data):
+                done += self._f.write(data[done:])
         except OSError as exc:
+            # A full disk leaves no torn last line: the log ends with the last complete record.
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._f.fileno(), end)
             raise _error(self.path, exc) from None
 
     def close(self) -> None:

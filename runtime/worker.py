@@ -50,7 +50,7 @@ from .lock import FolderBusy, acquire
 from .options import (NothingToDo, OptionError, add_train_arguments, check, new_run_id, recorded_config,
                       replicas_for, resolve, worker_argv)
 from .package import PackageError, load_package
-from .runlog import RunLogError, open_log
+from .runlog import NO_SPACE, RunLogError, open_log
 from .schedules import ScheduleError
 from .transport import TransportError, detect_launcher, make_transport
 
@@ -594,10 +594,11 @@ def main(argv: list[str] | None = None) -> int:
         kind, peer = _kind(exc)
         # A lost peer is a consequence: under ftcompile run the launcher names the root cause (the
         # peer's own error, or its signal) and prints this line only when it has nothing better.
+        # No room for the log is the user's to mend (free space, another --log-dir), as for checkpoints.
+        code = 2 if isinstance(exc, RunLogError) and exc.errno in NO_SPACE else 1
         report(str(exc) if not isinstance(exc, OSError) or isinstance(exc, RunLogError) else
-               f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}", kind=kind, code=1, peer=peer,
+               f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}", kind=kind, code=code, peer=peer,
                show=not (kind == "lost" and launch.launcher == "ftcompile"))
-        code = 1
     except REFUSALS as exc:
         alike = report.alike or getattr(exc, "every_rank", False)
         report(str(exc), kind="error", code=2, show=launch.rank == 0 or not alike)

@@ -478,6 +478,30 @@ def test_open_log_rotates_a_fresh_run_and_filters_a_resumed_one(tmp_path):
     assert (tmp_path / "train.2.jsonl").exists() and "moved the log" in notes[0]
 
 
+def test_a_full_disk_leaves_the_log_ending_with_a_whole_record(tmp_path):
+    """The log's file reaches the process's file-size limit (EFBIG, as a full disk's ENOSPC) in the middle
+    of a record: the record is cut back, so the log ends with the last complete line, and the error says
+    there is no room."""
+    code = (
+        "import json, resource, signal, sys\n"
+        "from pathlib import Path\n"
+        "from ftcompile.runtime.runlog import open_log, RunLogError\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        f"log, _ = open_log(Path({str(tmp_path)!r}), run_id='r')\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    for step in range(1000):\n"
+        "        log.write({'run': 'r', 'step': step, 'loss': 1.0 / (step + 1), 'pad': 'x' * 37})\n"
+        "except RunLogError as exc:\n"
+        "    print(exc); sys.exit(3)\n")
+    r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3 and "no room to write the training log" in r.stdout, (r.stdout, r.stderr)
+    text = (tmp_path / "train.jsonl").read_text()
+    assert text.endswith("\n") and len(text) <= 1000
+    steps = [json.loads(line)["step"] for line in text.splitlines()]
+    assert steps == list(range(len(steps))) and len(steps) >= 5
+
+
 def test_a_folder_lock_names_its_holder_and_dies_with_it(tmp_path):
     holder = subprocess.Popen([PY, "-c", "import sys, time\nfrom ftcompile.runtime.lock import acquire\n"
                                f"acquire({str(tmp_path)!r}, 'run-x')\nprint('held', flush=True)\ntime.sleep(600)"],
