@@ -65,7 +65,8 @@ def summarize(failures: dict, describe: Callable[[int], str]) -> tuple[list[str]
     ``failures`` maps a rank to its ``ProcessFailure`` (``exitcode``: negative for a signal;
     ``error_file``: the record the rank wrote). The root cause is, in order: a rank that failed
     by itself (it printed why); a rank killed by a signal other than the agent's SIGTERM; a rank
-    that reported a lost or silent peer; a rank stopped by SIGTERM from outside.
+    stopped by a signal from outside before any peer was missed; a rank that reported a lost or
+    silent peer; a rank stopped by SIGTERM from outside.
     """
     records = {r: _record(f) for r, f in failures.items()}
     # A rank that printed its error comes first: the error every rank met is printed by one of them.
@@ -89,6 +90,13 @@ def summarize(failures: dict, describe: Callable[[int], str]) -> tuple[list[str]
                 lines.append(f"{describe(r)} was killed by {_signal_name(sig)} (signal {sig})")
         return lines, 128 + -failures[killed[0]].exitcode
     peers = sorted((rec.get("time", 0), r) for r, rec in records.items() if rec.get("kind") in ("lost", "hang"))
+    stopped = sorted((rec.get("time", 0), r) for r, rec in records.items() if rec.get("kind") == "signal")
+    if peers and stopped and stopped[0][0] <= peers[0][0]:
+        # A rank stopped by a signal from outside before any peer was missed: the others lost it.
+        r = stopped[0][1]
+        sig = int(records[r].get("code") or 0) - 128
+        if sig > 0:
+            return [f"{describe(r)} was stopped by {_signal_name(sig)} (sent from outside ftcompile run)"], 128 + sig
     if peers:
         r = peers[0][1]
         return ([] if records[r].get("shown") else [f"{describe(r)}: {failures[r].message}"],

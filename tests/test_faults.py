@@ -205,6 +205,22 @@ def test_rank_killed_during_a_step_is_named_and_the_others_stop(pkg, tmp_path, r
     assert_all_gone(ranks.values())
 
 
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_stopped_by_sigterm_from_outside_is_named_not_its_peers_lost_link(pkg, tmp_path, runs, victim):
+    """`kill -TERM` of one rank: the message names it and its signal (exit 143), not the gloo error its
+    peer met on the closed connection."""
+    run = start(runs, train_args(pkg, tmp_path), tmp_path)
+    wait_until(lambda: len(log_records(tmp_path / "log" / "train.jsonl")) >= 3, "three steps")
+    ranks = run.ranks()
+    os.kill(ranks[victim], signal.SIGTERM)
+    rc = run.wait()
+    err = run.stderr
+    assert rc == 128 + signal.SIGTERM, err
+    assert f"rank {victim} (stages [{victim}]) was stopped by SIGTERM (sent from outside ftcompile run)" in err, err
+    assert "Connection closed by peer" not in err and "Traceback" not in err
+    assert_all_gone(ranks.values())
+
+
 def _staging(ck: Path) -> bool:
     """A checkpoint is being written: temporary files or folders are there."""
     try:
