@@ -262,6 +262,27 @@ def _corpus(root: str) -> bytes:
     return b"".join(parts)
 
 
+def data_fingerprint(spec: str) -> str | None:
+    """A digest of what the data spec reads, where ftcompile can tell: the text corpus's bytes
+    (``text``, ``text:DIR``), a user data file's source (not what its function may read besides);
+    None for synthetic data, or where the source cannot be read (loading it says why). Checkpoints
+    record it, so that a resumed run whose data changed under the same spec is told."""
+    import hashlib
+
+    spec = str(spec).strip()
+    try:
+        if spec == "text" or spec.startswith("text:"):
+            root = spec[len("text:"):] if spec.startswith("text:") else None
+            data = corpus_bytes(root)
+        elif spec.rpartition(":")[0].endswith(".py"):
+            data = Path(os.path.expanduser(spec.rpartition(":")[0])).read_bytes()
+        else:
+            return None
+    except (DataError, OSError):
+        return None
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
 def text_batches(manifest: Manifest, *, micro_batches: int, seed: int = 0,
                  root: str | None = None) -> Iterator[Batch]:
     """Endless language-model batches cut from a real corpus, byte-level tokens.

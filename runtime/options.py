@@ -326,6 +326,14 @@ def resolve(args, manifest, *, restart_run_id: str | None = None, replicas: int 
                     from_checkpoint.add(name)
             elif name in was and given != old and name != "steps":
                 changed.append((name, old, given))
+        if ck.meta.get("data_fingerprint") and args.data == was.get("data"):
+            from .data import data_fingerprint
+
+            now = data_fingerprint(args.data)
+            if now is not None and now != ck.meta["data_fingerprint"]:
+                warnings.append(f"the data of --data {args.data} changed since the checkpoint of step {ck.step} "
+                                "(its files differ): the resumed run does not see the data an uninterrupted run "
+                                "would")
         if args.log_dir is None and ck.meta.get("log_dir"):
             # the run's train.jsonl goes on in one file, not split between two folders
             args.log_dir = ck.meta["log_dir"]

@@ -462,12 +462,20 @@ class RankRun:
             if rec.get("loss") is not None:
                 self.bar.set_postfix(loss=f"{rec['loss']:.4f}", sps=f"{rec.get('samples_per_s') or 0:.1f}")
 
+    def _data_fingerprint(self) -> str | None:
+        if not hasattr(self, "_fingerprint"):      # once a run: hashing a corpus is not free
+            from .data import data_fingerprint
+
+            self._fingerprint = data_fingerprint(self.args.data)
+        return self._fingerprint
+
     def _save(self, step: int, previous: int | None) -> None:
         args, m = self.args, self.m
         meta = {"run_id": self.run_id, "package": m.generator.get("base_graph_hash") or m.generator.get("graph_hash"),
                 "model": m.model.get("name"), "micro_batch_size": m.micro_batch_size,
                 "world_size": self.launch.world_size, "replicas": self.replicas, "rank_order": self.layout.order,
-                "log_dir": str(self.log_dir.resolve()), "config": recorded_config(args)}
+                "log_dir": str(self.log_dir.resolve()), "data_fingerprint": self._data_fingerprint(),
+                "config": recorded_config(args)}
         if self.tuner is not None:
             meta["avgpipe_advance"] = self.tuner.to_json()
         self.phase(f"in the checkpoint of step {step}")

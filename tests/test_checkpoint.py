@@ -284,6 +284,24 @@ def test_a_resumed_run_keeps_its_checkpoint_interval_and_log_folder(pkgs, tmp_pa
         steps_in(pkg / "runs" / "1f1b" / "train.jsonl") != list(range(2, 8))
 
 
+def test_a_resume_whose_text_corpus_changed_is_warned_about(pkgs, tmp_path):
+    """The same `--data text:DIR` with a file added since the checkpoint: the batches differ from an
+    uninterrupted run's, and the resumed run says so (the corpus's digest is in meta.json)."""
+    import sysconfig
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("textwrap.py", "string.py", "bisect.py"):
+        shutil.copy(Path(sysconfig.get_paths()["stdlib"]) / name, corpus / name)
+    data = ["--data", f"text:{corpus}", "--checkpoint-every", "1"]
+    ok(run_cli(*args_for(pkgs["seq"], tmp_path, *data, steps=1)))
+    r = ok(run_cli(*args_for(pkgs["seq"], tmp_path, *data, "--resume", steps=2)))
+    assert "changed since the checkpoint" not in r.stderr
+    shutil.copy(Path(sysconfig.get_paths()["stdlib"]) / "heapq.py", corpus / "heapq.py")
+    r = ok(run_cli(*args_for(pkgs["seq"], tmp_path, *data, "--resume", steps=3)))
+    assert f"the data of --data text:{corpus} changed since the checkpoint of step 2" in r.stderr
+
+
 def test_a_checkpoint_damaged_inside_a_tensor_is_refused(pkgs, tmp_path):
     """Bits flipped in a shard's tensor data (its header intact) are found by the digests in meta.json."""
     pkg = pkgs["seq"]
