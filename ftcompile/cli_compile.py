@@ -306,45 +306,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         warnings = _size_warnings(graph, cluster.num_gpus, args.max_stages, args.replicas, lays)
         for w in warnings:
             ui.note(f"warning: {w}")
-        from .replicas import compile_replicated
-
-        def partition(problem):
-            done = []
-            with ui.steps("partition", "strategy") as bar:
-                def progress(r):
-                    done.append(r.name)
-                    bar(len(done), total * len(lays))
-                    ui.note(f"{r.name}: " + (f"{r.cost.objective_ms:.3f} ms, {r.cost.efficiency:.1%} of the lower "
-                                             f"bound" if r.feasible else f"no plan ({r.reason})")
-                            + f" [{r.seconds:.1f} s]")
-
-                def option_done(o):
-                    what = (f"{o.throughput:.3f} samples/s" + (" (screened)" if o.planned == "screened" else "")
-                            if o.feasible else f"skipped ({o.reason})" if o.planned == "bounded"
-                            else f"no plan ({o.reason})")
-                    ui.note(f"{o.layout.pipeline_gpus} GPUs x {o.layout.replicas} replicas ({o.layout.order}): {what}")
-
-                return compile_replicated(problem, args.strategy, replicas=args.replicas, jobs=args.jobs,
-                                          progress=option_done, strategy_progress=progress,
-                                          max_stages=args.max_stages, time_limit=args.time_limit)
-
-        options, chosen = partition(problem)
-        lag_note, least = None, problem      # least: the problem whose minimum requirements a failure names
-        if chosen is None and args.tied_lag is None and lags_tied_tensors(problem) and _searched(options):
-            # The lag's memory (two steps of every holder's gradient part per GPU) is what a plan
-            # cannot hold: without it the run is plain async training with a wait per update.
-            ui.note("no plan fits with the tied-weight lag; planning again without it (--no-tied-lag)")
-            unlagged = replace(problem, tied_lag=False)
-            options_nl, chosen_nl = partition(unlagged)
-            least = unlagged        # what compile falls back to: the least that fits is the unlagged plan's
-            if chosen_nl is not None:
-                problem, options, chosen = unlagged, options_nl, chosen_nl
-                lag_note = ("no plan fits with the tied-weight lag (each holder's GPU keeps two steps of every "
-                            "holder's gradient part), so this plan is for --no-tied-lag: tied tensors update "
-                            "without lag and every update waits for their summed gradient; the package records "
-                            "it and `ftcompile run` trains so")
-                warnings.append(lag_note)
-                ui.note(f"warning: {lag_note}")
+        problem, options, chosen, least, lag_note = _partition(args, problem, ui, total * len(lays), warnings)
         t = lap("partition_and_simulate", t)
         result = _result_of(options, chosen)
         doc = plan_document(result, model=graph.source)
@@ -403,6 +365,56 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if package:
         print(f"package: {args.output} (verify with `ftcompile verify {args.output}`)")
     return 0
+
+
+def _partition(args, problem, ui, steps: int, warnings: list[str]):
+    """Every layout and strategy on ``problem``; where nothing fits with the tied-weight lag, which was
+    not asked for (``args.tied_lag`` None), and something may without it, once more without it.
+
+    Returns ``(problem, options, chosen, least, note)``: the problem planned (the unlagged one when
+    that is what fits), the layouts' options and the chosen index, the problem whose minimum
+    requirements a failure names (the unlagged one once compile would fall back to it), and the
+    note saying the lag was turned off (also appended to ``warnings``), or None."""
+    from dataclasses import replace
+
+    from .plan import lags_tied_tensors
+    from .replicas import compile_replicated
+
+    def run(problem):
+        done = []
+        with ui.steps("partition", "strategy") as bar:
+            def progress(r):
+                done.append(r.name)
+                bar(len(done), steps)
+                ui.note(f"{r.name}: " + (f"{r.cost.objective_ms:.3f} ms, {r.cost.efficiency:.1%} of the lower "
+                                         f"bound" if r.feasible else f"no plan ({r.reason})") + f" [{r.seconds:.1f} s]")
+
+            def option_done(o):
+                what = (f"{o.throughput:.3f} samples/s" + (" (screened)" if o.planned == "screened" else "")
+                        if o.feasible else f"skipped ({o.reason})" if o.planned == "bounded"
+                        else f"no plan ({o.reason})")
+                ui.note(f"{o.layout.pipeline_gpus} GPUs x {o.layout.replicas} replicas ({o.layout.order}): {what}")
+
+            return compile_replicated(problem, args.strategy, replicas=args.replicas, jobs=args.jobs,
+                                      progress=option_done, strategy_progress=progress,
+                                      max_stages=args.max_stages, time_limit=args.time_limit)
+
+    options, chosen = run(problem)
+    if chosen is not None or args.tied_lag is not None or not lags_tied_tensors(problem) or not _searched(options):
+        return problem, options, chosen, problem, None
+    # The lag's memory (two steps of every holder's gradient part per GPU) is what a plan cannot
+    # hold: without it the run is plain async training with a wait per update.
+    ui.note("no plan fits with the tied-weight lag; planning again without it (--no-tied-lag)")
+    unlagged = replace(problem, tied_lag=False)
+    options_nl, chosen_nl = run(unlagged)
+    if chosen_nl is None:
+        return problem, options, None, unlagged, None
+    note = ("no plan fits with the tied-weight lag (each holder's GPU keeps two steps of every holder's "
+            "gradient part), so this plan is for --no-tied-lag: tied tensors update without lag and every "
+            "update waits for their summed gradient; the package records it and `ftcompile run` trains so")
+    warnings.append(note)
+    ui.note(f"warning: {note}")
+    return unlagged, options_nl, chosen_nl, unlagged, note
 
 
 def _searched(options) -> bool:
