@@ -470,7 +470,7 @@ def _digest(t: torch.Tensor) -> str:
     import hashlib
 
     data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-    return hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()
+    return hashlib.blake2b(memoryview(data), digest_size=16).hexdigest()     # no second host copy
 
 
 def _check_copies(flat: dict[str, torch.Tensor], all_keys: list[dict], control, step: int) -> None:

@@ -211,10 +211,11 @@ def accepts_update_buffers(module: torch.nn.Module) -> bool:
         return False
 
 
-#: Words of the errors PyTorch raises when a value indexes past a table: an embedding's
+#: Words of the errors PyTorch's kernels raise when a value indexes past a table: an embedding's
 #: "index out of range in self", cross-entropy's "Target 7000 is out of bounds", a CUDA kernel's
-#: device-side assert. Under ``_call`` they come from the data, not from ftcompile.
-_OUT_OF_RANGE = ("index out of range", "out of bounds", "device-side assert")
+#: device-side assert. Under ``_call`` they come from the data, not from ftcompile. (Python's own
+#: "list index out of range" is not among them: that is a bug, reported as one.)
+_OUT_OF_RANGE = ("index out of range in self", "is out of bounds", "device-side assert")
 
 
 def _call(module: torch.nn.Module, weights: dict, live: dict, args: tuple, seed: int, *, recompute: bool = False):
@@ -238,7 +239,7 @@ def _call(module: torch.nn.Module, weights: dict, live: dict, args: tuple, seed:
         raise DataError(f"stage {getattr(module, 'STAGE', '?')}: {type(exc).__name__}: {text}: a value of the "
                         "data (a token id, a label, a position) is outside what the model takes: token ids must "
                         "be below its vocabulary size, class labels below its number of classes (or the ignore "
-                        "index, -100); check the data (--data)") from None
+                        "index, -100); check the data (--data)") from exc
 
 
 def micro_batch_seed(seed: int, step: int, index: int) -> int:

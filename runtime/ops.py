@@ -107,7 +107,9 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) 
     The tracer's twin of ``aten.copy_`` (``ftcompile.functionalize.out_of_place``): ``aten.copy``
     computes the same but has no derivative, so gradients would not reach ``src``. Here they do,
     and none reaches ``dst``, whose values are overwritten."""
-    return src.to(device=dst.device, dtype=dst.dtype, non_blocking=non_blocking).expand_as(dst).clone()
+    # non_blocking is not passed on: the clone reads the copy at once, and a device-to-host copy
+    # that had not finished would be read half done.
+    return src.to(device=dst.device, dtype=dst.dtype).expand_as(dst).clone()
 
 
 def index(x: Any, *idx: Any) -> Any:

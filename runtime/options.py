@@ -334,8 +334,9 @@ def resolve(args, manifest, *, restart_run_id: str | None = None, replicas: int 
                 warnings.append(f"the data of --data {args.data} changed since the checkpoint of step {ck.step} "
                                 "(its files differ): the resumed run does not see the data an uninterrupted run "
                                 "would")
-        if args.log_dir is None and ck.meta.get("log_dir"):
-            # the run's train.jsonl goes on in one file, not split between two folders
+        if args.log_dir is None and ck.meta.get("log_dir") and os.path.isdir(ck.meta["log_dir"]):
+            # the run's train.jsonl goes on in one file, not split between two folders (a folder
+            # that is gone, e.g. a checkpoint copied from another machine, leaves the default)
             args.log_dir = ck.meta["log_dir"]
             notes.append(f"logging into the resumed run's log folder {args.log_dir}")
         new_opt, old_opt = args.optimizer or DEFAULTS["optimizer"], was.get("optimizer")
