@@ -590,21 +590,23 @@ def _fmt_bytes(b: float | None) -> str:
 
 
 def _settings_text(doc: dict) -> str:
-    """The run settings recorded in ``doc`` that change a plan's price, where they differ from
-    the run's fixed defaults (which ``ftcompile run`` takes from the plan: ``options.planned_settings``)."""
-    from .runtime.schedules import SYNCHRONOUS
+    """The run settings recorded in ``doc`` that change a plan's price, where they differ, as they take
+    effect (``reprice.Settings``), from the run's fixed defaults (which ``ftcompile run`` takes from
+    the plan instead: ``options.planned_settings``)."""
+    from .reprice import LABELS, Settings, changes
 
-    out = [f"optimizer {doc['profile']['optimizer']}"] if doc["profile"].get("optimizer") not in (None, "adam") else []
-    if doc.get("recompute"):
-        out.append("recompute")
-    if doc.get("weight_prediction"):
-        out.append("weight prediction")
-    if doc.get("clip_grad_norm"):
-        out.append(f"clip-grad-norm {doc['clip_grad_norm']:g}")
-    if doc.get("on_nonfinite") == "skip":
-        out.append("on-nonfinite skip")
-    if doc.get("tied_lag") is False and doc["schedule"] not in SYNCHRONOUS:
-        out.append("tied-weight lag off")
+    schedule, m = doc["schedule"], doc["micro_batches"]
+    clip, skip = doc.get("clip_grad_norm"), doc.get("on_nonfinite") or "stop"
+    planned = Settings.of(schedule, m, doc.get("recompute"), doc["profile"].get("optimizer") or "adam",
+                          doc.get("weight_prediction"), clip, skip, doc.get("tied_lag", True))
+    out = []
+    for name, _, value in changes(Settings.of(schedule, m, False, "adam", False, None, "stop"), planned):
+        if name == "exchanges_norms":
+            out += ([f"clip-grad-norm {clip:g}"] if clip else []) + (["on-nonfinite skip"] if skip == "skip" else [])
+        elif name == "optimizer":
+            out.append(f"optimizer {value}")
+        else:
+            out.append(f"{LABELS.get(name, name)} {'on' if value else 'off'}")
     return ", ".join(out)
 
 

@@ -543,9 +543,9 @@ def run_freeze(args, spec: FreezeSpec) -> int:
     M = args.micro_batches or m0.micro_batches
     S = R0 * M * m0.micro_batch_size       # every step's samples, all replicas together, fixed over the run
     optimizer = args.optimizer or m0.optimizer
-    settings = _run_settings(args, m0)
-    _check_phase0(pkg0, args, schedule=schedule, micro_batches=args.micro_batches or m0.micro_batches,
-                  optimizer=optimizer, settings=settings)
+    first = _first_phase(args, m0)
+    settings = {name: getattr(first, name) for name in PRICED_SETTINGS}
+    _check_phase0(pkg0, first, args)
     doc = json.loads((pkg0.path / "plan.json").read_text())
     cluster = load_cluster(spec.cluster) if spec.cluster else ClusterSpec.from_json(doc["cluster"])
     cluster = cluster.with_overrides(gpus=G)
@@ -607,35 +607,32 @@ class _Run:
     settings: dict = field(default_factory=dict)
 
 
-def _run_settings(args, m0) -> dict:
-    """The run settings that change a phase plan's price (under gpipe and 1f1b: recomputation,
-    and clipping or skipping, which make every update wait for all stages), resolved once as a
-    plain run resolves them (the option given, else the package's plan, else the default:
-    ``options.planned_settings``). Every phase is planned for them and its ranks are given them,
-    so that no phase falls back to the defaults its own package would record otherwise."""
-    from .runtime.options import DEFAULTS, planned_settings
-
-    planned = planned_settings(m0)
-    out = {}
-    for name in ("recompute", "clip_grad_norm", "on_nonfinite"):
-        v = getattr(args, name, None)
-        out[name] = v if v is not None else planned.get(name) if planned.get(name) is not None else DEFAULTS[name]
-    return out
+#: The run settings that change a phase plan's price under gpipe and 1f1b: recomputation, and
+#: clipping or skipping, which make every update wait for all stages. Every phase is planned for
+#: them and its ranks are given them, so that no phase falls back to the defaults its own package
+#: would record otherwise.
+PRICED_SETTINGS = ("recompute", "clip_grad_norm", "on_nonfinite")
 
 
-def _check_phase0(pkg0, args, *, schedule: str, micro_batches: int, optimizer: str, settings: dict) -> None:
-    """Phase 0 trains the package as compiled: price it again for the run's settings where they
-    differ from its plan's (the launcher's check of a plain run, ``cli_package._check_planned``), and
-    refuse a GPU run it no longer fits before anything starts. Later phases are planned for them."""
+def _first_phase(args, m0):
+    """The options of phase 0 as its ranks resolve them (``options.resolve``: the option given, else
+    the package's plan, else the default), without a resume: phase 0 starts the run."""
+    from .runtime.options import resolve
+
+    first = copy.copy(args)
+    first.resume = False
+    return resolve(first, m0).args
+
+
+def _check_phase0(pkg0, first, cli) -> None:
+    """Phase 0 trains the package as compiled: price it again for the run's settings (``first``,
+    resolved) where they differ from its plan's (the launcher's check of a plain run,
+    ``cli_package._check_planned``), and refuse a GPU run it no longer fits before anything starts.
+    Later phases are planned for them."""
     from .cli import _Ui
     from .cli_package import _check_planned
 
-    resolved = copy.copy(args)
-    resolved.schedule, resolved.micro_batches, resolved.optimizer = schedule, micro_batches, optimizer
-    resolved.weight_prediction, resolved.tied_lag = False, True    # neither acts under gpipe or 1f1b
-    for name, value in settings.items():
-        setattr(resolved, name, value)
-    _check_planned(pkg0, resolved, _Ui(args), cli=args)
+    _check_planned(pkg0, first, _Ui(cli), cli=cli)
 
 
 def _phases(run: _Run) -> int:

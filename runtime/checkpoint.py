@@ -391,13 +391,15 @@ def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: d
         if missing:
             raise _everyone(CheckpointError(f"no writing rank holds {missing[0]} (and {len(missing) - 1} more); "
                                             "the checkpoint would lack it (a bug)"))
-    if world > 1:
-        _check_copies(flat, all_sizes, control, step)
     # A digest of every tensor written, kept in meta.json: load() checks what it reads against it,
     # so a damaged file is refused instead of training on (safetensors checks only its header).
-    digests = {k: _digest(t) for k, t in written.items()}
+    # The same digests show whether the copies several ranks hold are equal (_check_copies).
+    shared = _shared_keys(all_sizes)
+    digests = {k: _digest(t) for k, t in flat.items() if write or k in shared}
     if world > 1:
-        for d in control.all_gather(digests):
+        gathered = control.all_gather(digests)
+        _check_copies(gathered, shared, step)
+        for d in gathered:
             digests.update(d)
     needed = sum(unique.values()) + 64 * 1024 * world    # headers and meta.json
     staging = root / f"{STAGING_PREFIX}{step:08d}-{save_id}"
@@ -473,15 +475,18 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.blake2b(memoryview(data), digest_size=16).hexdigest()     # no second host copy
 
 
-def _check_copies(flat: dict[str, torch.Tensor], all_keys: list[dict], control, step: int) -> None:
-    """Tensors several ranks hold (tied weights, replicated stages) must be equal: the save keeps one copy."""
-    held = {}
-    for r, keys in enumerate(all_keys):
+def _shared_keys(all_keys: list[dict]) -> set[str]:
+    """Entries that several ranks hold (tied weights, replicated stages)."""
+    held: dict[str, int] = {}
+    for keys in all_keys:
         for k in keys:
-            held.setdefault(k, []).append(r)
-    shared = sorted(k for k, rs in held.items() if len(rs) > 1 and k in flat)
-    digests = control.all_gather({k: _digest(flat[k]) for k in shared})
-    for k in sorted(k for k, rs in held.items() if len(rs) > 1):
+            held[k] = held.get(k, 0) + 1
+    return {k for k, n in held.items() if n > 1}
+
+
+def _check_copies(digests: list[dict[str, str]], shared: set[str], step: int) -> None:
+    """Tensors several ranks hold must be equal (``digests``: every rank's): the save keeps one copy."""
+    for k in sorted(shared):
         seen = {r: d[k] for r, d in enumerate(digests) if k in d}
         if len(set(seen.values())) > 1:
             raise _everyone(CheckpointError(

@@ -474,8 +474,9 @@ class RankRun:
         meta = {"run_id": self.run_id, "package": m.generator.get("base_graph_hash") or m.generator.get("graph_hash"),
                 "model": m.model.get("name"), "micro_batch_size": m.micro_batch_size,
                 "world_size": self.launch.world_size, "replicas": self.replicas, "rank_order": self.layout.order,
-                "log_dir": str(self.log_dir.resolve()), "data_fingerprint": self._data_fingerprint(),
-                "config": recorded_config(args)}
+                "log_dir": str(self.log_dir.resolve()), "config": recorded_config(args),
+                # rank 0 writes meta.json: the others need not hash the data
+                "data_fingerprint": self._data_fingerprint() if self.rank == 0 else None}
         if self.tuner is not None:
             meta["avgpipe_advance"] = self.tuner.to_json()
         self.phase(f"in the checkpoint of step {step}")
