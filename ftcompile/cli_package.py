@@ -282,7 +282,8 @@ def _preflight(args: argparse.Namespace):
     from .runtime.worker import config_from_args
 
     programs(m, config_from_args(res.args, m), 1)      # ScheduleError: e.g. 2bw with too few micro-batches
-    _check_planned(package, res.args, ui, args, res.checkpoint)
+    _check_planned(package, res.args, ui, args, res.checkpoint,
+                   ranks=(nproc, replicas, args.rank_order or m.rank_order))
     load_dataset(res.args.data, m, micro_batches=res.args.micro_batches, seed=res.args.seed)
     _check_weights(package)
     if replicas > 1:
@@ -291,10 +292,11 @@ def _preflight(args: argparse.Namespace):
     return package, res, (nproc, replicas)
 
 
-def _check_planned(package, args, ui, cli=None, checkpoint=None) -> None:
+def _check_planned(package, args, ui, cli=None, checkpoint=None, ranks=None) -> None:
     """Price the plan again when the run's settings are not those it was planned with: a note with
     the new figures, or, when the plan no longer fits its GPUs, a refusal on ``cuda`` (a warning
-    on the CPU, where the plan's GPUs are not the ones used)."""
+    on the CPU, where the plan's GPUs are not the ones used). ``ranks``: the job's
+    ``(nproc, replicas, rank order)``; None: the plan's own."""
     from .reprice import LABELS, SOURCES, of_run, planned, reprice
     from .cluster import parse_size
     from .units import format_bytes
@@ -309,7 +311,13 @@ def _check_planned(package, args, ui, cli=None, checkpoint=None) -> None:
     if args.schedule == "avgpipe":
         return      # N parallel models per GPU: priced by the AvgPipe tuning (ftcompile.avgpipe), not here
     try:
-        r = reprice(package.path, planned(package.manifest), of_run(args), gpu_memory=gpu_memory)
+        plan_settings = planned(package.manifest)
+        if ranks is None:
+            run = of_run(args, replicas=plan_settings.replicas, rank_order=plan_settings.rank_order)
+        else:
+            nproc, replicas, order = ranks
+            run = of_run(args, replicas=replicas, rank_order=order, pipeline_ranks=nproc // replicas)
+        r = reprice(package.path, plan_settings, run, gpu_memory=gpu_memory)
     except Exception as exc:  # noqa: BLE001 - advisory: a package that trains must not be refused for it
         print(f"{base.PROG}: warning: the plan could not be priced for this run's settings "
               f"({type(exc).__name__}: {exc}); its figures are for the settings it was compiled with",
@@ -338,7 +346,8 @@ def _check_planned(package, args, ui, cli=None, checkpoint=None) -> None:
            "or compile a plan for these (or, if this run's GPUs have more memory than the plan's, "
            "say so with --gpu-memory SIZE) "
            "(`ftcompile compile` takes --schedule, --micro-batches, --recompute, --optimizer, "
-           "--weight-prediction, --clip-grad-norm and --on-nonfinite)")
+           "--weight-prediction, --clip-grad-norm, --on-nonfinite, and --gpus, --replicas and --rank-order "
+           "for the ranks)")
     if str(args.device).startswith("cuda"):
         raise base.UsageError(msg)
     print(f"{base.PROG}: warning: {msg}; on the CPU the run goes on", file=sys.stderr)

@@ -545,7 +545,7 @@ def run_freeze(args, spec: FreezeSpec) -> int:
     optimizer = args.optimizer or m0.optimizer
     first = _first_phase(args, m0)
     settings = {name: getattr(first, name) for name in PRICED_SETTINGS}
-    _check_phase0(pkg0, first, args)
+    _check_phase0(pkg0, first, args, (G, R0, args.rank_order or m0.rank_order))
     doc = json.loads((pkg0.path / "plan.json").read_text())
     cluster = load_cluster(spec.cluster) if spec.cluster else ClusterSpec.from_json(doc["cluster"])
     cluster = cluster.with_overrides(gpus=G)
@@ -624,7 +624,7 @@ def _first_phase(args, m0):
     return resolve(first, m0).args
 
 
-def _check_phase0(pkg0, first, cli) -> None:
+def _check_phase0(pkg0, first, cli, ranks) -> None:
     """Phase 0 trains the package as compiled: price it again for the run's settings (``first``,
     resolved) where they differ from its plan's (the launcher's check of a plain run,
     ``cli_package._check_planned``), and refuse a GPU run it no longer fits before anything starts.
@@ -632,7 +632,7 @@ def _check_phase0(pkg0, first, cli) -> None:
     from .cli import _Ui
     from .cli_package import _check_planned
 
-    _check_planned(pkg0, first, _Ui(cli), cli=cli)
+    _check_planned(pkg0, first, _Ui(cli), cli=cli, ranks=ranks)
 
 
 def _phases(run: _Run) -> int:

@@ -1,8 +1,11 @@
 """A package's plan priced again under the settings a run actually uses.
 
 A plan's memory and period hold for the settings it was priced with: schedule, micro-batches,
-recomputation, optimizer, weight prediction, and whether every update waits for all stages
-(clipping, skipping non-finite steps). ``ftcompile run`` takes all of them from the plan unless
+recomputation, optimizer, weight prediction, whether every update waits for all stages
+(clipping, skipping non-finite steps), and the ranks that train it: the replicas whose
+gradients each stage averages (an all-reduce and its bucket), their rank order (which GPUs
+form the rings), and how many ranks run one pipeline (fewer ranks than planned GPUs put
+several GPUs' stages on one device). ``ftcompile run`` takes all of them from the plan unless
 told otherwise (:func:`ftcompile.runtime.options.planned_settings`); when an option changes one,
 the launcher prices the same plan under the run's settings before any rank starts
 (:func:`reprice`), says what changed and what the plan now needs, and refuses a run on GPUs
@@ -23,9 +26,11 @@ from .runtime.schedules import OPTIONAL_RECOMPUTE, SYNCHRONOUS, exchanges_norms
 PRICED_AS = {"adamw": "adam"}
 #: How a setting is named in what a run prints.
 LABELS = {"micro_batches": "micro-batches", "weight_prediction": "weight prediction",
-          "exchanges_norms": "updates wait for all stages (clipping, --on-nonfinite skip)", "tied_lag": "tied-weight lag"}
+          "exchanges_norms": "updates wait for all stages (clipping, --on-nonfinite skip)", "tied_lag": "tied-weight lag",
+          "rank_order": "rank order", "pipeline_ranks": "ranks per pipeline"}
 #: The run options behind each setting.
-SOURCES = {"exchanges_norms": ("clip_grad_norm", "on_nonfinite")}
+SOURCES = {"exchanges_norms": ("clip_grad_norm", "on_nonfinite"), "replicas": ("replicas", "nproc"),
+           "pipeline_ranks": ("nproc", "replicas")}
 
 
 @dataclass(frozen=True)
@@ -39,27 +44,37 @@ class Settings:
     weight_prediction: bool  # in effect: async with an optimizer that predicts
     exchanges_norms: bool    # every update waits for all stages (clipping, skipping non-finite steps)
     tied_lag: bool | None = None   # asked for; None where the schedule flushes (nothing lags)
+    replicas: int = 1              # pipelines whose gradients each stage averages
+    rank_order: str | None = None  # how replicas' ranks are numbered; None with one replica
+    pipeline_ranks: int | None = None   # ranks (devices) running one pipeline; None: not known here
 
     @staticmethod
     def of(schedule: str, micro_batches: int, recompute, optimizer: str, weight_prediction, clip_grad_norm,
-           on_nonfinite: str | None, tied_lag=True) -> "Settings":
+           on_nonfinite: str | None, tied_lag=True, *, replicas: int = 1, rank_order: str | None = None,
+           pipeline_ranks: int | None = None) -> "Settings":
+        replicas = max(int(replicas or 1), 1)
         return Settings(schedule, int(micro_batches), bool(recompute) if schedule in OPTIONAL_RECOMPUTE else None,
                         PRICED_AS.get(optimizer, optimizer),
                         bool(weight_prediction) and schedule == "async" and optimizer in PREDICTS,
                         exchanges_norms(clip_grad_norm, on_nonfinite or "stop"),
-                        None if schedule in SYNCHRONOUS else tied_lag is not False)
+                        None if schedule in SYNCHRONOUS else tied_lag is not False,
+                        replicas, (rank_order or "pipeline-major") if replicas > 1 else None, pipeline_ranks)
 
 
 def planned(manifest) -> Settings:
-    """The settings the package's plan was priced with."""
+    """The settings the package's plan was priced with (one rank per planned GPU)."""
     return Settings.of(manifest.schedule, manifest.micro_batches, manifest.recompute, manifest.optimizer,
-                       manifest.weight_prediction, manifest.clip_grad_norm, manifest.on_nonfinite, manifest.tied_lag)
+                       manifest.weight_prediction, manifest.clip_grad_norm, manifest.on_nonfinite, manifest.tied_lag,
+                       replicas=manifest.replicas, rank_order=manifest.rank_order,
+                       pipeline_ranks=max(manifest.num_gpus, 1))
 
 
-def of_run(args) -> Settings:
-    """The settings of resolved run options (:func:`ftcompile.runtime.options.resolve`)."""
+def of_run(args, *, replicas: int = 1, rank_order: str | None = None, pipeline_ranks: int | None = None) -> Settings:
+    """The settings of resolved run options (:func:`ftcompile.runtime.options.resolve`) on a job of
+    ``replicas`` pipelines of ``pipeline_ranks`` ranks each (None: one rank per planned GPU)."""
     return Settings.of(args.schedule, args.micro_batches, args.recompute, args.optimizer, args.weight_prediction,
-                       args.clip_grad_norm, args.on_nonfinite, getattr(args, "tied_lag", True))
+                       args.clip_grad_norm, args.on_nonfinite, getattr(args, "tied_lag", True),
+                       replicas=replicas, rank_order=rank_order, pipeline_ranks=pipeline_ranks)
 
 
 def changes(plan: Settings, run: Settings) -> list[tuple[str, object, object]]:
@@ -68,7 +83,7 @@ def changes(plan: Settings, run: Settings) -> list[tuple[str, object, object]]:
     out = []
     for f in dataclasses.fields(Settings):
         a, b = getattr(plan, f.name), getattr(run, f.name)
-        if a != b and not (f.name in ("recompute", "tied_lag") and None in (a, b)):
+        if a != b and not (f.name in ("recompute", "tied_lag", "rank_order", "pipeline_ranks") and None in (a, b)):
             out.append((f.name, a, b))
     return out
 
@@ -124,9 +139,11 @@ def reprice(folder: str | os.PathLike, plan_settings: Settings, run: Settings, *
                                tied_lag=run.tied_lag is not False, on_nonfinite="stop",
                                # what prices a plan is whether updates wait for all stages, not the norm
                                clip_grad_norm=1.0 if run.exchanges_norms else 0.0)
+    plan = Plan.from_json(doc["plan"])
+    if any(name in ("replicas", "rank_order", "pipeline_ranks") for name, _, _ in changed):
+        problem, plan = on_ranks(problem, plan, run)
     if gpu_memory is not None:
         problem = dataclasses.replace(problem, cluster=dataclasses.replace(problem.cluster, gpu_memory=gpu_memory))
-    plan = Plan.from_json(doc["plan"])
     cost = evaluate(problem, plan)
     sim = simulate(problem, plan)
     reason = cost.reason if not cost.feasible else None
@@ -135,3 +152,31 @@ def reprice(folder: str | os.PathLike, plan_settings: Settings, run: Settings, *
         reason = f"GPU {g} peaks at {format_bytes(sim.gpu_peak_memory[g])} in the simulated run"
     return Repriced(changed, (doc.get("simulation") or {}).get("period_ms"), sim.period_ms,
                     list(sim.gpu_peak_memory), problem.cluster.gpu_memory, reason)
+
+
+def on_ranks(problem, plan, run: Settings):
+    """``problem`` and ``plan`` as a job of ``run.replicas`` pipelines of ``run.pipeline_ranks`` ranks
+    runs them.
+
+    Fewer ranks than planned GPUs: the stages of the GPUs one rank runs
+    (:func:`ftcompile.runtime.layout.rank_of_gpu`) share its device and its memory.
+    The job's GPUs are the plan's cluster's, grown where the job has more (a single machine stays
+    one machine; a cluster of several gains machines of the same kind), laid out by replica order
+    (:class:`ftcompile.replicas.ReplicaLayout`), which prices each stage's gradient all-reduce on
+    its ring and adds its bucket to the GPU's memory.
+    """
+    from .plan import Plan, Stage
+    from .replicas import ReplicaLayout, replicated_problem
+    from .runtime.layout import rank_of_gpu
+
+    G = plan.num_gpus
+    n = min(run.pipeline_ranks or G, G)
+    if n < G:
+        plan = Plan(plan.strategy, n, [Stage(s.id, rank_of_gpu(s.gpu, G, n), list(s.nodes)) for s in plan.stages], plan.info)
+    whole = dataclasses.replace(problem.cluster, gpu_ids=None)
+    need = n * run.replicas
+    if need > whole.physical_gpus:
+        whole = (dataclasses.replace(whole, gpus_per_node=need) if whole.nodes == 1
+                 else dataclasses.replace(whole, nodes=-(-need // whole.gpus_per_node)))
+    lay = ReplicaLayout(n, run.replicas, run.rank_order or "pipeline-major")
+    return replicated_problem(problem, whole, lay), plan

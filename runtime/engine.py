@@ -59,7 +59,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.func import functional_call
 
 from . import optim as _optim
-from .layout import RankLayout
+from .layout import RankLayout, rank_of_gpu
 from .manifest import Manifest, torch_dtype
 from .memory import MemoryMeter, optimizer_tensors
 from .ops import mix_seed
@@ -113,10 +113,9 @@ class TrainConfig:
 
 
 def stage_ranks(manifest: Manifest, world_size: int) -> dict[int, int]:
-    """Stage id -> rank: GPU ``g`` of ``G`` runs on rank ``g * world_size // G`` (several GPUs' stages
-    share a rank when there are fewer ranks than planned GPUs)."""
-    G = max(manifest.num_gpus, 1)
-    return {s.id: min(s.gpu * world_size // G, world_size - 1) for s in manifest.stages}
+    """Stage id -> rank of one pipeline on ``world_size`` ranks (:func:`.layout.rank_of_gpu`: several GPUs'
+    stages share a rank when there are fewer ranks than planned GPUs)."""
+    return {s.id: rank_of_gpu(s.gpu, manifest.num_gpus, world_size) for s in manifest.stages}
 
 
 def programs(manifest: Manifest, cfg: TrainConfig, steps: int) -> dict[int, StageProgram]:

@@ -22,6 +22,12 @@ class LayoutError(ValueError):
     """The ranks cannot be laid out as asked; the message says what would work."""
 
 
+def rank_of_gpu(gpu: int, gpus: int, ranks: int) -> int:
+    """The pipeline rank of planned GPU ``gpu`` of ``gpus`` on a pipeline of ``ranks`` ranks: GPUs
+    in order, shared out evenly (fewer ranks than GPUs put neighbouring GPUs' stages on one rank)."""
+    return min(gpu * ranks // max(gpus, 1), ranks - 1)
+
+
 @dataclass(frozen=True)
 class RankLayout:
     world_size: int
@@ -55,9 +61,7 @@ class RankLayout:
         return self.rank % self.replicas
 
     def pipeline_rank(self, manifest: Manifest, stage: int) -> int:
-        G = max(manifest.num_gpus, 1)
-        n = self.pipeline_ranks
-        return min(manifest.stage(stage).gpu * n // G, n - 1)
+        return rank_of_gpu(manifest.stage(stage).gpu, manifest.num_gpus, self.pipeline_ranks)
 
     def stage_ranks(self, manifest: Manifest, replica: int | None = None) -> dict[int, int]:
         """Stage id -> the rank running it in ``replica`` (default: this rank's)."""

@@ -250,3 +250,85 @@ def test_compile_asked_for_the_lag_suggests_turning_it_off(between, tmp_path, ca
     err = capsys.readouterr().err
     assert "no strategy found a plan that fits" in err and "Or --no-tied-lag" in err
     assert "planning again" not in err
+
+
+# --------------------------------------------------------------------------- the ranks a run has
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """gpt2-tiny's uniform split (the same whatever the memory or replicas) planned for one pipeline
+    of 2 GPUs and for 2 replicas of it on 4 GPUs of one machine."""
+    root = tmp_path_factory.mktemp("layouts")
+    for name, gpus, replicas in (("r1", "2", "1"), ("r2", "4", "2")):
+        assert main(["compile", "gpt2-tiny", "--gpus", gpus, "--replicas", replicas, "--strategy", "uniform", "-q",
+                     "-o", str(root / name), "--schedule", "1f1b"]) == 0
+    one, two = (load_plan_file(root / n / "plan.json") for n in ("r1", "r2"))
+    assert one["plan"]["stages"] == two["plan"]["stages"] and two["layout"]["replicas"] == 2
+    return root / "r1", root / "r2"
+
+
+def test_a_run_with_other_replicas_is_priced_as_compile_prices_them(layouts):
+    """Running a one-pipeline plan on 2 replicas is priced as compile prices the same split planned
+    for 2 replicas (each stage's all-reduce and its bucket), and the other way round."""
+    from ftcompile.reprice import of_run, planned, reprice
+
+    r1, r2 = layouts
+    for pkg, other, replicas in ((r1, r2, 2), (r2, r1, 1)):
+        args, _ = _resolved(pkg)
+        r = reprice(pkg, planned(_manifest(pkg)), of_run(args, replicas=replicas, rank_order="pipeline-major",
+                                                          pipeline_ranks=2))
+        assert [c[:3] for c in r.changed] == [("replicas", 3 - replicas, replicas)]
+        sim = load_plan_file(other / "plan.json")["simulation"]
+        assert r.gpu_peak == sim["gpu_peak_memory"]
+        assert r.period_ms == pytest.approx(sim["period_ms"], rel=1e-9)
+    # the all-reduce's bucket is memory a replicated GPU holds that a lone pipeline's does not
+    assert all(a < b for a, b in zip(load_plan_file(r1 / "plan.json")["simulation"]["gpu_peak_memory"],
+                                     load_plan_file(r2 / "plan.json")["simulation"]["gpu_peak_memory"]))
+
+
+def test_fewer_ranks_than_planned_gpus_are_priced_on_one_device(tight):
+    """One rank running both planned GPUs' stages holds both GPUs' weights, gradients and optimizer
+    state on one device, beside one hardware reserve."""
+    from ftcompile.reprice import of_run, planned, reprice
+
+    args, _ = _resolved(tight)
+    m = _manifest(tight)
+    r = reprice(tight, planned(m), of_run(args, pipeline_ranks=1))
+    assert [c[:3] for c in r.changed] == [("pipeline_ranks", 2, 1)]
+    assert len(r.gpu_peak) == 1
+    from ftcompile.hardware import load_hardware
+
+    graph = OpGraph.load(tight / "graph.json")
+    doc = load_plan_file(tight / "plan.json")
+    reserve = load_hardware(doc["cluster"]["hardware"]).memory_reserve_bytes
+    weights_and_grads = sum((8 if p.requires_grad else 4) * p.numel for p in graph.params.values())
+    assert r.gpu_peak[0] >= weights_and_grads + reserve
+    assert r.gpu_peak[0] > max(doc["simulation"]["gpu_peak_memory"])
+    assert not r.fits and "GPU 0" in r.reason
+
+
+def test_a_gpu_run_on_ranks_the_plan_does_not_fit_is_refused(layouts, capsys):
+    """The launcher's check with the job's ranks, on GPUs with just the memory the one-pipeline plan
+    needs: 2 replicas (the all-reduce's bucket) or one rank (both GPUs' stages on one device) are
+    refused on cuda and warned about on the CPU; the plan's own ranks pass without a word."""
+    from ftcompile import cli_package
+    from ftcompile.cli import UsageError, _Ui
+
+    r1, r2 = layouts
+    need = max(g["memory_bytes"] for g in load_plan_file(r1 / "plan.json")["gpus"])
+    assert max(g["memory_bytes"] for g in load_plan_file(r2 / "plan.json")["gpus"]) > need
+    args, cli = _resolved(r1)
+    cli.gpu_memory = str(need)
+    package = load_package(r1, verify=False)
+    ui = _Ui(argparse.Namespace(quiet=False, json=False))
+    args.device = "cuda"
+    cli_package._check_planned(package, args, ui, cli, ranks=(2, 1, "pipeline-major"))
+    assert capsys.readouterr().err == ""
+    for ranks, what in (((4, 2, "pipeline-major"), "replicas 1 -> 2"), ((1, 1, "pipeline-major"),
+                                                                         "ranks per pipeline 2 -> 1")):
+        with pytest.raises(UsageError, match=rf"does not fit this run's settings \({what}\).*--replicas"):
+            cli_package._check_planned(package, args, ui, cli, ranks=ranks)
+    args.device = "cpu"
+    cli_package._check_planned(package, args, ui, cli, ranks=(4, 2, "replica-major"))
+    assert "warning: the plan does not fit this run's settings (replicas 1 -> 2)" in capsys.readouterr().err
