@@ -33,6 +33,7 @@ from typing import Any, Iterable
 import torch
 
 from . import __version__
+from .indices import index_ranges
 from .ir import OpGraph, ValueMeta, atomic_write_text, iter_params, iter_refs
 from .plan import Plan, stage_depths, stage_graph
 from .runtime.atomic import atomic_path
@@ -778,6 +779,7 @@ def generate(graph: OpGraph, doc: dict, weights: WeightSource, *, name: str | No
         if weights.stored:
             stage_weights[st.id] = {p: weights.value(graph.params[p]) for p in st.params}
 
+    indexed = index_ranges(graph)
     inputs = []
     for inp in graph.inputs:
         if inp.get("node") is None:
@@ -789,7 +791,8 @@ def generate(graph: OpGraph, doc: dict, weights: WeightSource, *, name: str | No
         inputs.append(GraphInput(value=inp["value"], path=inp["path"],
                                  shape=tuple(m.tensor.shape) if m.tensor else None,
                                  dtype=m.tensor.dtype if m.tensor else None,
-                                 consumers=tuple(sorted(consumers.get(inp["value"], []))), low=lo, high=hi))
+                                 consumers=tuple(sorted(consumers.get(inp["value"], []))), low=lo, high=hi,
+                                 index_ranges=tuple(indexed.get(inp["value"], ()))))
     batch = options.get("batch_size")
     if batch is None:
         first = next((i for i in inputs if i.shape), None)

@@ -521,6 +521,39 @@ def _normalize(batch: Any, manifest: Manifest, micro_batches: int, where: str) -
     return out
 
 
+def check_index_ranges(micro_batches: list[Batch], manifest: Manifest, where: str,
+                       inputs: Iterable[str] | None = None) -> None:
+    """Raise :class:`DataError` if a token id or label of ``micro_batches`` (each of the traced
+    shapes) is outside the table its input indexes (:attr:`GraphInput.index_ranges`): checked on
+    the host before the values reach the operator, which on a GPU would fail with a device-side
+    assert at some later synchronisation. ``inputs``: check only these (a rank's own)."""
+    wanted = None if inputs is None else set(inputs)
+    for gi in manifest.inputs:
+        if not gi.index_ranges or (wanted is not None and gi.value not in wanted):
+            continue
+        for i, mb in enumerate(micro_batches):
+            t = mb.get(gi.value)
+            if not isinstance(t, torch.Tensor) or t.is_floating_point():
+                continue
+            for r in gi.index_ranges:
+                if len(r.window) != t.dim():
+                    continue
+                x = t[tuple(slice(a, b) for a, b in r.window)]
+                bad = (x < 0) | (x >= r.limit)
+                if r.ignore is not None:
+                    bad &= x != r.ignore
+                if not bool(bad.any()):
+                    continue
+                at = [int(c) + a for c, (a, _) in zip(bad.nonzero()[0].tolist(), r.window)]
+                value = int(t[tuple(at)])
+                allowed = f"0..{r.limit - 1}" + (f", or {r.ignore} (ignored)" if r.ignore is not None else "")
+                more = int(bad.sum()) - 1
+                raise DataError(f"{where}, micro-batch {i}: input {_arg_name(gi)!r} ({gi.path}) holds {value} at "
+                                f"position {at}{f' (and {more} more)' if more else ''}, but it indexes {r.reads}: its "
+                                f"values there must be {allowed}; check the data (--data): a tokenizer or label "
+                                "set larger than the model's?")
+
+
 def split_micro_batches(batch: Batch, manifest: Manifest, micro_batches: int) -> list[Batch]:
     """Cut one step's batch into ``micro_batches`` micro-batches of the traced shapes.
 

@@ -1039,7 +1039,7 @@ class RankEngine:
 
     def _loop(self, batches: Iterator[dict], steps: int, on_step, keep_records: bool) -> list[dict]:
         cfg, M = self.cfg, self.cfg.micro_batches
-        from .data import split_micro_batches
+        from .data import check_index_ranges, split_micro_batches
 
         cache: dict[int, list[dict]] = {}
         fetched = [0]
@@ -1058,6 +1058,8 @@ class RankEngine:
                 if self.cache is not None:
                     self.cache.plan_step(self.step_offset + fetched[0], mbs)
                 mbs = mbs[r * M:(r + 1) * M]
+                # On the host, before a bad token id becomes a device-side assert on a GPU.
+                check_index_ranges(mbs, self.m, f"step {self.step_offset + fetched[0]}", self._local_inputs)
                 cache[fetched[0]] = [{n: t.to(self.device) for n, t in mb.items() if n in self._local_inputs}
                                      for mb in mbs]
                 fetched[0] += 1

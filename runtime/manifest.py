@@ -196,6 +196,32 @@ class StageSpec:
 
 
 @dataclass(frozen=True)
+class IndexRange:
+    """What the values of one input may be where they reach one indexing operator (an embedding's
+    rows, a loss's classes: found by ``ftcompile.indices``, checked on the host by
+    ``runtime.data.check_index_ranges``).
+
+    ``limit``: values must lie in ``0 .. limit - 1``, or equal ``ignore`` (a loss's
+    ``ignore_index``); ``window``: per dimension of the traced input, the ``[start, stop)`` of the
+    positions that reach it (the rest are not read there); ``reads``: what is indexed, in words.
+    """
+
+    limit: int
+    ignore: int | None
+    window: tuple[tuple[int, int], ...]
+    reads: str
+
+    def to_json(self) -> dict:
+        return {"limit": self.limit, "ignore": self.ignore, "window": [list(w) for w in self.window],
+                "reads": self.reads}
+
+    @staticmethod
+    def from_json(d: dict) -> "IndexRange":
+        return IndexRange(int(d["limit"]), None if d.get("ignore") is None else int(d["ignore"]),
+                          tuple((int(a), int(b)) for a, b in d["window"]), str(d.get("reads", "")))
+
+
+@dataclass(frozen=True)
 class GraphInput:
     """A model input: where it sits in the original call and which stages read it."""
 
@@ -209,6 +235,8 @@ class GraphInput:
     # inputs (token ids, labels, positions) from this range so they stay valid.
     low: float | None = None
     high: float | None = None
+    #: Where its values index a table: the ranges they must lie in (token ids, class labels).
+    index_ranges: tuple[IndexRange, ...] = ()
 
     def to_json(self) -> dict:
         d: dict[str, Any] = {"value": self.value, "path": self.path, "consumers": list(self.consumers)}
@@ -216,6 +244,8 @@ class GraphInput:
             d.update(shape=list(self.shape), dtype=self.dtype)
             if self.low is not None:
                 d.update(low=self.low, high=self.high)
+            if self.index_ranges:
+                d["index_ranges"] = [r.to_json() for r in self.index_ranges]
         else:
             d["constant"] = self.constant
         return d
@@ -225,7 +255,8 @@ class GraphInput:
         return GraphInput(value=d["value"], path=d["path"],
                           shape=tuple(int(s) for s in d["shape"]) if "shape" in d else None,
                           dtype=d.get("dtype"), consumers=tuple(int(c) for c in d.get("consumers", ())),
-                          constant=d.get("constant"), low=d.get("low"), high=d.get("high"))
+                          constant=d.get("constant"), low=d.get("low"), high=d.get("high"),
+                          index_ranges=tuple(IndexRange.from_json(r) for r in d.get("index_ranges", ())))
 
 
 @dataclass

@@ -338,10 +338,16 @@ def test_without_latest_the_newest_complete_step_folder_is_resumed(pkgs, tmp_pat
     assert steps_in(tmp_path / "log" / "train.jsonl") == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("ids, labels, says", [(5000, 5, "index out of range"), (5, 7000, "Target 7000 is out of bounds")])
+@pytest.mark.parametrize("ids, labels, says", [
+    (5000, 5, "input 'input_ids' (args[0]) holds 5000 at position [0, 0] (and 63 more), but it indexes the "
+              "embedding transformer.wte.weight of 1000 rows: its values there must be 0..999"),
+    (5, 7000, "input 'labels' (kwargs['labels']) holds 7000 at position [0, 1] (and 61 more), but it indexes the "
+              "loss's 1000 classes: its values there must be 0..999, or -100 (ignored)")])
 def test_token_ids_or_labels_beyond_the_model_are_a_data_error(pkgs, tmp_path, ids, labels, says):
     """A data function yielding token ids past the vocabulary (gpt2-tiny's is 1000), or labels past it:
-    an error naming the data, exit 2, not an internal error."""
+    an error naming the input, the value and the table, found on the host before the stage runs (on
+    a GPU a device-side assert), exit 2, not an internal error. The labels' first column is not
+    counted: the loss drops it."""
     m = load_package(pkgs["seq"]).manifest
     tail = list(next(gi for gi in m.inputs if gi.shape).shape[1:])         # the sequence length
     (tmp_path / "bad.py").write_text(
@@ -351,7 +357,7 @@ def test_token_ids_or_labels_beyond_the_model_are_a_data_error(pkgs, tmp_path, i
         "    while True:\n"
         f"        yield {{'input_ids': torch.full(shape, {ids}), 'labels': torch.full(shape, {labels})}}\n")
     r = run_cli(*args_for(pkgs["seq"], tmp_path, "--data", f"{tmp_path / 'bad.py'}:batches", steps=1))
-    err = refused(r, says, "check the data (--data)")
+    err = refused(r, says, "step 0, micro-batch 0", "check the data (--data)")
     assert "internal error" not in err
 
 
