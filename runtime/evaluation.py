@@ -24,7 +24,7 @@ from typing import Iterable, Mapping
 import torch
 
 from . import checkpoint as ckpt
-from .data import SAMPLE_INDEX, Batch, split_micro_batches
+from .data import SAMPLE_INDEX, Batch, check_index_ranges, split_micro_batches
 from .local import LocalPipeline
 from .package import Package
 
@@ -115,9 +115,10 @@ def evaluate(package: Package, batches: Iterable[Batch], *, micro_batches: int,
     if weights is not None:
         _load_weights(pipe, weights, "the weights given" if step is None else f"the checkpoint of step {step}")
     total, n, rows = 0.0, 0, 0
-    for batch in batches:
-        for mb in split_micro_batches({k: v for k, v in batch.items() if k != SAMPLE_INDEX}, manifest,
-                                      micro_batches):
+    for i, batch in enumerate(batches):
+        mbs = split_micro_batches({k: v for k, v in batch.items() if k != SAMPLE_INDEX}, manifest, micro_batches)
+        check_index_ranges(mbs, manifest, f"held-out batch {i}")
+        for mb in mbs:
             values, _ = pipe.forward(mb, grad=False, update_buffers=False)
             total += float(values[manifest.loss])
             n += 1

@@ -14,7 +14,7 @@ import torch
 
 from ftcompile.runtime import load_package
 from ftcompile.runtime import checkpoint as ckpt
-from ftcompile.runtime.data import split_micro_batches, text_batches
+from ftcompile.runtime.data import DataError, split_micro_batches, text_batches
 from ftcompile.runtime.evaluation import EvaluationError, evaluate, evaluate_checkpoint
 
 from test_runtime import call_of, compiled
@@ -90,6 +90,11 @@ def test_checkpoint_of_another_model_or_no_data_is_refused(seq2, tmp_path):
         evaluate(pkg, [], micro_batches=M)
     with pytest.raises(EvaluationError, match="neither a checkpoint folder"):
         evaluate_checkpoint(pkg, tmp_path, batches, micro_batches=M)
+    bad = {k: v.clone() for k, v in batches[0].items()}
+    bad["input_ids"][-1, -1] = 1000                # gpt2-tiny's vocabulary is 1000 tokens
+    with pytest.raises(DataError, match=r"held-out batch 1, micro-batch 1: input 'input_ids' \(args\[0\]\) holds "
+                                        r"1000 at position \[1, 31\], but it indexes the embedding"):
+        evaluate(pkg, [batches[0], bad], micro_batches=M)
 
 
 def test_evaluate_command_prints_the_plain_models_loss(seq2, tmp_path):
