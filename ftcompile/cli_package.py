@@ -209,18 +209,22 @@ def _check_weights(package) -> None:
 
 def _usable_folder(path: str, option: str) -> None:
     """Refuse, before any rank starts, a folder the run could not write into: a file, or a path that
-    cannot be created or written. Creating it is what the ranks would do first anyway."""
-    p = Path(path)
+    cannot be created or written. Nothing is created here (the ranks create it), so a run refused by
+    a later check leaves no empty folder behind."""
+    p = Path(path).absolute()
     if p.exists() and not p.is_dir():
         raise base.UsageError(f"{option} {path} is a file, not a folder; give a folder (it is created if missing)")
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise base.UsageError(f"{option} {path} cannot be created: {exc.strerror or exc}"
-                              + (f" ({exc.filename})" if exc.filename and str(exc.filename) != path else "")
-                              + "; give a folder this user can create") from None
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise base.UsageError(f"{option} {path} is not writable by this user; give a folder it can write into")
+    existing = p
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise base.UsageError(f"{option} {path} cannot be created: Not a directory ({existing}); give a folder "
+                              "this user can create")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise base.UsageError(f"{option} {path} " + ("is not writable by this user; give a folder it can write into"
+                                                      if existing == p else
+                                                      f"cannot be created: {existing} is not writable by this user; "
+                                                      "give a folder this user can create"))
 
 
 def _preflight(args: argparse.Namespace):
@@ -284,12 +288,30 @@ def _preflight(args: argparse.Namespace):
     programs(m, config_from_args(res.args, m), 1)      # ScheduleError: e.g. 2bw with too few micro-batches
     _check_planned(package, res.args, ui, args, res.checkpoint,
                    ranks=(nproc, replicas, args.rank_order or m.rank_order))
-    load_dataset(res.args.data, m, micro_batches=res.args.micro_batches, seed=res.args.seed)
+    step_micro_batches = replicas * res.args.micro_batches      # every replica's share of a step, as the ranks draw
+    _check_first_batch(load_dataset(res.args.data, m, micro_batches=step_micro_batches, seed=res.args.seed),
+                       res.args, m, step_micro_batches)
     _check_weights(package)
     if replicas > 1:
         ui.note(f"{nproc} ranks: {replicas} replicas of a {nproc // replicas}-rank pipeline, "
                 f"{res.args.rank_order or m.rank_order}")
     return package, res, (nproc, replicas)
+
+
+def _check_first_batch(batches, args, manifest, micro_batches: int) -> None:
+    """A user's data function: draw its first batch here, so that a function yielding nothing, or a
+    first batch of the wrong shape or with a token id beyond the model, is refused before any rank
+    starts (each rank calls the function again; the built-in sources are checked as they are built)."""
+    from .runtime.data import DataError, check_index_ranges, is_user_data, split_micro_batches
+
+    if not is_user_data(args.data):
+        return
+    try:
+        first = next(iter(batches))
+    except StopIteration:
+        raise DataError(f"dataset function {args.data} yielded no batches; the run needs {args.steps or 'its'} "
+                        "step(s), one batch each") from None
+    check_index_ranges(split_micro_batches(first, manifest, micro_batches), manifest, f"{args.data}: batch 0")
 
 
 def _check_planned(package, args, ui, cli=None, checkpoint=None, ranks=None) -> None:

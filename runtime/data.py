@@ -631,6 +631,12 @@ def _checked(batches: Iterable, manifest: Manifest, micro_batches: int, spec: st
         yield _normalize(batch, manifest, micro_batches, f"{spec}: batch {i}")
 
 
+def is_user_data(spec: str) -> bool:
+    """Whether a data spec names a user's ``FILE.py:FUNCTION`` (not a built-in source)."""
+    spec = str(spec).strip()
+    return spec not in ("synthetic", "text") and not spec.startswith("text:")
+
+
 def load_dataset(spec: str, manifest: Manifest, *, micro_batches: int, seed: int = 0) -> Iterator[Batch]:
     """The batches named by a command-line data spec.
 

@@ -345,8 +345,9 @@ def test_without_latest_the_newest_complete_step_folder_is_resumed(pkgs, tmp_pat
               "loss's 1000 classes: its values there must be 0..999, or -100 (ignored)")])
 def test_token_ids_or_labels_beyond_the_model_are_a_data_error(pkgs, tmp_path, ids, labels, says):
     """A data function yielding token ids past the vocabulary (gpt2-tiny's is 1000), or labels past it:
-    an error naming the input, the value and the table, found on the host before the stage runs (on
-    a GPU a device-side assert), exit 2, not an internal error. The labels' first column is not
+    an error naming the input, the value and the table, found on the host by the rank before the
+    stage runs (on a GPU a device-side assert), exit 2, not an internal error. (The first batch is
+    good: the launcher checks that one itself.) The labels' first column is not
     counted: the loss drops it."""
     m = load_package(pkgs["seq"]).manifest
     tail = list(next(gi for gi in m.inputs if gi.shape).shape[1:])         # the sequence length
@@ -354,11 +355,30 @@ def test_token_ids_or_labels_beyond_the_model_are_a_data_error(pkgs, tmp_path, i
         "import torch\n"
         "def batches(micro_batches, **_):\n"
         f"    shape = [micro_batches * {m.micro_batch_size}] + {tail}\n"
+        "    yield {'input_ids': torch.full(shape, 5), 'labels': torch.full(shape, 5)}\n"
         "    while True:\n"
         f"        yield {{'input_ids': torch.full(shape, {ids}), 'labels': torch.full(shape, {labels})}}\n")
-    r = run_cli(*args_for(pkgs["seq"], tmp_path, "--data", f"{tmp_path / 'bad.py'}:batches", steps=1))
-    err = refused(r, says, "step 0, micro-batch 0", "check the data (--data)")
+    r = run_cli(*args_for(pkgs["seq"], tmp_path, "--data", f"{tmp_path / 'bad.py'}:batches", steps=2))
+    err = refused(r, says, "step 1, micro-batch 0", "check the data (--data)")
     assert "internal error" not in err
+
+
+@pytest.mark.parametrize("body, says", [
+    ("    return []\n", "yielded no batches; the run needs 1 step(s)"),
+    ("    shape = [micro_batches * {b}] + {tail}\n    ids = torch.full(shape, 7)\n    ids[-1, -1] = 1000\n"
+     "    yield {{'input_ids': ids, 'labels': ids}}\n",
+     "batch 0, micro-batch 3: input 'input_ids' (args[0]) holds 1000 at position [1, 31]")])
+def test_a_data_function_is_refused_on_its_first_batch_before_any_rank_starts(pkgs, tmp_path, body, says):
+    """An empty dataset, or a first batch with a token id beyond the vocabulary: refused by the
+    launcher (no rank started, so no "rank N:" in the error), and no log folder is left behind."""
+    m = load_package(pkgs["seq"]).manifest
+    tail = list(next(gi for gi in m.inputs if gi.shape).shape[1:])
+    (tmp_path / "data.py").write_text("import torch\ndef batches(micro_batches, **_):\n"
+                                      + body.format(b=m.micro_batch_size, tail=tail))
+    r = run_cli(*args_for(pkgs["seq"], tmp_path, "--data", f"{tmp_path / 'data.py'}:batches", steps=1))
+    err = refused(r, says)
+    assert "rank " not in err
+    assert not (tmp_path / "log").exists() and not (tmp_path / "ckpt").exists()
 
 
 def test_temporaries_of_a_dead_run_are_removed_at_the_next_start(pkgs, tmp_path):
