@@ -52,7 +52,10 @@ class DataDependentError(TraceError):
 # outputs with its first ones; a scratch tensor filled by copy_ may cross a stage boundary).
 _ZEROED_TARGETS = {"aten.new_empty.default": "aten.new_zeros.default",
                    "aten.empty_like.default": "aten.zeros_like.default",
-                   "aten.empty.memory_format": "aten.zeros.default"}
+                   "aten.empty.memory_format": "aten.zeros.default",
+                   # no zeros twin keeps the strides: the runtime's (empty, then zeroed)
+                   "aten.empty_strided.default": "ftcompile.runtime.ops.zeros_strided",
+                   "aten.new_empty_strided.default": "ftcompile.runtime.ops.new_zeros_strided"}
 
 _DROPPED_TARGETS = {
     "aten._assert_tensor_metadata.default",

@@ -112,6 +112,18 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) 
     return src.to(device=dst.device, dtype=dst.dtype).expand_as(dst).clone()
 
 
+def zeros_strided(size, stride, **kwargs) -> torch.Tensor:
+    """``torch.empty_strided`` filled with zeros: the tracer's twin of ``aten.empty_strided``
+    (``ftcompile.trace._ZEROED_TARGETS``), so that a recomputed stage sends the bits it sent the
+    first time where a model reads memory it never wrote."""
+    return torch.empty_strided(size, stride, **kwargs).zero_()
+
+
+def new_zeros_strided(self: torch.Tensor, size, stride, **kwargs) -> torch.Tensor:
+    """``self.new_empty_strided`` filled with zeros (see :func:`zeros_strided`)."""
+    return self.new_empty_strided(size, stride, **kwargs).zero_()
+
+
 def index(x: Any, *idx: Any) -> Any:
     """``x[idx]`` with a tuple index; the string ``"..."`` stands for ``Ellipsis`` (torch.fx graphs)."""
     return x[tuple(Ellipsis if (isinstance(i, str) and i == "...") else i for i in idx)]

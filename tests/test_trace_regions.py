@@ -404,3 +404,58 @@ def test_cli_refuses_data_dependent_models_with_exit_2(target, words, tmp_path):
     err = r.stderr.strip()
     assert err.startswith("ftcompile: error: ") and "Traceback" not in err and len(err.splitlines()) == 1
     assert all(w in err for w in words), err
+
+
+# --------------------------------------------------------------------------- memory a model never writes
+
+STRIDED = '''
+class Strided(nn.Module):
+    """Reads memory it never wrote: uninitialised strided buffers, partly filled."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = torch.empty_strided((2, 4), (1, 2))          # column-major: no zeros twin keeps it
+        y[:, :2] = x[:, :2]
+        z = x.new_empty_strided((2, 4), (4, 1))
+        z[:, 2:] = 1.0
+        return self.lin(y + z).pow(2).sum()
+
+
+def build():
+    torch.manual_seed(0)
+    return Strided(), (torch.randn(2, 4),)
+'''
+
+
+def test_uninitialised_strided_memory_is_traced_as_zeros(tmp_path):
+    """empty_strided and new_empty_strided become the runtime's zero-filled twins (strides kept): the
+    package computes what the model computes with zeros where it never wrote, every time (a
+    recomputed stage sends the bits it sent the first time)."""
+    from ftcompile.runtime.local import LocalPipeline
+    from ftcompile.runtime.ops import new_zeros_strided, zeros_strided
+
+    from ftcompile.models import ModelOptions, build_model
+
+    spec = f"{_module_file(tmp_path, STRIDED)}:build"
+    pkg, graph = _package(tmp_path, spec)
+    targets = _targets(graph)
+    assert "aten.empty_strided.default" not in targets and "aten.new_empty_strided.default" not in targets
+    assert {"ftcompile.runtime.ops.zeros_strided", "ftcompile.runtime.ops.new_zeros_strided"} <= set(targets)
+    assert zeros_strided((2, 3), (1, 2)).stride() == (1, 2)
+    assert new_zeros_strided(torch.ones(1), (2, 3), (1, 2)).stride() == (1, 2)
+    package = load_package(pkg)
+    x = torch.randn(2, 4)
+    lin = build_model(spec, ModelOptions()).model.lin        # the weights the package was made from
+    y = torch.zeros(2, 4)
+    y[:, :2] = x[:, :2]
+    z = torch.zeros(2, 4)
+    z[:, 2:] = 1.0
+    want = lin(y + z).pow(2).sum()
+    pipe = LocalPipeline.build(package, "cpu").train(False)
+    for _ in range(2):
+        values, _ = pipe.forward({package.manifest.inputs[0].value: x}, grad=False, update_buffers=False)
+        assert torch.allclose(values[package.manifest.loss], want, rtol=1e-6, atol=1e-6)
+
