@@ -39,6 +39,7 @@ import errno
 import json
 import os
 import shutil
+import sys
 import time
 import uuid
 import warnings
@@ -354,7 +355,7 @@ def space_message(root: Path, step: int, needed: int, free: int | None, previous
 
 
 def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: dict, control=None,
-         previous: int | None = None, write: bool = True) -> Path:
+         previous: int | None = None, write: bool = True, keep: int | None = None) -> Path:
     """Write the checkpoint after ``step`` steps; every rank calls it with its stages' states.
 
     ``stages`` is ``RankEngine.state()``; ``meta`` goes into ``meta.json`` (run id, package,
@@ -365,6 +366,9 @@ def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: d
     ``write=False``: this rank holds copies that another rank writes (a replica other than 0 of
     a replicated pipeline): it takes part in the collective and its copies are compared with the
     written ones (digests), but it writes nothing, so a checkpoint holds each stage once.
+
+    ``keep``: once committed, the step folders of steps before ``step`` beyond the ``keep - 1``
+    newest of them are deleted (:func:`prune`); None keeps all.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -465,6 +469,12 @@ def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: d
         error = control.broadcast(error)
     if error:
         raise _everyone(CheckpointSpaceError(error) if "no room" in error else CheckpointError(error))
+    if keep is not None and rank == 0:
+        try:
+            prune(root, step, keep)
+        except OSError as exc:       # the new checkpoint stands: an old one left is no reason to stop
+            print(f"ftcompile: warning: could not delete checkpoints older than the {keep} newest in {root}: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
     return step_dir(root, step)
 
 
@@ -507,6 +517,32 @@ def _commit(root: Path, staging: Path, step: int, run_id: str | None) -> None:
     atomic_write_text(root / LATEST, json.dumps({"folder": final.name, "step": step, "run_id": run_id}) + "\n")
     if old is not None:
         _remove(old)
+
+
+def prune(root: str | os.PathLike, step: int, keep: int) -> list[Path]:
+    """Delete the step folders of ``root`` for steps before ``step`` beyond the ``keep - 1`` newest
+    of them; returns those deleted. Folders of later steps (left by a run this one resumed before
+    their end) are not this run's to delete. Each goes by renaming it to a temporary first, so one
+    half deleted is never taken for a checkpoint (:func:`remove_stale` finishes it)."""
+    root = Path(root)
+    older = []
+    for p in committed(root):
+        if p.name == LATEST:
+            continue
+        try:
+            n = int(p.name[len("step-"):])
+        except ValueError:
+            continue
+        if n < step:
+            older.append((n, p))
+    older.sort(reverse=True)
+    gone = []
+    for _, p in older[max(keep - 1, 0):]:
+        tmp = root / f".tmp-old-{p.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(p, tmp)
+        _remove(tmp)
+        gone.append(p)
+    return gone
 
 
 def _fsync_dir(path: Path) -> None:

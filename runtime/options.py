@@ -33,7 +33,7 @@ DEFAULTS = {"steps": 10, "optimizer": "adam", "lr": 1e-3, "momentum": 0.9, "weig
 #: Recorded in every checkpoint's ``meta.json`` (``config``), and inherited by ``--resume``.
 RECORDED = ("schedule", "micro_batches", "steps", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
             "warmup_steps", "clip_grad_norm", "seed", "data", "recompute", "weight_prediction", "no_dropout",
-            "on_nonfinite", "advance", "tied_lag", "checkpoint_every")
+            "on_nonfinite", "advance", "tied_lag", "checkpoint_every", "keep_checkpoints")
 
 
 class OptionError(ValueError):
@@ -118,7 +118,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "aside to train.N.jsonl")
     g.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="write checkpoints here")
     g.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
-                   help="checkpoint every N steps (each segment fills and drains the pipeline)")
+                   help="checkpoint every N steps (each segment fills and drains the pipeline); 0: only at the "
+                        "end (turns off the interval a resumed run takes from its checkpoint)")
+    g.add_argument("--keep-checkpoints", type=int, default=None, metavar="K",
+                   help="after each checkpoint, delete the older step folders beyond the K newest (default: keep "
+                        "all; a resumed run takes its checkpoint's K)")
     g.add_argument("--resume", action="store_true", help="continue the run of the latest checkpoint in --checkpoint-dir")
     g.add_argument("--overwrite-checkpoints", action="store_true",
                    help="a fresh run into a --checkpoint-dir that holds checkpoints deletes them (else refused)")
@@ -142,7 +146,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 _VALUED = ("schedule", "micro_batches", "steps", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
            "warmup_steps", "clip_grad_norm", "data", "seed", "device", "transport", "timeout", "heartbeat_timeout",
-           "log_dir", "checkpoint_dir", "checkpoint_every", "progress", "advance", "on_nonfinite", "replicas",
+           "log_dir", "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "progress", "advance", "on_nonfinite", "replicas",
            "rank_order", "parallel_pipelines", "elastic_alpha", "grad_norms_at", "grad_norms_layers", "grad_norms_file",
            "autocache")
 #: Flags whose default is the plan's, so that ``--no-FLAG`` means something.
@@ -192,10 +196,11 @@ def _finite(flag: str, value: float | None, *, low: float | None = None, low_ope
 
 def check(args) -> list[str]:
     """Refuse option values that make no sense (OptionError); return warnings for pointless ones."""
-    for flag, value in (("--steps", args.steps), ("--micro-batches", args.micro_batches),
-                        ("--checkpoint-every", args.checkpoint_every)):
+    for flag, value in (("--steps", args.steps), ("--micro-batches", args.micro_batches)):
         if value is not None and value < 1:
             raise OptionError(f"{flag} must be at least 1, got {value}")
+    if args.checkpoint_every is not None and args.checkpoint_every < 0:
+        raise OptionError(f"--checkpoint-every must be 0 (only at the end) or more, got {args.checkpoint_every}")
     if getattr(args, "replicas", None) is not None and args.replicas < 1:
         raise OptionError(f"--replicas must be at least 1, got {args.replicas}")
     if args.warmup_steps is not None and args.warmup_steps < 0:
@@ -211,6 +216,11 @@ def check(args) -> list[str]:
             must="a positive number of seconds")
     if args.checkpoint_every is not None and not args.checkpoint_dir:
         raise OptionError("--checkpoint-every needs --checkpoint-dir")
+    if getattr(args, "keep_checkpoints", None) is not None:
+        if args.keep_checkpoints < 1:
+            raise OptionError(f"--keep-checkpoints must be at least 1 (the newest), got {args.keep_checkpoints}")
+        if not args.checkpoint_dir:
+            raise OptionError("--keep-checkpoints needs --checkpoint-dir")
     if args.resume and not args.checkpoint_dir:
         raise OptionError("--resume needs --checkpoint-dir")
     if args.overwrite_checkpoints and not args.checkpoint_dir:

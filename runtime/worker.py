@@ -490,7 +490,7 @@ class RankRun:
             if self.averaging is not None:
                 state = self.averaging.reference(state)
             ckpt.save(args.checkpoint_dir, step, state, meta=meta, control=self.control,
-                      previous=previous, write=self.layout.replica == 0)
+                      previous=previous, write=self.layout.replica == 0, keep=getattr(args, "keep_checkpoints", None))
         except (ckpt.CheckpointPeerLost, RuntimeError) as exc:
             # A peer that died mid-save fails the collective; the transport's receivers say which.
             lost = _wait_for_failure(self.engine, seconds=5)

@@ -284,6 +284,45 @@ def test_a_resumed_run_keeps_its_checkpoint_interval_and_log_folder(pkgs, tmp_pa
         steps_in(pkg / "runs" / "1f1b" / "train.jsonl") != list(range(2, 8))
 
 
+def test_checkpoint_every_0_turns_the_inherited_interval_off(pkgs, tmp_path):
+    """A resumed run given --checkpoint-every 0 checkpoints only at its end, and records that."""
+    pkg = pkgs["seq"]
+    ok(run_cli(*args_for(pkg, tmp_path, "--checkpoint-every", "1", steps=2)))
+    ok(run_cli(*args_for(pkg, tmp_path, "--resume", "--checkpoint-every", "0", steps=5)))
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-00000001", "step-00000002",
+                                                                           "step-00000005"]
+    meta = json.loads((tmp_path / "ckpt" / "step-00000005" / "meta.json").read_text())
+    assert meta["config"]["checkpoint_every"] == 0
+
+
+def test_keep_checkpoints_deletes_only_older_step_folders_beyond_k(pkgs, tmp_path):
+    """--keep-checkpoints 2: after each save, the two newest step folders remain; a resumed run
+    keeps the setting; step folders after the resumed step (an abandoned continuation) are left."""
+    pkg = pkgs["seq"]
+    ok(run_cli(*args_for(pkg, tmp_path, "--checkpoint-every", "1", "--keep-checkpoints", "2", steps=4)))
+    root = tmp_path / "ckpt"
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000003", "step-00000004"]
+    assert not list(root.glob(".tmp-*"))
+    (root / "latest").write_text("step-00000003\n")        # resume from step 3, step 4 left as it was
+    ok(run_cli(*args_for(pkg, tmp_path, "--resume", steps=6)))
+    # step 4 of this run replaced the old one; 5 and 6 followed, each keeping two
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000005", "step-00000006"]
+    meta = json.loads((root / "step-00000006" / "meta.json").read_text())
+    assert meta["config"]["keep_checkpoints"] == 2
+    assert ckpt.prune(root, 6, 1) == [root / "step-00000005"]
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000006"]
+
+
+def test_keep_checkpoints_leaves_later_steps_alone(tmp_path):
+    for n in (1, 2, 3, 7, 9):
+        (tmp_path / f"step-{n:08d}").mkdir()
+    (tmp_path / "step-notanumber").mkdir()
+    gone = ckpt.prune(tmp_path, 3, 2)
+    assert [p.name for p in gone] == ["step-00000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003", "step-00000007",
+                                                          "step-00000009", "step-notanumber"]
+
+
 def test_a_resume_whose_text_corpus_changed_is_warned_about(pkgs, tmp_path):
     """The same `--data text:DIR` with a file added since the checkpoint: the batches differ from an
     uninterrupted run's, and the resumed run says so (the corpus's digest is in meta.json)."""
