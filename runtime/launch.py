@@ -132,6 +132,33 @@ def _quiet_agent(debug: bool):
 
 
 @contextlib.contextmanager
+def _stop_within_grace(grace_s: int):
+    """Make the agent kill the surviving ranks of a failed launch ``grace_s`` seconds after SIGTERM.
+
+    torch honours ``LaunchConfig.shutdown_timeout`` only when the agent itself gets a signal: when
+    a rank fails, the process context stops the others with ``close()``'s fixed 30 s
+    (``SubprocessContext._poll``; ``_stop_workers`` likewise, pytorch/pytorch#119856, a fix
+    pending in #192815). A rank that is stopped (SIGSTOP) or frozen cannot act on SIGTERM, so the
+    launcher waited those 30 s for SIGKILL after its peers had already named it. Every close of
+    this launch is capped at the grace; scoped to the launch."""
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    original = PContext.__dict__.get("close")
+    if original is None:
+        yield
+        return
+
+    def close(self, death_sig=None, timeout: int = 30) -> None:
+        return original(self, death_sig, min(timeout, grace_s))
+
+    PContext.close = close
+    try:
+        yield
+    finally:
+        PContext.close = original
+
+
+@contextlib.contextmanager
 def _environ(**values: str):
     old = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
@@ -172,7 +199,7 @@ def spawn(worker_args: list[str], nproc: int, *, run_id: str, describe: Callable
            "FTCOMPILE_LAUNCHER_PID": str(os.getpid()), "FTCOMPILE_COMMAND": shlex.join(["ftcompile", *sys.argv[1:]]),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_rank))}
     try:
-        with _environ(**env), _quiet_agent(debug):
+        with _environ(**env), _quiet_agent(debug), _stop_within_grace(shutdown_timeout_s):
             elastic_launch(config, sys.executable)("-m", "ftcompile.runtime", *worker_args)
         return 0
     except ChildFailedError as exc:

@@ -47,3 +47,25 @@ def test_the_killed_rank_is_named_and_its_signal_is_the_exit_status(tmp_path, me
     lines, code = summarize(failures, lambda r: f"rank {r}")
     assert code == 128 + signal.SIGKILL
     assert lines == ["rank 0 was killed by SIGKILL (signal 9)"]
+
+
+def test_the_agent_kills_a_failed_launchs_survivors_within_the_grace():
+    """torch's process context stops the ranks left after one fails with a fixed 30 s before SIGKILL
+    (pytorch#119856); a stopped rank ignores the SIGTERM, so the launcher hung those 30 s. Inside
+    spawn every close is capped at the launch's grace, and torch's own is back afterwards."""
+    import types
+
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    from ftcompile.runtime.launch import _stop_within_grace
+
+    seen = []
+    fake = types.SimpleNamespace(_close=lambda death_sig, timeout: seen.append(timeout), _tail_logs=[],
+                                 filtered_stdout=None, filtered_stderr=None)
+    original = PContext.close
+    with _stop_within_grace(5):
+        PContext.close(fake)                 # SubprocessContext._poll after a rank failed: close()
+        PContext.close(fake, None, 30)       # the agent's _stop_workers: _shutdown()'s 30 s
+        PContext.close(fake, None, 2)        # a shorter grace stays
+    assert seen == [5, 5, 2]
+    assert PContext.close is original
