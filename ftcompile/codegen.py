@@ -347,16 +347,59 @@ def _writes_and_views(ins) -> tuple[list[str], dict[str, str]]:
 
 def check_custom_ops(graph: OpGraph) -> None:
     """Refuse a graph calling a custom operator that generated stages could not call: no module on
-    the Python path registers it (``graph.source["custom_ops"]``, recorded by the tracer), so a rank's
-    fresh process would not have it. ``compile`` asks before planning."""
+    the Python path registers it (``graph.source["custom_ops"]``, recorded by the tracer), or
+    importing the module recorded for it does not register it in a fresh process (an operator a
+    submodule registers when something else imports it). ``compile`` asks before planning."""
+    found = {}
     for target, module in (graph.source.get("custom_ops") or {}).items():
+        ns, op, _ = target.split(".")
         if not module:
-            ns, op, _ = target.split(".")
             raise CodegenError(f"the model calls the custom operator {ns}::{op}, which no importable module "
                                "registers (it was defined in the model's own file or at run time), so the "
                                "generated stages, each run in a fresh process, could not call it: define it with "
                                "torch.library in a module on the Python path and import that module in the "
                                "model's file")
+        found[target] = module
+    if found:
+        _check_registered_fresh(found)
+
+
+#: What a rank does with a custom operator: import its module in a fresh interpreter, then look it up.
+_FRESH_CHECK = """
+import importlib, json, sys
+import torch
+missing = {}
+for target, module in json.loads(sys.argv[1]).items():
+    ns, op, overload = target.split(".")
+    try:
+        importlib.import_module(module)
+        getattr(getattr(getattr(torch.ops, ns), op), overload)
+    except Exception as exc:
+        missing[target] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+print(json.dumps(missing))
+"""
+
+
+def _check_registered_fresh(found: dict[str, str]) -> None:
+    """Import each operator's module in a new interpreter, as a rank would, and look the operator up."""
+    import json
+    import subprocess
+    import sys
+
+    try:
+        r = subprocess.run([sys.executable, "-c", _FRESH_CHECK, json.dumps(found)], capture_output=True, text=True,
+                           timeout=300)
+        missing = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        missing = None
+    if missing is None:
+        return      # the check itself could not run here: the ranks will say what is missing
+    for target, why in missing.items():
+        ns, op, _ = target.split(".")
+        raise CodegenError(f"the model calls the custom operator {ns}::{op}; the generated stages import "
+                           f"{found[target]} for it, but in a fresh process that import does not register it "
+                           f"({why}), so the ranks could not call it: make {found[target]} (or a module it "
+                           "imports) define the operator when imported")
 
 
 class _Emitter:

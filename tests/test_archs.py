@@ -170,6 +170,66 @@ def test_a_custom_operator_no_other_process_can_import_is_refused_before_plannin
     assert not out.exists()
 
 
+LAZY_OPS = """
+import torch
+
+lib = torch.library.Library("ftclazy", "DEF")
+lib.define("twice(Tensor x) -> Tensor")
+lib.impl("twice", lambda x: x * 2, "CompositeExplicitAutograd")
+torch.library.register_fake("ftclazy::twice")(lambda x: torch.empty_like(x))
+"""
+
+LAZY_MODEL = """
+import torch
+from torch import nn
+
+import ftclazy.ops  # noqa: F401 - registers ftclazy::twice
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.b(torch.ops.ftclazy.twice(self.a(x))).pow(2).mean()
+
+
+def build():
+    torch.manual_seed(0)
+    return Net(), (torch.randn(4, 8),)
+"""
+
+
+@pytest.mark.parametrize("registers_on_import", [False, True])
+def test_a_custom_operator_its_package_does_not_register_on_import_is_refused(tmp_path, capsys, monkeypatch,
+                                                                              registers_on_import):
+    """An operator a torch.library.Library defines in a submodule (ftclazy.ops) is recorded under its
+    namespace's package (ftclazy): if importing that package does not register it, a rank could not
+    call it, which compile finds in a fresh process before planning; if it does, compile goes on."""
+    from ftcompile.cli import main
+
+    pkg = tmp_path / "site" / "ftclazy"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from . import ops  # noqa: F401\n" if registers_on_import else "")
+    (pkg / "ops.py").write_text(LAZY_OPS)
+    (tmp_path / "model.py").write_text(LAZY_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    out = tmp_path / "o"
+    rc = main(["compile", f"{tmp_path / 'model.py'}:build", "--gpus", "2", "--strategy", "seq", "-q",
+               "-o", str(out)])
+    err = capsys.readouterr().err
+    if registers_on_import:
+        assert rc == 0, err
+        assert "import ftclazy" in "\n".join(p.read_text() for p in out.glob("stage_*.py"))
+    else:
+        assert rc == 2
+        assert "custom operator ftclazy::twice; the generated stages import ftclazy for it, but in a fresh " \
+               "process that import does not register it" in err, err
+        assert not out.exists()
+
+
 # --------------------------------------------------------------------------- training
 
 def _cfg(schedule: str) -> TrainConfig:
