@@ -212,6 +212,8 @@ def _usable_folder(path: str, option: str) -> None:
     cannot be created or written. Nothing is created here (the ranks create it), so a run refused by
     a later check leaves no empty folder behind."""
     p = Path(path).absolute()
+    if p.is_symlink() and not p.exists():
+        raise base.UsageError(f"{option} {path} is a symbolic link to nothing ({os.readlink(p)}); give a folder")
     if p.exists() and not p.is_dir():
         raise base.UsageError(f"{option} {path} is a file, not a folder; give a folder (it is created if missing)")
     existing = p
@@ -301,7 +303,8 @@ def _preflight(args: argparse.Namespace):
 def _check_first_batch(batches, args, manifest, micro_batches: int) -> None:
     """A user's data function: draw its first batch here, so that a function yielding nothing, or a
     first batch of the wrong shape or with a token id beyond the model, is refused before any rank
-    starts (each rank calls the function again; the built-in sources are checked as they are built)."""
+    starts (each rank calls the function again; the built-in sources are checked as they are built).
+    A function failing here by itself (one reading RANK, or wanting a GPU) is only warned about."""
     from .runtime.data import DataError, check_index_ranges, is_user_data, split_micro_batches
 
     if not is_user_data(args.data):
@@ -311,6 +314,12 @@ def _check_first_batch(batches, args, manifest, micro_batches: int) -> None:
     except StopIteration:
         raise DataError(f"dataset function {args.data} yielded no batches; the run needs {args.steps or 'its'} "
                         "step(s), one batch each") from None
+    except DataError:
+        raise                    # the batch does not fit the model (a missing input, another shape)
+    except Exception as exc:     # noqa: BLE001 - the function may need what only a rank has (RANK, a GPU)
+        print(f"{base.PROG}: warning: could not draw the first batch of {args.data} in the launcher "
+              f"({type(exc).__name__}: {exc}); the ranks check their own", file=sys.stderr)
+        return
     check_index_ranges(split_micro_batches(first, manifest, micro_batches), manifest, f"{args.data}: batch 0")
 
 

@@ -9,7 +9,8 @@ runtime can check each micro-batch on the host before it enters the pipeline
 (``ftcompile.runtime.data.check_index_ranges``).
 
 An input is followed through the operators that pass its values on unchanged (views, copies,
-dtype casts, slices, padding) to the operators that index with it:
+casts into an integer dtype that holds all of its values, slices, padding) to the operators that
+index with it:
 
 * ``aten.embedding``: ``0 <= id < rows`` of the weight;
 * the losses taking class targets (``cross_entropy_loss``, ``nll_loss`` and its forms):
@@ -19,11 +20,13 @@ dtype casts, slices, padding) to the operators that index with it:
 
 A check must never refuse data the model accepts, so a path the rules cannot follow exactly
 is not checked: an operator that computes new values from the input (arithmetic, comparisons,
-``clamp``) or replaces some (``masked_fill``, ``where``: a model may mask out positions whose
-values it never uses), a slice with a step, or a slice after a reshape (which positions of the input it
-keeps is no longer known). Slices and padding before any reshape are followed: a constraint
-covers only the positions of the input that reach the operator (HF's causal-LM loss pads the
-labels and drops their first column, which therefore is not checked).
+``clamp``, a narrowing cast, one to float or bool) or replaces some (``masked_fill``, ``where``:
+a model may mask out positions whose values it never uses), a slice with a step, or a slice
+after a reshape or a transpose (which positions of the input it keeps is no longer known; a
+transpose moves values even between dimensions of one size). Slices and padding before any of
+those are followed: a constraint covers only the positions of the input that reach the
+operator (HF's causal-LM loss pads the labels and drops their first column, which therefore is
+not checked).
 """
 
 from __future__ import annotations
@@ -37,12 +40,17 @@ from .runtime.manifest import IndexRange
 _SAME = {"aten.contiguous.default", "aten.clone.default", "aten.detach.default", "aten.alias.default",
          "aten.lift_fresh_copy.default", "aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout",
          "aten.to.device", "aten.to.other", "aten.type_as.default"}
-#: Operators that rearrange the input's values (positions no longer map to the input's).
+#: Operators that rearrange the input's values; where the shape stays the same they are the identity.
 _RESHAPE = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.flatten.using_ints",
-            "aten.unflatten.int", "aten.expand.default", "aten.permute.default", "aten.transpose.int",
-            "aten.t.default", "aten.unsqueeze.default", "aten.squeeze.default", "aten.squeeze.dim",
-            "aten.squeeze.dims", "aten.repeat.default", "aten.expand_as.default", "aten.view_as.default",
-            "aten.reshape_as.default"}
+            "aten.unflatten.int", "aten.expand.default", "aten.unsqueeze.default", "aten.squeeze.default",
+            "aten.squeeze.dim", "aten.squeeze.dims", "aten.repeat.default", "aten.expand_as.default",
+            "aten.view_as.default", "aten.reshape_as.default"}
+#: Operators that move values between positions even where the shape stays (square transposes).
+_PERMUTE = {"aten.permute.default", "aten.transpose.int", "aten.t.default", "aten.swapaxes.default",
+            "aten.swapdims.default", "aten.movedim.int"}
+#: The values each integer dtype holds: a cast is followed only into a dtype holding all of its input's.
+_INT_RANGE = {"uint8": (0, 2 ** 8 - 1), "int8": (-2 ** 7, 2 ** 7 - 1), "int16": (-2 ** 15, 2 ** 15 - 1),
+              "int32": (-2 ** 31, 2 ** 31 - 1), "int64": (-2 ** 63, 2 ** 63 - 1)}
 #: Class-target losses: (target argument, ignore_index argument or None).
 _LOSSES = {"aten.cross_entropy_loss.default", "aten.nll_loss.default", "aten.nll_loss_forward.default",
            "aten.nll_loss2d_forward.default", "aten.nll_loss_nd.default", "aten.nll_loss2d.default"}
@@ -92,20 +100,18 @@ def index_ranges(graph: OpGraph) -> dict[str, list[IndexRange]]:
     value-preserving operators leads it to (see the module docstring); inputs that reach none are
     left out."""
     shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
     for n in graph.nodes:
-        for v, m in n.outputs.items():
+        metas = list(n.outputs.items()) + [kv for ins in n.instrs for kv in ins.produced().items()]
+        for v, m in metas:
             if m is not None and m.tensor is not None:
-                shapes[v] = tuple(m.tensor.shape)
-        for ins in n.instrs:
-            for v, m in ins.produced().items():
-                if m is not None and m.tensor is not None:
-                    shapes[v] = tuple(m.tensor.shape)
+                shapes[v], dtypes[v] = tuple(m.tensor.shape), m.tensor.dtype
     tracks: dict[str, _Track] = {}
     for inp in graph.inputs:
         if inp.get("node") is None:
             continue
         m = graph.node(inp["node"]).outputs.get(inp["value"])
-        if m is None or m.tensor is None or m.tensor.is_floating or m.tensor.dtype == "bool":
+        if m is None or m.tensor is None or m.tensor.dtype not in _INT_RANGE:
             continue
         shape = tuple(m.tensor.shape)
         tracks[inp["value"]] = _Track(inp["value"], tuple((0, s) for s in shape), tuple(range(len(shape))),
@@ -130,16 +136,28 @@ def index_ranges(graph: OpGraph) -> dict[str, list[IndexRange]]:
                 named = named if named is not None else _schema_args(ins.target, ins.args, ins.kwargs)
                 if named is None:
                     break
+                if dtypes.get(_ref(a)) not in _INT_RANGE:
+                    continue        # a float target is a loss's probabilities, not class indices
                 rule = _consume(ins.target, named, a, t, shape_of)
                 if rule is not None:
                     out.setdefault(t.input, [])
                     if rule not in out[t.input]:
                         out[t.input].append(rule)
                     continue
+                if not _holds(dtypes.get(ins.name), dtypes.get(_ref(a))):
+                    continue        # a narrowing cast (or one to float or bool) changes values
                 nxt = _pass(ins.target, named, a, t, shapes.get(_ref(a)), shapes.get(ins.name))
                 if nxt is not None and not ins.unpack:
                     tracks[ins.name] = nxt
     return out
+
+
+def _holds(out: str | None, into: str | None) -> bool:
+    """Whether integer dtype ``out`` holds every value of integer dtype ``into``."""
+    if out not in _INT_RANGE or into not in _INT_RANGE:
+        return False
+    (lo, hi), (a, b) = _INT_RANGE[out], _INT_RANGE[into]
+    return lo <= a and b <= hi
 
 
 def _consume(target: str, named: dict, arg, t: _Track, shape_of) -> IndexRange | None:
@@ -178,6 +196,8 @@ def _pass(target: str, named: dict, arg, t: _Track, shape_in, shape_out) -> _Tra
     if target in _RESHAPE:
         if shape_in is not None and shape_in == shape_out:
             return t
+        return _Track(t.input, t.window, None, None)
+    if target in _PERMUTE:
         return _Track(t.input, t.window, None, None)
     if t.dims is None or shape_in is None:
         return None

@@ -40,6 +40,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 import uuid
 import warnings
@@ -355,7 +356,8 @@ def space_message(root: Path, step: int, needed: int, free: int | None, previous
 
 
 def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: dict, control=None,
-         previous: int | None = None, write: bool = True, keep: int | None = None) -> Path:
+         previous: int | None = None, write: bool = True, keep: int | None = None, history: int | None = None,
+         saved: Iterable[int] = ()) -> Path:
     """Write the checkpoint after ``step`` steps; every rank calls it with its stages' states.
 
     ``stages`` is ``RankEngine.state()``; ``meta`` goes into ``meta.json`` (run id, package,
@@ -368,7 +370,8 @@ def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: d
     written ones (digests), but it writes nothing, so a checkpoint holds each stage once.
 
     ``keep``: once committed, the step folders of steps before ``step`` beyond the ``keep - 1``
-    newest of them are deleted (:func:`prune`); None keeps all.
+    newest of them are deleted (:func:`prune`, with ``history`` and the steps this run ``saved``);
+    None or 0 keeps all.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -469,9 +472,9 @@ def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: d
         error = control.broadcast(error)
     if error:
         raise _everyone(CheckpointSpaceError(error) if "no room" in error else CheckpointError(error))
-    if keep is not None and rank == 0:
+    if keep and rank == 0:
         try:
-            prune(root, step, keep)
+            prune(root, step, keep, history=history, written=saved)
         except OSError as exc:       # the new checkpoint stands: an old one left is no reason to stop
             print(f"ftcompile: warning: could not delete checkpoints older than the {keep} newest in {root}: "
                   f"{exc.strerror or exc}", file=sys.stderr)
@@ -519,12 +522,20 @@ def _commit(root: Path, staging: Path, step: int, run_id: str | None) -> None:
         _remove(old)
 
 
-def prune(root: str | os.PathLike, step: int, keep: int) -> list[Path]:
+def prune(root: str | os.PathLike, step: int, keep: int, *, history: int | None = None,
+          written: Iterable[int] = ()) -> list[Path]:
     """Delete the step folders of ``root`` for steps before ``step`` beyond the ``keep - 1`` newest
-    of them; returns those deleted. Folders of later steps (left by a run this one resumed before
-    their end) are not this run's to delete. Each goes by renaming it to a temporary first, so one
-    half deleted is never taken for a checkpoint (:func:`remove_stale` finishes it)."""
+    of them; returns those deleted.
+
+    Only this run's line counts: steps up to ``history`` (where it resumed; None: every step
+    before ``step``) and the steps it ``written`` itself. Folders of other steps (a continuation
+    the user rolled back from by pointing ``latest`` at an older step) are neither counted nor
+    deleted: the run overwrites them as it passes. Each folder goes by renaming it to a temporary
+    first, so one half deleted is never taken for a checkpoint (:func:`remove_stale` finishes
+    it); the renamed folders are deleted in a background thread (a large checkpoint on a network
+    file system can take minutes, while the other ranks train on)."""
     root = Path(root)
+    written = set(written)
     older = []
     for p in committed(root):
         if p.name == LATEST:
@@ -533,15 +544,17 @@ def prune(root: str | os.PathLike, step: int, keep: int) -> list[Path]:
             n = int(p.name[len("step-"):])
         except ValueError:
             continue
-        if n < step:
+        if n < step and (history is None or n <= history or n in written):
             older.append((n, p))
     older.sort(reverse=True)
-    gone = []
+    gone, doomed = [], []
     for _, p in older[max(keep - 1, 0):]:
         tmp = root / f".tmp-old-{p.name}-{uuid.uuid4().hex[:8]}"
         os.replace(p, tmp)
-        _remove(tmp)
+        doomed.append(tmp)
         gone.append(p)
+    if doomed:
+        threading.Thread(target=lambda: [_remove(t) for t in doomed], name="ftcompile-prune").start()
     return gone
 
 

@@ -538,7 +538,8 @@ def check_index_ranges(micro_batches: list[Batch], manifest: Manifest, where: st
             for r in gi.index_ranges:
                 if len(r.window) != t.dim():
                     continue
-                x = t[tuple(slice(a, b) for a, b in r.window)]
+                # int64: a limit or ignore index outside a narrow dtype's range must not wrap
+                x = t[tuple(slice(a, b) for a, b in r.window)].to(torch.int64)
                 bad = (x < 0) | (x >= r.limit)
                 if r.ignore is not None:
                     bad &= x != r.ignore

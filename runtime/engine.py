@@ -1059,7 +1059,9 @@ class RankEngine:
                     self.cache.plan_step(self.step_offset + fetched[0], mbs)
                 mbs = mbs[r * M:(r + 1) * M]
                 # On the host, before a bad token id becomes a device-side assert on a GPU.
-                check_index_ranges(mbs, self.m, f"step {self.step_offset + fetched[0]}", self._local_inputs)
+                check_index_ranges(mbs, self.m, f"step {self.step_offset + fetched[0]}"
+                                   + (f", replica {r} (the batch's micro-batches {r * M}..{r * M + M - 1})"
+                                      if R > 1 else ""), self._local_inputs)
                 cache[fetched[0]] = [{n: t.to(self.device) for n, t in mb.items() if n in self._local_inputs}
                                      for mb in mbs]
                 fetched[0] += 1

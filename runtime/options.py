@@ -121,8 +121,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="checkpoint every N steps (each segment fills and drains the pipeline); 0: only at the "
                         "end (turns off the interval a resumed run takes from its checkpoint)")
     g.add_argument("--keep-checkpoints", type=int, default=None, metavar="K",
-                   help="after each checkpoint, delete the older step folders beyond the K newest (default: keep "
-                        "all; a resumed run takes its checkpoint's K)")
+                   help="after each checkpoint, delete the older step folders beyond the K newest (default, or "
+                        "0: keep all; a resumed run takes its checkpoint's K)")
     g.add_argument("--resume", action="store_true", help="continue the run of the latest checkpoint in --checkpoint-dir")
     g.add_argument("--overwrite-checkpoints", action="store_true",
                    help="a fresh run into a --checkpoint-dir that holds checkpoints deletes them (else refused)")
@@ -217,8 +217,9 @@ def check(args) -> list[str]:
     if args.checkpoint_every is not None and not args.checkpoint_dir:
         raise OptionError("--checkpoint-every needs --checkpoint-dir")
     if getattr(args, "keep_checkpoints", None) is not None:
-        if args.keep_checkpoints < 1:
-            raise OptionError(f"--keep-checkpoints must be at least 1 (the newest), got {args.keep_checkpoints}")
+        if args.keep_checkpoints < 0:
+            raise OptionError(f"--keep-checkpoints must be at least 1 (the newest), or 0 to keep all, got "
+                              f"{args.keep_checkpoints}")
         if not args.checkpoint_dir:
             raise OptionError("--keep-checkpoints needs --checkpoint-dir")
     if args.resume and not args.checkpoint_dir:

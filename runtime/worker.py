@@ -425,6 +425,7 @@ class RankRun:
             failure = exc
         _agree(self.control, failure, self.rank)
         self.start = ck.step if ck is not None else 0
+        self._written: list[int] = []     # the steps this run checkpointed (--keep-checkpoints)
 
     # ------------------------------------------------------------------ 5. training
     def _open_log(self) -> None:
@@ -489,8 +490,12 @@ class RankRun:
             state = self.engine.state()
             if self.averaging is not None:
                 state = self.averaging.reference(state)
+            # --keep-checkpoints counts this run's line only: the steps up to where it resumed and
+            # those it wrote, not a continuation the user rolled back from.
             ckpt.save(args.checkpoint_dir, step, state, meta=meta, control=self.control,
-                      previous=previous, write=self.layout.replica == 0, keep=getattr(args, "keep_checkpoints", None))
+                      previous=previous, write=self.layout.replica == 0, keep=getattr(args, "keep_checkpoints", None),
+                      history=self.start if self.res.checkpoint is not None else None, saved=self._written)
+            self._written.append(step)
         except (ckpt.CheckpointPeerLost, RuntimeError) as exc:
             # A peer that died mid-save fails the collective; the transport's receivers say which.
             lost = _wait_for_failure(self.engine, seconds=5)

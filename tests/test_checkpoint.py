@@ -313,14 +313,32 @@ def test_keep_checkpoints_deletes_only_older_step_folders_beyond_k(pkgs, tmp_pat
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000006"]
 
 
+def _steps(root):
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
+
+
 def test_keep_checkpoints_leaves_later_steps_alone(tmp_path):
     for n in (1, 2, 3, 7, 9):
         (tmp_path / f"step-{n:08d}").mkdir()
     (tmp_path / "step-notanumber").mkdir()
     gone = ckpt.prune(tmp_path, 3, 2)
     assert [p.name for p in gone] == ["step-00000001"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003", "step-00000007",
-                                                          "step-00000009", "step-notanumber"]
+    assert _steps(tmp_path) == ["step-00000002", "step-00000003", "step-00000007", "step-00000009",
+                                "step-notanumber"]
+
+
+def test_keep_checkpoints_counts_only_the_runs_own_line(tmp_path):
+    """A run resumed from step 10 with an abandoned continuation at 20 (the user pointed `latest`
+    back): at step 25 with K = 2 it keeps 10 (its own history) and deletes 5; 20, not its line, is
+    neither counted nor deleted. Once it has written 20 itself, 20 is its own."""
+    for n in (5, 10, 20, 25):
+        (tmp_path / f"step-{n:08d}").mkdir()
+    assert [p.name for p in ckpt.prune(tmp_path, 25, 2, history=10, written=[])] == ["step-00000005"]
+    assert _steps(tmp_path) == ["step-00000010", "step-00000020", "step-00000025"]
+    (tmp_path / "step-00000030").mkdir()
+    assert [p.name for p in ckpt.prune(tmp_path, 30, 2, history=10, written=[20, 25])] == \
+        ["step-00000020", "step-00000010"]
+    assert _steps(tmp_path) == ["step-00000025", "step-00000030"]
 
 
 def test_a_resume_whose_text_corpus_changed_is_warned_about(pkgs, tmp_path):
@@ -418,6 +436,20 @@ def test_a_data_function_is_refused_on_its_first_batch_before_any_rank_starts(pk
     err = refused(r, says)
     assert "rank " not in err
     assert not (tmp_path / "log").exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_a_data_function_needing_a_rank_is_only_warned_about_by_the_launcher(pkgs, tmp_path):
+    """A generator that reads RANK (unset in the launcher) cannot be drawn there: a warning, and the
+    ranks train on it."""
+    m = load_package(pkgs["seq"]).manifest
+    tail = list(next(gi for gi in m.inputs if gi.shape).shape[1:])
+    (tmp_path / "data.py").write_text(
+        "import os, torch\ndef batches(micro_batches, **_):\n"
+        "    rank = int(os.environ['RANK'])\n"
+        f"    shape = [micro_batches * {m.micro_batch_size}] + {tail}\n"
+        "    while True:\n        yield {'input_ids': torch.full(shape, 7 + rank), 'labels': torch.full(shape, 7)}\n")
+    r = ok(run_cli(*args_for(pkgs["seq"], tmp_path, "--data", f"{tmp_path / 'data.py'}:batches", steps=1)))
+    assert "warning: could not draw the first batch" in r.stderr and "KeyError" in r.stderr, r.stderr
 
 
 def test_temporaries_of_a_dead_run_are_removed_at_the_next_start(pkgs, tmp_path):

@@ -144,6 +144,43 @@ def test_only_paths_that_keep_the_values_are_checked():
     assert not {"args[2]", "args[3]", "args[4]"} & set(by_path)
 
 
+class Moved(nn.Module):
+    """Paths a reviewer found refusing good data: a square transpose then a slice (positions move
+    between dimensions of one size), casts that change values, integer counts as a float target."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, square, narrowed, small, counts, wide):
+        a = self.emb(square.t()[1:]).sum()                         # reads square[:, 1:], not square[1:]
+        b = self.emb(narrowed.to(torch.uint8).long()).sum()          # 259 -> 3: valid
+        c = self.emb(small.long()).sum()                             # uint8 input, widened: followed
+        logits = self.head(self.emb(wide[:, 0]))
+        d = nn.functional.cross_entropy(logits, counts.float())      # probabilities, not class indices
+        return a + b + c + d
+
+
+def test_transposes_value_changing_casts_and_float_targets_are_not_checked():
+    args = (torch.tensor([[1, 2, 3, 4]] * 4), torch.tensor([[259, 3]]), torch.tensor([[5, 3]], dtype=torch.uint8),
+            torch.tensor([[5, 3, 1], [0, 2, 7]]), torch.tensor([[1, 2], [3, 4]]))
+    built = type("Built", (), {"model": Moved(), "args": args, "kwargs": {}})()
+    graph = trace(built.model, args, {})
+    names = {i["value"]: i["path"] for i in graph.inputs}
+    found = {names[v]: r for v, r in _check_against_the_model(built, graph).items()}
+    assert set(found) == {"args[2]", "args[4]"}, found         # the widened uint8 and the plain ids only
+    assert [r.limit for r in found["args[2]"]] == [10]
+    # the host check compares in int64: a limit above uint8's range does not wrap
+    from ftcompile.runtime.manifest import GraphInput, IndexRange, Manifest
+
+    gi = GraphInput("small", "args[2]", (1, 2), "uint8", index_ranges=(IndexRange(300, None, ((0, 1), (0, 2)), "t"),))
+    m = Manifest(name="t", model={}, micro_batch_size=1, dtype="float32", num_gpus=1, schedule="gpipe",
+                 micro_batches=1, recompute=False, optimizer="adam", stages=[], values={}, params={}, inputs=[gi],
+                 outputs=[], loss=None, loss_stage=None)
+    check_index_ranges([{"small": torch.tensor([[250, 3]], dtype=torch.uint8)}], m, "step 0")
+
+
 def test_the_runtime_check_names_the_input_the_value_and_the_table():
     """check_index_ranges on a real package's manifest: values outside the window pass, a bad one
     inside is named with its position, the loss's ignore index passes."""
