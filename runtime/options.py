@@ -299,13 +299,16 @@ def replicas_for(manifest, world_size: int, replicas: int | None = None) -> int:
     return world_size // N
 
 
-def resolve(args, manifest, *, restart_run_id: str | None = None, replicas: int = 1) -> Resolved:
+def resolve(args, manifest, *, restart_run_id: str | None = None, replicas: int = 1,
+            check_data: bool = True) -> Resolved:
     """Fill the options' defaults, reconciled with the checkpoint of ``--resume`` (see the module docstring).
 
     ``restart_run_id``: when the elastic agent restarts the ranks of a run, a checkpoint of that
     run is resumed even without ``--resume``. ``replicas``: of this run; a resume into another
     number of replicas keeps the checkpoint's global batch (replicas x micro-batches) when
     ``--micro-batches`` is not given and the batch divides, so training goes on as it would have.
+    ``check_data``: compare the data with the checkpoint's fingerprint (hashing a corpus is not
+    free: only the process that prints the warning asks).
     """
     cli = args
     args = copy.copy(args)
@@ -337,7 +340,7 @@ def resolve(args, manifest, *, restart_run_id: str | None = None, replicas: int 
                     from_checkpoint.add(name)
             elif name in was and given != old and name != "steps":
                 changed.append((name, old, given))
-        if ck.meta.get("data_fingerprint") and args.data == was.get("data"):
+        if check_data and ck.meta.get("data_fingerprint") and args.data == was.get("data"):
             from .data import data_fingerprint
 
             now = data_fingerprint(args.data)

@@ -319,11 +319,12 @@ class RankRun:
         _avgpipe.as_replicas(self.args, self.args.schedule or m.schedule)     # AvgPipe: N pipelines = N replicas
         self.replicas = replicas_for(m, world, self.args.replicas)
         self.layout = RankLayout(world, self.replicas, self.rank, self.args.rank_order or m.rank_order)
-        self.res = resolve(self.args, m, restart_run_id=_launch_run_id(), replicas=self.replicas)
+        says = self.rank == 0 and self.launch.launcher != "ftcompile"     # else the launcher said it
+        self.res = resolve(self.args, m, restart_run_id=_launch_run_id(), replicas=self.replicas, check_data=says)
         args = self.args = self.res.args
         self.cfg = config_from_args(args, m)
         programs(m, self.cfg, 1)                 # a schedule that cannot run is refused here
-        if self.rank == 0 and self.launch.launcher != "ftcompile":     # else the launcher said it
+        if says:
             for w in self.res.warnings:
                 print(f"ftcompile run: warning: {w}", file=sys.stderr)
             for n in self.res.notes:
