@@ -78,7 +78,9 @@ class VerifyReport:
 
 
 def _error(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> tuple[float, float]:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    # complex values compare as their real and imaginary parts (.double() would drop the imaginary)
+    a, b = (torch.view_as_real(x.detach().resolve_conj()) if x.is_complex() else x.detach() for x in (a, b))
+    a, b = a.double().cpu(), b.double().cpu()
     if a.shape != b.shape:
         return math.inf, math.inf
     if a.numel() == 0:

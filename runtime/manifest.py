@@ -22,7 +22,8 @@ PACKAGE_FORMAT = "ftcompile.package"
 #    packages of version 1 silently dropped buffer updates and read aliased inputs wrongly.
 PACKAGE_VERSION = 2
 
-FLOATING = ("float64", "float32", "float16", "bfloat16")
+#: Dtypes that carry gradients (complex too: DeepSeek-V2's rotary embedding crosses stages as complex64).
+FLOATING = ("float64", "float32", "float16", "bfloat16", "complex64", "complex128", "complex32")
 
 
 def torch_dtype(name: str):

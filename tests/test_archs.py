@@ -45,7 +45,7 @@ from ftcompile.weights import weight_source
 from test_runtime import call_of, cli_args, final_weights, losses, run_cli
 
 ARCHS = Path(__file__).parent / "archs"
-HF = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "gemma", "gemma2", "phi3", "phi", "gpt_neox", "falcon", "bloom",
+HF = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v2", "gemma", "gemma2", "phi3", "phi", "gpt_neox", "falcon", "bloom",
       "gpt2", "gpt_neo", "opt", "marian", "pegasus", "mbart", "bart", "m2m100", "t5", "bert", "albert", "roberta",
       "electra", "distilbert", "deberta_v2", "vit_mae", "gpt2_autocast",
       # with torch's fused attention (dropout inside it keyed like any other)
@@ -60,9 +60,10 @@ PLAIN = ["resnet", "mobilenet_v2", "lstm_gru", "lstm_dropout", "random_masking",
 # and in-place ops also have small-model tests in test_trace_regions.py, SDPA's pricing in
 # test_profile.py; random_masking draws torch.rand in forward as vit_mae does.
 QUICK = {"llama", "albert", "resnet", "bloom", "m2m100", "lstm_gru", "random_masking", "mixtral", "deepseek_v3",
-         "slice_copy"}
+         "slice_copy", "deepseek_v2"}
 QUICK_TRAINING = {("albert", "async"),     # several holders of one tensor per rank (2 ranks, 3 GPUs planned)
-                  ("mixtral", "1f1b")}     # ranks import the module registering the experts' custom operator
+                  ("mixtral", "1f1b"),     # ranks import the module registering the experts' custom operator
+                  ("deepseek_v2", "1f1b")}  # complex64 activations (rotary) and their gradients between ranks
 VERIFY_TOL = 1e-6
 
 
@@ -305,6 +306,7 @@ CONSTRUCTS = {
     "vit_mae": "torch.rand inside forward (masking noise)",
     "albert": "one layer's weights shared by every layer",
     "mixtral": "mixture of experts through a torch.library custom operator (transformers::grouped_mm_fallback)",
+    "deepseek_v2": "complex64 rotary activations crossing ranks, with their gradients",
 }
 
 
@@ -367,3 +369,13 @@ def test_compile_plans_a_real_7b_llama(tmp_path):
     params = sum(int(math.prod(p["shape"])) for p in graph["params"] if p["kind"] == "parameter")
     assert params == 6_738_415_616
     assert any(n["op"] == "aten.scaled_dot_product_attention.default" for n in graph["nodes"])
+
+
+def test_verify_compares_complex_values_whole():
+    """verify's error of complex values counts their imaginary parts (a .double() would drop them)."""
+    from ftcompile.verify import _error
+
+    a, b = torch.tensor([1 + 2j, 3 + 0j]), torch.tensor([1 + 2.5j, 3 + 0j])
+    rel, diff = _error(a, b)
+    assert diff == pytest.approx(0.5) and rel == pytest.approx(0.5 / 3)
+    assert _error(a, a) == (0.0, 0.0)

@@ -83,6 +83,17 @@ def deepseek_v3():
                    num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=64)
 
 
+def deepseek_v2():
+    """DeepSeek-V2: its rotary embedding multiplies complex64 tensors (view_as_complex), which cross
+    stage boundaries and must carry gradients like floating-point ones."""
+    return _causal(tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM, vocab_size=VOCAB, hidden_size=32,
+                   intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, kv_lora_rank=8, q_lora_rank=16,
+                   qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4, n_group=2, topk_group=1,
+                   num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=64,
+                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 def gemma():
     return _causal(tf.GemmaConfig, tf.GemmaForCausalLM, **_DEC, head_dim=8)
 
