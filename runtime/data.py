@@ -274,7 +274,7 @@ def data_fingerprint(spec: str) -> str | None:
         if spec == "text" or spec.startswith("text:"):
             root = spec[len("text:"):] if spec.startswith("text:") else None
             data = corpus_bytes(root)
-        elif spec.rpartition(":")[0].endswith(".py"):
+        elif is_user_data(spec):
             data = Path(os.path.expanduser(spec.rpartition(":")[0])).read_bytes()
         else:
             return None
@@ -634,8 +634,8 @@ def _checked(batches: Iterable, manifest: Manifest, micro_batches: int, spec: st
 
 def is_user_data(spec: str) -> bool:
     """Whether a data spec names a user's ``FILE.py:FUNCTION`` (not a built-in source)."""
-    spec = str(spec).strip()
-    return spec not in ("synthetic", "text") and not spec.startswith("text:")
+    path, sep, name = str(spec).strip().rpartition(":")
+    return bool(sep) and path.endswith(".py") and name.isidentifier()
 
 
 def load_dataset(spec: str, manifest: Manifest, *, micro_batches: int, seed: int = 0) -> Iterator[Batch]:
@@ -695,8 +695,8 @@ def load_dataset(spec: str, manifest: Manifest, *, micro_batches: int, seed: int
             raise DataError("`--data text:` names no corpus folder: give `--data text:DIR`, or `--data text` for the "
                             "Python standard library")
         return text_batches(manifest, micro_batches=micro_batches, seed=seed, root=root)
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path.endswith(".py") or not name.isidentifier():
+    path, _, name = spec.rpartition(":")
+    if not is_user_data(spec):
         raise DataError(f"unknown data {spec!r}: {_DATA_HELP} (a file and a function, FILE.py:FUNCTION)")
     fn = _load_user_function(path, name)
     batches = _call_user_function(fn, spec, manifest, micro_batches, seed)
