@@ -33,6 +33,7 @@ from typing import Any, Iterable
 import torch
 
 from . import __version__
+from .execute import TORCH_NAMESPACES
 from .indices import index_ranges
 from .ir import OpGraph, ValueMeta, atomic_write_text, iter_params, iter_refs
 from .plan import Plan, stage_depths, stage_graph
@@ -350,18 +351,22 @@ def check_custom_ops(graph: OpGraph) -> None:
     the Python path registers it (``graph.source["custom_ops"]``, recorded by the tracer), or
     importing the module recorded for it does not register it in a fresh process (an operator a
     submodule registers when something else imports it). ``compile`` asks before planning."""
-    found = {}
-    for target, module in (graph.source.get("custom_ops") or {}).items():
-        ns, op, _ = target.split(".")
-        if not module:
-            raise CodegenError(f"the model calls the custom operator {ns}::{op}, which no importable module "
-                               "registers (it was defined in the model's own file or at run time), so the "
-                               "generated stages, each run in a fresh process, could not call it: define it with "
-                               "torch.library in a module on the Python path and import that module in the "
-                               "model's file")
-        found[target] = module
+    found = graph.source.get("custom_ops") or {}
+    for target, module in found.items():
+        _check_importable(target, module)
     if found:
         _check_registered_fresh(found)
+
+
+def _check_importable(target: str, module: str | None) -> None:
+    """Refuse a custom operator that no importable module registers (see :func:`check_custom_ops`)."""
+    if not module:
+        ns, op, _ = target.split(".")
+        raise CodegenError(f"the model calls the custom operator {ns}::{op}, which no importable module "
+                           "registers (it was defined in the model's own file or at run time), so the "
+                           "generated stages, each run in a fresh process, could not call it: define it with "
+                           "torch.library in a module on the Python path and import that module in the "
+                           "model's file")
 
 
 #: What a rank does with a custom operator: import its module in a fresh interpreter, then look it up.
@@ -462,7 +467,7 @@ class _Emitter:
         parts = target.split(".")
         if len(parts) == 3 and parts[0] == "aten":
             return target
-        if len(parts) == 3 and parts[0] in ("prims", "quantized", "_c10d_functional"):
+        if len(parts) == 3 and parts[0] in TORCH_NAMESPACES:      # aten returned above
             return f"torch.ops.{target}"
         if parts[0] == "operator":
             self.uses_operator = True
@@ -486,8 +491,9 @@ class _Emitter:
                                "import; this is a bug in ftcompile's tracer")
         custom = self.graph.source.get("custom_ops") or {}
         if target in custom:
-            # A torch.library operator: called through torch.ops, registered by importing its module.
-            check_custom_ops(self.graph)
+            # A torch.library operator: called through torch.ops, registered by importing its module
+            # (compile checked before planning that a fresh process registers it so).
+            _check_importable(target, custom[target])
             self.imports.add(custom[target])
             return f"torch.ops.{target}"
         module = ".".join(parts[:-1])

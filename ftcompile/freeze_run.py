@@ -535,15 +535,12 @@ def run_freeze(args, spec: FreezeSpec) -> int:
         raise FreezeError(f"--freeze starts from the package's {P}-GPU pipeline: give --nproc a multiple of {P} "
                           f"(e.g. {P * max(m0.replicas, 1)}: its planned replicas)")
     R0 = G // P
-    steps = args.steps or 10
-    schedule = args.schedule or m0.schedule
+    first = _first_phase(args, m0)         # the run's settings as phase 0's ranks resolve them
+    steps, schedule, M, optimizer = first.steps, first.schedule, first.micro_batches, first.optimizer
     if schedule not in ("gpipe", "1f1b"):
         raise FreezeError(f"--freeze trains synchronous pipelines (gpipe, 1f1b), not {schedule}: give --schedule "
                           "1f1b")
-    M = args.micro_batches or m0.micro_batches
     S = R0 * M * m0.micro_batch_size       # every step's samples, all replicas together, fixed over the run
-    optimizer = args.optimizer or m0.optimizer
-    first = _first_phase(args, m0)
     settings = {name: getattr(first, name) for name in PRICED_SETTINGS}
     _check_phase0(pkg0, first, args, (G, R0, args.rank_order or m0.rank_order))
     doc = json.loads((pkg0.path / "plan.json").read_text())

@@ -45,8 +45,6 @@ class DataDependentError(TraceError):
     """Shapes or control flow depend on tensor values: no tracer can make a static pipeline of it."""
 
 
-# Operators that only check metadata at trace time; they carry no data and would
-# pin otherwise movable nodes, so the OpGraph drops them.
 # Uninitialised tensors get zeros: their contents are undefined, so zeros are one valid choice, and
 # a stage then sends and recomputes the same bits every time (verify compares a stage's recomputed
 # outputs with its first ones; a scratch tensor filled by copy_ may cross a stage boundary).
@@ -57,6 +55,8 @@ _ZEROED_TARGETS = {"aten.new_empty.default": "aten.new_zeros.default",
                    "aten.empty_strided.default": "ftcompile.runtime.ops.zeros_strided",
                    "aten.new_empty_strided.default": "ftcompile.runtime.ops.new_zeros_strided"}
 
+# Operators that only check metadata at trace time; they carry no data and would
+# pin otherwise movable nodes, so the OpGraph drops them.
 _DROPPED_TARGETS = {
     "aten._assert_tensor_metadata.default",
     "aten._assert_scalar.default",

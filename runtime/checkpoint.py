@@ -236,7 +236,8 @@ def describe(root: str | os.PathLike) -> str:
         return f"damaged checkpoints ({exc})"
     if ck is None:
         steps = [p.name for p in committed(root) if p.name != LATEST]
-        return f"{len(steps)} step folder(s) without a 'latest' file" if steps else "no checkpoint"
+        return (f"{len(steps)} step folder(s), none complete (no readable meta.json)" if steps
+                else "no checkpoint")
     when = ck.meta.get("written")
     return (f"checkpoints of run {ck.run_id} up to step {ck.step}"
             + (f" (written {when})" if when else ""))
@@ -406,8 +407,9 @@ def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: d
     if world > 1:
         gathered = control.all_gather(digests)
         _check_copies(gathered, shared, step)
-        for d in gathered:
-            digests.update(d)
+        if rank == 0:                 # only rank 0 writes meta.json
+            for d in gathered:
+                digests.update(d)
     needed = sum(unique.values()) + 64 * 1024 * world    # headers and meta.json
     staging = root / f"{STAGING_PREFIX}{step:08d}-{save_id}"
     # One rank decides for all: on a shared file system every host sees the same free space.

@@ -273,6 +273,8 @@ def data_fingerprint(spec: str) -> str | None:
     try:
         if spec == "text" or spec.startswith("text:"):
             root = spec[len("text:"):] if spec.startswith("text:") else None
+            if root == "":
+                return None           # refused by load_dataset: no corpus to hash
             data = corpus_bytes(root)
         elif is_user_data(spec):
             data = Path(os.path.expanduser(spec.rpartition(":")[0])).read_bytes()

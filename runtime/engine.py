@@ -214,6 +214,9 @@ def accepts_update_buffers(module: torch.nn.Module) -> bool:
 #: "index out of range in self", cross-entropy's "Target 7000 is out of bounds", a CUDA kernel's
 #: device-side assert. Under ``_call`` they come from the data, not from ftcompile. (Python's own
 #: "list index out of range" is not among them: that is a bug, reported as one.)
+#: PyTorch kernels' messages for an index beyond its table. On the CPU they are raised inside the
+#: stage call; a CUDA device-side assert usually surfaces at a later synchronisation instead, so
+#: its entry is best effort: the host check of each step's inputs (data.check_index_ranges) comes first.
 _OUT_OF_RANGE = ("index out of range in self", "is out of bounds", "device-side assert")
 
 

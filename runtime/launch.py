@@ -59,6 +59,10 @@ def _signal_name(num: int) -> str:
         return f"signal {num}"
 
 
+def _stopped_from_outside(who: str, sig: int) -> tuple[list[str], int]:
+    return [f"{who} was stopped by {_signal_name(sig)} (sent from outside ftcompile run)"], 128 + sig
+
+
 def summarize(failures: dict, describe: Callable[[int], str]) -> tuple[list[str], int]:
     """The lines to print about failed ranks, and the exit status (see the module docstring).
 
@@ -96,7 +100,7 @@ def summarize(failures: dict, describe: Callable[[int], str]) -> tuple[list[str]
         r = stopped[0][1]
         sig = int(records[r].get("code") or 0) - 128
         if sig > 0:
-            return [f"{describe(r)} was stopped by {_signal_name(sig)} (sent from outside ftcompile run)"], 128 + sig
+            return _stopped_from_outside(describe(r), sig)
     if peers:
         r = peers[0][1]
         return ([] if records[r].get("shown") else [f"{describe(r)}: {failures[r].message}"],
@@ -106,7 +110,7 @@ def summarize(failures: dict, describe: Callable[[int], str]) -> tuple[list[str]
         f, rec = failures[r], records[r]
         sig = -f.exitcode if f.exitcode < 0 else (rec.get("code", 0) - 128 if rec.get("kind") == "signal" else 0)
         if sig > 0:
-            return [f"{describe(r)} was stopped by {_signal_name(sig)} (sent from outside ftcompile run)"], 128 + sig
+            return _stopped_from_outside(describe(r), sig)
     r = min(failures)
     code = int(records[r].get("code") or failures[r].exitcode or 1)
     return ([] if records[r].get("shown") else [f"{describe(r)} exited with status {failures[r].exitcode}"]), code
