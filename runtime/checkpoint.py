@@ -358,7 +358,7 @@ def space_message(root: Path, step: int, needed: int, free: int | None, previous
 
 def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: dict, control=None,
          previous: int | None = None, write: bool = True, keep: int | None = None, history: int | None = None,
-         saved: Iterable[int] = ()) -> Path:
+         saved: Iterable[int] = (), pending: list[threading.Thread] | None = None) -> Path:
     """Write the checkpoint after ``step`` steps; every rank calls it with its stages' states.
 
     ``stages`` is ``RankEngine.state()``; ``meta`` goes into ``meta.json`` (run id, package,
@@ -371,8 +371,8 @@ def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: d
     written ones (digests), but it writes nothing, so a checkpoint holds each stage once.
 
     ``keep``: once committed, the step folders of steps before ``step`` beyond the ``keep - 1``
-    newest of them are deleted (:func:`prune`, with ``history`` and the steps this run ``saved``);
-    None or 0 keeps all.
+    newest of them are deleted (:func:`prune`, with ``history``, the steps this run ``saved`` and
+    ``pending``, which collects the background deletions to join); None or 0 keeps all.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -476,7 +476,7 @@ def save(root: str | os.PathLike, step: int, stages: dict[int, dict], *, meta: d
         raise _everyone(CheckpointSpaceError(error) if "no room" in error else CheckpointError(error))
     if keep and rank == 0:
         try:
-            prune(root, step, keep, history=history, written=saved)
+            prune(root, step, keep, history=history, written=saved, pending=pending)
         except OSError as exc:       # the new checkpoint stands: an old one left is no reason to stop
             print(f"ftcompile: warning: could not delete checkpoints older than the {keep} newest in {root}: "
                   f"{exc.strerror or exc}", file=sys.stderr)
@@ -525,7 +525,7 @@ def _commit(root: Path, staging: Path, step: int, run_id: str | None) -> None:
 
 
 def prune(root: str | os.PathLike, step: int, keep: int, *, history: int | None = None,
-          written: Iterable[int] = ()) -> list[Path]:
+          written: Iterable[int] = (), pending: list[threading.Thread] | None = None) -> list[Path]:
     """Delete the step folders of ``root`` for steps before ``step`` beyond the ``keep - 1`` newest
     of them; returns those deleted.
 
@@ -534,8 +534,10 @@ def prune(root: str | os.PathLike, step: int, keep: int, *, history: int | None 
     the user rolled back from by pointing ``latest`` at an older step) are neither counted nor
     deleted: the run overwrites them as it passes. Each folder goes by renaming it to a temporary
     first, so one half deleted is never taken for a checkpoint (:func:`remove_stale` finishes
-    it); the renamed folders are deleted in a background thread (a large checkpoint on a network
-    file system can take minutes, while the other ranks train on)."""
+    it). With ``pending`` the renamed folders are deleted in a background thread appended to it (a
+    large checkpoint on a network file system can take minutes, while the other ranks train on);
+    the caller joins it before its process leaves (a rank leaves through ``os._exit``, which would
+    cut the deletion short and leave the renamed folder behind). Without, they are deleted at once."""
     root = Path(root)
     written = set(written)
     older = []
@@ -555,8 +557,13 @@ def prune(root: str | os.PathLike, step: int, keep: int, *, history: int | None 
         os.replace(p, tmp)
         doomed.append(tmp)
         gone.append(p)
-    if doomed:
-        threading.Thread(target=lambda: [_remove(t) for t in doomed], name="ftcompile-prune").start()
+    if doomed and pending is not None:
+        t = threading.Thread(target=lambda: [_remove(d) for d in doomed], name="ftcompile-prune")
+        t.start()
+        pending.append(t)
+    else:
+        for d in doomed:
+            _remove(d)
     return gone
 
 

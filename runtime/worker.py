@@ -298,6 +298,7 @@ class RankRun:
         self.transport = self.control = self.heartbeat = self.engine = self.norms = self.layout = self.cache = None
         self.locks: list = []
         self.log = self.bar = None
+        self._deleting: list[threading.Thread] = []   # deletions of older checkpoints, joined in close()
 
     def execute(self) -> int:
         self.check()
@@ -495,7 +496,8 @@ class RankRun:
             # those it wrote, not a continuation the user rolled back from.
             ckpt.save(args.checkpoint_dir, step, state, meta=meta, control=self.control,
                       previous=previous, write=self.layout.replica == 0, keep=getattr(args, "keep_checkpoints", None),
-                      history=self.start if self.res.checkpoint is not None else None, saved=self._written)
+                      history=self.start if self.res.checkpoint is not None else None, saved=self._written,
+                      pending=self._deleting)
             self._written.append(step)
         except (ckpt.CheckpointPeerLost, RuntimeError) as exc:
             # A peer that died mid-save fails the collective; the transport's receivers say which.
@@ -560,6 +562,10 @@ class RankRun:
             self.control.close()
         if self.transport is not None:
             self.transport.close()
+        # Before the checkpoint folder's lock goes: the rank leaves through os._exit, which would cut
+        # a deletion short and leave its renamed folder behind.
+        for t in self._deleting:
+            t.join()
         for lk in self.locks:
             lk.release()
 

@@ -327,6 +327,23 @@ def test_keep_checkpoints_leaves_later_steps_alone(tmp_path):
                                 "step-notanumber"]
 
 
+def test_keep_checkpoints_deletes_in_the_background_only_when_the_caller_joins(tmp_path):
+    """A rank leaves through os._exit, which kills threads: prune hands its deletion thread to the
+    caller to join (the worker does, before it releases the folder's lock), or deletes at once."""
+    for n in (1, 2, 3):
+        (tmp_path / f"step-{n:08d}").mkdir()
+        (tmp_path / f"step-{n:08d}" / "model.safetensors").write_bytes(b"x" * 1024)
+    pending = []
+    gone = ckpt.prune(tmp_path, 3, 1, pending=pending)
+    assert [p.name for p in gone] == ["step-00000002", "step-00000001"]
+    assert len(pending) == 1 and _steps(tmp_path) == ["step-00000003"]
+    pending[0].join()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]
+    (tmp_path / "step-00000004").mkdir()
+    ckpt.prune(tmp_path, 4, 1)                      # no list: nothing left behind on return
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]
+
+
 def test_keep_checkpoints_counts_only_the_runs_own_line(tmp_path):
     """A run resumed from step 10 with an abandoned continuation at 20 (the user pointed `latest`
     back): at step 25 with K = 2 it keeps 10 (its own history) and deletes 5; 20, not its line, is
