@@ -65,10 +65,12 @@ _DROPPED_TARGETS = {
     "aten._assert_async.msg",
 }
 
+# --basic-blocks is no remedy: it groups operators after tracing, so the tracer still enters
+# every module.
 REMEDIES = (
     "Remedies: call the model with use_cache=False; build HuggingFace models with "
-    "attn_implementation='eager'; keep the failing module whole with --basic-blocks CLASS; "
-    "or move data-dependent Python control flow (if tensor.item() ...) out of forward."
+    "attn_implementation='eager'; or move data-dependent Python control flow (if tensor.item() ...) "
+    "out of forward."
 )
 
 
@@ -96,7 +98,9 @@ def quiet_tracing(enabled: bool = True) -> Iterator[None]:
     loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        # CRITICAL: the fake-tensor dispatcher logs a failing operator's whole traceback at ERROR,
+        # which the TraceError already sums up in one line.
+        lg.setLevel(logging.CRITICAL)
     try:
         with warnings.catch_warnings():
             for category in (UserWarning, FutureWarning, DeprecationWarning):

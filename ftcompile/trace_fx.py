@@ -45,8 +45,8 @@ __all__ = ["trace_fx", "index"]
 
 FX_REMEDIES = (
     "Remedies: make the failing code traceable by torch.export (preferred), register helper "
-    "functions that cannot be traced with torch.fx.wrap at module level, keep tensor inputs as "
-    "direct arguments of forward, or keep the module whole with --basic-blocks CLASS."
+    "functions that cannot be traced with torch.fx.wrap at module level, or keep tensor inputs as "
+    "direct arguments of forward."
 )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -367,6 +368,15 @@ def test_t5_is_functionalized_without_retracing():
 
 # --------------------------------------------------------------------------- quiet tracing
 
+class _ClampNothing(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.clamp(self.lin(x), None, None).sum()
+
+
 def test_tracing_is_quiet_and_leaves_logging_and_warnings_as_they_were(capfd):
     import logging
     import warnings
@@ -387,6 +397,22 @@ def test_tracing_is_quiet_and_leaves_logging_and_warnings_as_they_were(capfd):
     assert not [w for w in caught if issubclass(w.category, (UserWarning, FutureWarning, DeprecationWarning))]
     assert logging.getLogger(name).level == level
     assert list(warnings.filters) == filters
+
+
+def test_an_operator_failing_under_fake_tensors_is_one_line():
+    """torch's fake-tensor dispatcher logs the failing operator's whole traceback at ERROR level to
+    its own handler (pytest's capture does not see it: a fresh process does)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; sys.path.insert(0, 'tests'); from test_trace import _ClampNothing; "
+            "from ftcompile.trace import trace, TraceError\n"
+            "try:\n    trace(_ClampNothing(), (torch.randn(2, 8),))\n"
+            "except TraceError as e:\n    print('TraceError', str(e).splitlines()[0][:200])")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert p.stdout.startswith("TraceError") and "clamp" in p.stdout, p.stdout + p.stderr
+    assert "fake_tensor" not in p.stderr and "Traceback" not in p.stderr, p.stderr[:2000]
 
 
 def test_verbose_tracing_lets_torch_logs_through(capfd, caplog):
