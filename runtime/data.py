@@ -146,7 +146,9 @@ def synthetic_batches(manifest: Manifest, *, micro_batches: int, seed: int = 0) 
         value: it is a mask or a scale, not data). Integer and bool inputs are
         uniform on the integers in ``[low, high]`` of the traced example (token
         ids, labels and positions stay valid), or in ``[0, 1]`` where the
-        manifest records no range. Constant inputs (shape ``None``) are skipped.
+        manifest records no range; where they reach a table (an embedding, a
+        loss's classes: ``GraphInput.index_ranges``) they are drawn from the part
+        of that range the table holds. Constant inputs (shape ``None``) are skipped.
 
     Raises
     ------
@@ -162,16 +164,16 @@ def synthetic_batches(manifest: Manifest, *, micro_batches: int, seed: int = 0) 
     """
     micro_batches = _check_micro_batches(micro_batches)
     # Work out every input's recipe before the first batch, so a bad manifest fails at once.
-    recipes = [(gi.value, _step_shape(gi, manifest, micro_batches), _torch_dtype(gi), gi.low, gi.high)
-               for gi in _tensor_inputs(manifest)]
-    return _synthetic(recipes, seed)
+    recipes = [(gi.value, _step_shape(gi, manifest, micro_batches), _torch_dtype(gi), gi.low, gi.high,
+                gi.index_ranges) for gi in _tensor_inputs(manifest)]
+    return _synthetic(recipes, seed, manifest.micro_batch_size)
 
 
-def _synthetic(recipes: list, seed: int) -> Iterator[Batch]:
+def _synthetic(recipes: list, seed: int, b: int) -> Iterator[Batch]:
     g = torch.Generator().manual_seed(int(seed))
     while True:
         batch: Batch = {}
-        for value, shape, dtype, low, high in recipes:
+        for value, shape, dtype, low, high, ranges in recipes:
             if dtype.is_floating_point or dtype.is_complex:
                 if low is not None and high is not None and low == high:
                     batch[value] = torch.full(shape, low, dtype=dtype)
@@ -190,7 +192,33 @@ def _synthetic(recipes: list, seed: int) -> Iterator[Batch]:
                     batch[value] = torch.randint(lo, hi + 1, shape, generator=g).to(torch.bool)
                 else:
                     batch[value] = torch.randint(lo, hi + 1, shape, generator=g, dtype=dtype)
+                    if ranges:
+                        _within_tables(batch[value], ranges, lo, hi, b, g)
         yield batch
+
+
+def _within_tables(t: torch.Tensor, ranges, lo: int, hi: int, b: int, g: torch.Generator) -> None:
+    """Redraw, in place, the values of ``t`` (a step's batch of micro-batches of ``b`` rows) where
+    they reach a table (:attr:`GraphInput.index_ranges`), so that they index it: the example's
+    range can be wider than the table (labels of -100, the ignore index, and 0..4 span -100..4; a
+    uniform draw there would be mostly out of range). A window whose example values were all
+    ignored (nothing of the example in the table) keeps the ignore index."""
+    # Smallest table last: its draw then lies in every larger one whose window overlaps it.
+    for r in sorted(ranges, key=lambda r: -r.limit):
+        if len(r.window) != t.dim():
+            continue
+        a, z = max(lo, 0), min(hi, r.limit - 1)
+        if (a, z) == (lo, hi):
+            continue          # the whole draw lies in the table
+        for i in range(t.shape[0] // b):
+            (r0, r1), rest = r.window[0], r.window[1:]
+            part = t[(slice(i * b + r0, i * b + r1),) + tuple(slice(x, y) for x, y in rest)]
+            if a <= z:
+                part.copy_(torch.randint(a, z + 1, part.shape, generator=g, dtype=t.dtype))
+            elif r.ignore is not None and lo <= r.ignore <= hi:
+                part.fill_(r.ignore)
+            else:
+                part.copy_(torch.randint(0, r.limit, part.shape, generator=g, dtype=t.dtype))
 
 
 # --------------------------------------------------------------------------- text

@@ -202,3 +202,39 @@ def test_the_runtime_check_names_the_input_the_value_and_the_table():
                                                   "its values there must be 0..99, or -100 (ignored)")):
         check_index_ranges([{"labels": good}, {"labels": bad}], m, "step 4")
     check_index_ranges([{"labels": bad}], m, "step 4", inputs=["input_ids"])      # another rank's input
+
+
+def test_synthetic_labels_with_an_ignore_index_stay_in_the_table(tmp_path):
+    """Token-classification labels span -100 .. 4 in the example (-100 on the padding). The default
+    synthetic data draws from that span but within the loss's window only from 0 .. 4: a uniform
+    draw over the span was mostly out of range, and `ftcompile run` refused its own data. The
+    reference is the eager model, which must accept every drawn micro-batch."""
+    from ftcompile.cli import main
+    from ftcompile.runtime import load_package
+    from ftcompile.runtime.data import split_micro_batches, synthetic_batches
+    from test_runtime import run_cli
+
+    spec = f"{ARCHS}:bert_token_classification"
+    out = tmp_path / "pkg"
+    assert main(["compile", spec, "--gpus", "2", "--strategy", "seq", "--schedule", "1f1b", "--jobs", "1", "-q",
+                 "-o", str(out)]) == 0
+    m = load_package(out).manifest
+    labels = next(gi for gi in m.inputs if gi.path == "kwargs['labels']")
+    assert (labels.low, labels.high) == (-100, 4) and labels.index_ranges[0].ignore == -100
+    built = build_model(spec, ModelOptions())
+    batches = synthetic_batches(m, micro_batches=2, seed=0)
+    seen = set()
+    for step in range(3):
+        micro = split_micro_batches(next(batches), m, 2)
+        check_index_ranges(micro, m, f"step {step}")
+        for mb in micro:
+            by_path = {gi.path: mb[gi.value] for gi in m.inputs if gi.value in mb}
+            args, kwargs = _with(built, "kwargs['labels']", by_path["kwargs['labels']"])
+            kwargs["attention_mask"] = by_path["kwargs['attention_mask']"]
+            args[0] = by_path["args[0]"]
+            with torch.no_grad():
+                assert torch.isfinite(built.model(*args, **kwargs).loss)       # no "out of bounds"
+            seen |= set(by_path["kwargs['labels']"].unique().tolist())
+    assert seen == {0, 1, 2, 3, 4}
+    r = run_cli(str(out), "--nproc", "2", "--steps", "2", "--log-dir", str(tmp_path / "logs"))
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -213,6 +213,18 @@ def deberta_v2():
     return _mlm(tf.DebertaV2Config, tf.DebertaV2ForMaskedLM, **_ENC)
 
 
+def bert_token_classification():
+    """Tagging as it is fine-tuned: right-padded rows, labels -100 (ignored) on the padding, so the
+    example's labels span -100 .. num_labels - 1."""
+    model = _make(tf.BertForTokenClassification, tf.BertConfig, **_ENC, num_labels=5)
+    ids, mask = _ids(), torch.ones(B, S, dtype=torch.int64)
+    mask[1, 9:] = 0
+    ids[1, 9:] = 0
+    labels = _ids(5, seed=5)
+    labels[mask == 0] = -100
+    return model, (ids,), {"attention_mask": mask, "labels": labels}
+
+
 def vit_mae():
     model = _make(tf.ViTMAEForPreTraining, tf.ViTMAEConfig, image_size=32, patch_size=8, hidden_size=32,
                   num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, decoder_hidden_size=32,
