@@ -121,6 +121,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--device", default="cpu", metavar="DEVICE", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_evaluate)
+    add_export_parser(sub)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -148,6 +149,58 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     else:
         print(f"step {result.step}: held-out loss {result.loss:.6f} over {result.samples} samples "
               f"({result.micro_batches} micro-batches of --data {args.data}, seed {args.seed})")
+    return 0
+
+
+def add_export_parser(sub) -> None:
+    p = sub.add_parser(
+        "export", help="a checkpoint's weights as the original model's, for from_pretrained or load_state_dict",
+        formatter_class=base._Formatter,
+        description=(
+            "Write the weights of CHECKPOINT (a --checkpoint-dir folder: its latest step; or one of\n"
+            "its step folders; under AvgPipe the reference model) into the new folder -o as one\n"
+            "model.safetensors keyed as the original model names its parameters and buffers\n"
+            "(model.state_dict()), without optimizer state. A model compiled with --pretrained DIR\n"
+            "gets DIR's config.json beside it, so transformers' from_pretrained(OUT) loads the\n"
+            "trained model. A tensor the model ties under several names is written once, under the\n"
+            "first, as save_pretrained does."),
+        epilog=(
+            "examples:\n"
+            "  ftcompile export out/llama runs/ckpt -o llama-finetuned\n"
+            "  python -c \"import transformers; transformers.AutoModelForCausalLM.from_pretrained('llama-finetuned')\"\n"
+            "  model.load_state_dict(safetensors.torch.load_file('OUT/model.safetensors'), strict=False)"))
+    base._add_common(p, top=False)
+    p.add_argument("package", metavar="PACKAGE", help="the package folder the checkpoint was trained with")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a --checkpoint-dir folder or one of its step folders")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="a new folder to write (never overwritten)")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .runtime import load_package
+    from .runtime.checkpoint import human_bytes
+    from .runtime.evaluation import open_checkpoint
+    from .runtime.export import ExportError, model_state, write_weights
+
+    if not Path(args.package).is_dir():
+        raise base.UsageError(f"no package folder at {args.package}; give the one the checkpoint was trained with")
+    if Path(args.output).exists():
+        raise ExportError(f"{args.output} exists; give a new folder (-o), export never overwrites")
+    package = load_package(args.package)
+    ck = open_checkpoint(args.checkpoint)
+    state = model_state(package, ck)
+    pretrained = ((package.manifest.model or {}).get("options") or {}).get("pretrained")
+    if pretrained is not None and not Path(pretrained).is_dir():
+        print(f"ftcompile export: warning: the package was compiled from {pretrained}, which no longer exists: "
+              "no config.json is written beside the weights", file=sys.stderr)
+        pretrained = None
+    files = write_weights(state, args.output, config_from=pretrained,
+                          metadata={"ftcompile_step": str(ck.step), "ftcompile_checkpoint": str(ck.folder)})
+    aliases = sum(len(s.aliases) for s in package.manifest.params.values())
+    size = sum(f.stat().st_size for f in files if f.is_file())
+    print(f"ftcompile export: step {ck.step}: {len(state)} tensors ({human_bytes(size)}) in {args.output}: "
+          f"{', '.join(f.name for f in files)}" + (f"; {aliases} tied name(s) share a tensor written once" if aliases
+                                                   else ""), file=sys.stderr)
     return 0
 
 
