@@ -849,7 +849,7 @@ def generate(graph: OpGraph, doc: dict, weights: WeightSource, *, name: str | No
     manifest = Manifest(
         name=pkg_name, model={"name": model_name, "options": options, "granularity": graph.granularity,
                               "basic_blocks": list(graph.basic_blocks)},
-        micro_batch_size=int(batch), dtype=str(options.get("dtype", "float32")), num_gpus=plan.num_gpus,
+        micro_batch_size=int(batch), dtype=_package_dtype(graph, options), num_gpus=plan.num_gpus,
         schedule=doc.get("schedule", "async"), micro_batches=int(doc.get("micro_batches", 4)),
         recompute=doc.get("recompute"), optimizer=(doc.get("profile") or {}).get("optimizer", "adam"),
         weight_prediction=bool(doc.get("weight_prediction")), clip_grad_norm=doc.get("clip_grad_norm"),
@@ -947,6 +947,20 @@ def example_input_ranges(built) -> dict[str, tuple[float, float]]:
             continue
         out[path] = (float(leaf.min().item()), float(leaf.max().item()))
     return out
+
+
+# Least precise first: a package of several dtypes is verified at its coarsest's tolerance.
+_BY_PRECISION = ("bfloat16", "float16", "float32", "float64")
+
+
+def _package_dtype(graph: OpGraph, options: dict) -> str:
+    """The dtype the package is named by: ``--dtype``'s, else (a user model as its function built
+    it, perhaps a bfloat16 base with float32 adapters) the least precise floating dtype among its
+    parameters, float32 where it has none."""
+    if options.get("dtype"):
+        return str(options["dtype"])
+    have = {p.meta.dtype for p in graph.params.values() if p.kind == "parameter"}
+    return next((d for d in _BY_PRECISION if d in have), "float32")
 
 
 def rebuild_model(source: dict, device: str | None = None):

@@ -227,16 +227,20 @@ def profile_key(graph_hash: str, hardware: str, dtype: str, batch_size: int | No
 # --------------------------------------------------------------------------- memory of parameters
 
 def optimizer_state_bytes(meta: TensorMeta, optimizer: str) -> int:
-    """Bytes of optimizer state for one parameter (states kept in float32, as torch and HF do)."""
+    """Bytes of optimizer state for one parameter, as the runtime's optimizers hold it: torch's
+    momentum buffer and Adam's two moments are in the parameter's dtype (``zeros_like``, so half
+    for a bfloat16 parameter); transformers' Adafactor keeps its in float32 (it computes half
+    parameters in float32)."""
     if optimizer not in OPTIMIZERS:
         raise ProfileError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     n = meta.numel
+    size = meta.bytes // n if n else 0
     if optimizer == "sgd":
         return 0
     if optimizer == "momentum":
-        return 4 * n
+        return size * n
     if optimizer == "adam":
-        return 8 * n
+        return 2 * size * n
     # Adafactor (no first moment, as in its default): a factored second moment for
     # matrices (one row and one column vector per trailing 2-D slice), a full one otherwise.
     if len(meta.shape) >= 2:

@@ -36,7 +36,9 @@ class ModelOptions:
             smaller ones on ``"cpu"``; otherwise ``"cpu"``, ``"meta"``, ``"cuda"`` or
             ``"cuda:N"``.
         dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``; applied to the parameters
-            and to floating-point inputs.
+            and to floating-point inputs. ``None``: float32 for a zoo model; a user model
+            keeps the dtypes its function built (a bfloat16 base with float32 adapters
+            stays so).
         pretrained: a local HuggingFace checkpoint directory (``config.json`` plus
             ``*.safetensors``); its config replaces the entry's size.
         seed: seeds the random weights and the example inputs.
@@ -52,7 +54,7 @@ class ModelOptions:
     encoder_len: int | None = None
     decoder_len: int | None = None
     device: str = "auto"
-    dtype: str = "float32"
+    dtype: str | None = None
     pretrained: str | None = None
     seed: int = 0
     attention: str | None = None

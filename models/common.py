@@ -42,7 +42,7 @@ def check_options(options: ModelOptions) -> None:
     """Reject malformed option values, independently of the model."""
     if not isinstance(options, ModelOptions):
         raise ZooError(f"options must be a ModelOptions, not {type(options).__name__}")
-    if options.dtype not in DTYPES:
+    if options.dtype is not None and options.dtype not in DTYPES:
         raise ZooError(f"dtype must be one of {', '.join(DTYPES)}; got {options.dtype!r}")
     for field in ("batch_size", *LENGTH_FIELDS):
         value = getattr(options, field)
@@ -108,6 +108,8 @@ def resolve_options(
         for field in ("batch_size", *lengths)
         if getattr(options, field) is None
     }
+    if options.dtype is None:
+        filled["dtype"] = "float32"
     device = resolve_device(options.device, parameters, options.pretrained)
     return dataclasses.replace(options, device=device, **filled)
 
@@ -132,8 +134,9 @@ def input_generator(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
-def place_inputs(args: tuple, kwargs: dict, device: str, dtype: torch.dtype) -> tuple[tuple, dict]:
-    """Move every tensor in ``args``/``kwargs`` to ``device``, casting floating ones to ``dtype``.
+def place_inputs(args: tuple, kwargs: dict, device: str, dtype: torch.dtype | None) -> tuple[tuple, dict]:
+    """Move every tensor in ``args``/``kwargs`` to ``device``, casting floating ones to ``dtype``
+    (None: each keeps its own).
 
     Integer tensors (token ids, labels) keep their dtype.
     """
@@ -144,7 +147,7 @@ def place_inputs(args: tuple, kwargs: dict, device: str, dtype: torch.dtype) -> 
             return x
         if x.is_meta and target.type != "meta":
             raise ZooError(f"example inputs are meta tensors; cannot produce real values on {device!r}")
-        if x.is_floating_point():
+        if x.is_floating_point() and dtype is not None:
             return x.to(device=target, dtype=dtype)
         return x.to(device=target)
 
@@ -166,11 +169,13 @@ def assemble(
     """Cast ``model`` to ``options.dtype`` and package it with example inputs.
 
     Args:
-        options: already resolved; ``options.device`` is where the example inputs go.
-        cpu_inputs: makes float32 CPU inputs; called afresh by every ``make_inputs``.
+        options: already resolved; ``options.device`` is where the example inputs go;
+            ``options.dtype`` None (a user model without --dtype) casts nothing.
+        cpu_inputs: makes the CPU inputs; called afresh by every ``make_inputs``.
     """
-    dtype = DTYPES[options.dtype]
-    model = model.to(dtype=dtype)  # only floating-point parameters and buffers change
+    dtype = DTYPES[options.dtype] if options.dtype is not None else None
+    if dtype is not None:
+        model = model.to(dtype=dtype)  # only floating-point parameters and buffers change
 
     def make_inputs(device: str) -> tuple[tuple, dict]:
         args, kwargs = cpu_inputs()

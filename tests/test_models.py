@@ -390,6 +390,51 @@ def test_user_model(user_file):
     assert all(p.is_meta for p in on_meta.model.parameters())
 
 
+MIXED_PRECISION_MODEL = """
+import torch
+from torch import nn
+
+class Adapted(nn.Module):
+    # a frozen bfloat16 base and a trainable float32 adapter, as parameter-efficient fine-tuning builds it
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(8, 8).to(torch.bfloat16).requires_grad_(False)
+        self.adapter = nn.Linear(8, 8)
+
+    def forward(self, x, target):
+        h = self.base(x.to(torch.bfloat16)).float() + self.adapter(x)
+        return nn.functional.mse_loss(h, target)
+
+def build():
+    return Adapted(), (torch.randn(4, 8), torch.randn(4, 8)), {}
+"""
+
+
+def test_a_user_model_keeps_the_dtypes_it_was_built_with(tmp_path):
+    """Without --dtype a user model is compiled, packaged and verified as its function built it: a
+    bfloat16 base stays bfloat16 beside float32 adapters (it was all cast to float32, silently, and
+    verify agreed because it rebuilt the model with the same cast). --dtype still casts all."""
+    from ftcompile.cli import main
+    from ftcompile.runtime import load_package
+
+    path = tmp_path / "adapted.py"
+    path.write_text(textwrap.dedent(MIXED_PRECISION_MODEL))
+    spec = f"{path}:build"
+    built = build_model(spec)
+    assert (built.model.base.weight.dtype, built.model.adapter.weight.dtype) == (torch.bfloat16, torch.float32)
+    assert built.options.dtype is None and built.args[0].dtype == torch.float32
+    cast = build_model(spec, ModelOptions(dtype="float32"))
+    assert cast.model.base.weight.dtype == torch.float32
+    out = tmp_path / "pkg"
+    assert main(["compile", spec, "--gpus", "2", "--strategy", "seq", "--replicas", "1", "--jobs", "1", "-q",
+                 "-o", str(out)]) == 0
+    m = load_package(out).manifest
+    assert m.dtype == "bfloat16"          # its least precise parameters name it (verify's tolerance)
+    assert {n: s.dtype for n, s in m.params.items() if s.kind == "parameter"} == {
+        "base.weight": "bfloat16", "base.bias": "bfloat16", "adapter.weight": "float32", "adapter.bias": "float32"}
+    assert main(["verify", str(out), "-q"]) == 0
+
+
 @pytest.mark.parametrize("fn, match", [
     ("missing", "has no function 'missing'; it defines: .*build"),
     ("not_a_tuple", "returned Net; it must return \\(model, args\\)"),
