@@ -100,7 +100,7 @@ def _add_model_options(p: argparse.ArgumentParser, *, device: bool = True) -> No
                    help="encoder (source) length (t5-*, encdec)")
     g.add_argument("--decoder-len", type=_positive_int, metavar="N",
                    help="decoder (target) length (t5-*, encdec)")
-    g.add_argument("--dtype", choices=DTYPES, help="parameter and input dtype (default: float32)")
+    g.add_argument("--dtype", choices=DTYPES, help="parameter and input dtype (default: float32; a user model keeps the dtypes its function built)")
     if device:
         g.add_argument("--device", metavar="{auto,cpu,meta}",
                        help="where to build the model: 'meta' holds no weights (fast, any size); "
