@@ -574,7 +574,9 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.json:
         _emit_json([{"name": e.name, "family": e.family, "parameters": e.approx_parameters,
                      "description": e.description,
-                     "default_options": {k: v for k, v in asdict(e.default_options).items() if v is not None}}
+                     # a zoo model's dtype left unset is float32 (models.base.ModelOptions)
+                     "default_options": {"dtype": "float32", **{k: v for k, v in asdict(e.default_options).items()
+                                                                 if v is not None}}}
                     for e in entries])
         return 0
 
