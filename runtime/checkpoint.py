@@ -653,6 +653,16 @@ def load(ck: Checkpoint, names: Iterable[str], device: str | torch.device = "cpu
     return out
 
 
+def other_package(ck: Checkpoint, manifest) -> str | None:
+    """Why checkpoint ``ck`` was not trained with the package of ``manifest`` (graphs differ), or
+    None when it was or either does not say."""
+    saved = ck.meta.get("package")
+    own = manifest.generator.get("base_graph_hash") or manifest.generator.get("graph_hash")
+    if saved and own and saved != own:
+        return f"{ck.folder} was trained with another package (graph {saved[:12]}, this one {own[:12]})"
+    return None
+
+
 def load_weights(ck: Checkpoint) -> dict[str, torch.Tensor]:
     """Every weight of a checkpoint by canonical name (no optimizer state), on the CPU."""
     names = [k for k in keys(ck) if not k.startswith(OPTIMIZER_PREFIX)]

@@ -137,10 +137,8 @@ def evaluate_checkpoint(package: Package, checkpoint: str | os.PathLike | ckpt.C
     """:func:`evaluate` with the weights of a checkpoint (a ``--checkpoint-dir`` folder: its latest; or a step
     folder): under AvgPipe the reference model. A checkpoint of another model is an :class:`EvaluationError`."""
     ck = checkpoint if isinstance(checkpoint, ckpt.Checkpoint) else open_checkpoint(checkpoint)
-    saved = ck.meta.get("package")
-    own = package.manifest.generator.get("base_graph_hash") or package.manifest.generator.get("graph_hash")
-    if saved and own and saved != own:
-        raise EvaluationError(f"{ck.folder} was trained with another package (graph {saved[:12]}, this one "
-                              f"{own[:12]}): evaluate it with the package it was trained with")
+    other = ckpt.other_package(ck, package.manifest)
+    if other:
+        raise EvaluationError(f"{other}: evaluate it with the package it was trained with")
     return evaluate(package, batches, micro_batches=micro_batches, weights=ckpt.load_weights(ck), device=device,
                     step=ck.step)

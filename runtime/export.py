@@ -39,11 +39,9 @@ def model_state(package: Package, ck: ckpt.Checkpoint) -> dict[str, torch.Tensor
 
     Raises :class:`ExportError` when ``ck`` was trained with another package, or lacks or
     reshapes one of the package's tensors."""
-    saved = ck.meta.get("package")
-    own = package.manifest.generator.get("base_graph_hash") or package.manifest.generator.get("graph_hash")
-    if saved and own and saved != own:
-        raise ExportError(f"{ck.folder} was trained with another package (graph {saved[:12]}, this one {own[:12]}): "
-                          "export it with the package it was trained with")
+    other = ckpt.other_package(ck, package.manifest)
+    if other:
+        raise ExportError(f"{other}: export it with the package it was trained with")
     specs = package.manifest.params
     weights = ckpt.load(ck, list(specs), optimizer=False)["weights"]
     out = {}
