@@ -152,6 +152,12 @@ def lags_shared(cfg: TrainConfig) -> bool:
     return bool(shared_lag(cfg.schedule, exchanges_norms(cfg.clip_grad_norm, cfg.nonfinite), cfg.tied_lag))
 
 
+def _storages(st) -> set[int]:
+    """Where the stage's live parameters and buffers keep their data (written in place by updates
+    and by buffer-updating forwards); a stashed or predicted copy is never written."""
+    return {t.untyped_storage().data_ptr() for t in (*st.params.values(), *st.module.buffers()) if t.numel()}
+
+
 def sum_parts(parts: list[torch.Tensor]) -> torch.Tensor:
     """Holders' gradient parts of a shared tensor summed in the order given (stage order): every
     holder, and the reference, add the same tensors the same way, so the copies stay bit-equal."""
@@ -728,15 +734,25 @@ class RankEngine:
         st.times.forwards += 1
         if self.cache is not None:      # before sending: a reader that sees it sent finds it written
             self.cache.store(st.id, j, i, spec.outputs, outs)
+        live = None
         for v, out in zip(spec.outputs, outs):
             if v == self.m.loss:
                 self._loss(st, k, out)
             if not isinstance(out, torch.Tensor):
                 continue
+            out = out.detach()
+            if live is None:
+                live = _storages(st)
+            if out.untyped_storage().data_ptr() in live:
+                # A view of a weight the stage updates in place (Gemma's norm `weight.float()` is
+                # aten.to, which returns a float32 weight itself): a send may still be reading it,
+                # and a reader on this rank would take it after U(j), when the stage updates
+                # before the reader runs (async). Send the values of this forward.
+                out = out.clone()
             if self._local_consumers.get(v):
-                self._put(("A", v, k), out.detach())
+                self._put(("A", v, k), out)
             for r in self._remote_ranks.get(v, []):
-                self._send(r, [ACT, self.value_index[v], k, st.id, 0], out.detach())
+                self._send(r, [ACT, self.value_index[v], k, st.id, 0], out)
 
     def _loss(self, st: _Stage, k: int, out: torch.Tensor) -> None:
         value = float(out.detach())
