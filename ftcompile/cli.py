@@ -106,7 +106,9 @@ def _add_model_options(p: argparse.ArgumentParser, *, device: bool = True) -> No
                        help="where to build the model: 'meta' holds no weights (fast, any size); "
                             "'auto' (default) uses meta for models of 500M parameters or more, "
                             "cpu otherwise")
-    g.add_argument("--pretrained", metavar="DIR",
+    # Absolute: the graph records it, and verify, run's re-planning and export rebuild from it
+    # wherever they are started.
+    g.add_argument("--pretrained", metavar="DIR", type=os.path.abspath,
                    help="a local HuggingFace checkpoint directory (config.json + *.safetensors) "
                         "whose config and weights replace the zoo's random ones")
     g.add_argument("--seed", type=int, metavar="N", help="seed of the random weights and inputs (default: 0)")
@@ -738,7 +740,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                            "seconds": round(time.perf_counter() - t, 3)}
         dims = ", ".join(f"{f.replace('_', ' ')} {getattr(o, f)}" for f in ("batch_size", "seq_len", "encoder_len",
                                                                              "decoder_len") if getattr(o, f))
-        say(f"      {built.num_parameters:,} parameters; {dims}; dtype {o.dtype}\n")
+        say(f"      {built.num_parameters:,} parameters; {dims}; dtype {o.dtype or 'as the function built it'}\n")
 
         say("[2/6] trace at operator granularity (every ATen operator is a node)")
         t = time.perf_counter()

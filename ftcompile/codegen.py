@@ -740,7 +740,8 @@ def generate(graph: OpGraph, doc: dict, weights: WeightSource, *, name: str | No
         params[pname] = ParamSpec(
             name=pname, kind=info.kind, shape=tuple(info.meta.shape), dtype=info.meta.dtype,
             trainable=info.trainable, aliases=tuple(info.aliases), holders=tuple(hs),
-            init=None if weights.stored else weights.recipe(info))
+            init=None if weights.stored else weights.recipe(info),
+            persistent=info.persistent or info.kind != "buffer")
 
     # ---- buffers forward updates: one stage must own each, or copies would drift apart
     for buf, (nid, _v) in graph.buffer_writes().items():

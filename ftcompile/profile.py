@@ -43,10 +43,11 @@ from .execute import import_custom_ops, run_instrs
 from .hardware import HardwareSpec
 from .ir import Node, OpGraph, TensorMeta, atomic_write_text, iter_refs
 
-PROFILE_VERSION = 5     # 2: gradients from the real dataflow, fused attention, no leftovers in measured runs;
+PROFILE_VERSION = 6     # 2: gradients from the real dataflow, fused attention, no leftovers in measured runs;
 #                         3: a saved input's bytes are the saver's (first in graph order), saved inputs listed;
 #                         4: CPU profiles price attention and dropout as a CPU runs them (math path, float mask);
 #                         5: measured profiles count FLOPs; on a GPU they time the kernels alone (stream held)
+#                         6: optimizer state in the parameter's dtype (Adam's moments of a bfloat16 weight: half)
 PROFILE_FORMAT = "ftcompile.profile"
 OPTIMIZERS = ("sgd", "momentum", "adam", "adafactor")
 

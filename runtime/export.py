@@ -21,7 +21,7 @@ import torch
 from . import checkpoint as ckpt
 from .package import Package
 
-__all__ = ["ExportError", "model_state", "write_weights", "WEIGHTS_FILE"]
+__all__ = ["ExportError", "exported", "model_state", "write_weights", "WEIGHTS_FILE"]
 
 WEIGHTS_FILE = "model.safetensors"
 # What transformers reads beside the weights; copied from the --pretrained folder the package
@@ -31,6 +31,14 @@ CONFIG_FILES = ("config.json", "generation_config.json")
 
 class ExportError(ValueError):
     """The checkpoint is not this package's, or the output folder cannot be written."""
+
+
+def exported(manifest) -> list[str]:
+    """The names export writes: the model's parameters and the buffers of its ``state_dict``; not
+    its non-persistent buffers (rotary tables, BERT's position ids) nor the constants its forward
+    makes (``lifted_tensor_0``), which a package holds but the model's ``state_dict`` does not."""
+    return [n for n, s in manifest.params.items()
+            if s.kind == "parameter" or (s.kind == "buffer" and s.persistent)]
 
 
 def model_state(package: Package, ck: ckpt.Checkpoint) -> dict[str, torch.Tensor]:
@@ -43,10 +51,11 @@ def model_state(package: Package, ck: ckpt.Checkpoint) -> dict[str, torch.Tensor
     if other:
         raise ExportError(f"{other}: export it with the package it was trained with")
     specs = package.manifest.params
-    weights = ckpt.load(ck, list(specs), optimizer=False)["weights"]
+    names = exported(package.manifest)
+    weights = ckpt.load(ck, names, optimizer=False)["weights"]
     out = {}
-    for name, spec in specs.items():
-        t = weights[name]            # load() refuses a checkpoint lacking one
+    for name in names:
+        spec, t = specs[name], weights[name]       # load() refuses a checkpoint lacking one
         if tuple(t.shape) != tuple(spec.shape):
             raise ExportError(f"{ck.folder}: {name} has shape {list(t.shape)}, the package's is {list(spec.shape)}; "
                               "export it with the package it was trained with")
@@ -79,7 +88,8 @@ def write_weights(state: dict[str, torch.Tensor], out: str | os.PathLike, *, con
                 if (Path(config_from) / name).is_file():
                     shutil.copyfile(Path(config_from) / name, tmp / name)
         os.rename(tmp, out)
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - safetensors reports I/O errors as SafetensorError
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"cannot write {out}: {exc.strerror or exc}") from None
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0] if str(exc) else ""
+        raise ExportError(f"cannot write {out}: {type(exc).__name__}: {why}") from None
     return sorted(out.iterdir())

@@ -137,6 +137,7 @@ class ParamSpec:
     aliases: tuple[str, ...] = ()   # the other names the original model knows it by
     holders: tuple[int, ...] = ()   # every stage holding a copy (more than one: shared)
     init: list | None = None        # recipe when the package stores no weights (see runtime.init)
+    persistent: bool = True         # buffers: in the original model's state_dict (False: rotary tables...)
 
     @property
     def shared(self) -> bool:
@@ -147,13 +148,16 @@ class ParamSpec:
              "trainable": self.trainable, "aliases": list(self.aliases), "holders": list(self.holders)}
         if self.init is not None:
             d["init"] = self.init
+        if not self.persistent:
+            d["persistent"] = False
         return d
 
     @staticmethod
     def from_json(d: dict) -> "ParamSpec":
         return ParamSpec(name=d["name"], kind=d["kind"], shape=tuple(int(s) for s in d["shape"]),
                          dtype=d["dtype"], trainable=bool(d["trainable"]), aliases=tuple(d.get("aliases", ())),
-                         holders=tuple(int(h) for h in d.get("holders", ())), init=d.get("init"))
+                         holders=tuple(int(h) for h in d.get("holders", ())), init=d.get("init"),
+                         persistent=bool(d.get("persistent", True)))
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,18 @@ exported folder.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from test_runtime import TOL, cfg_for, cli_args, plain_training, rel_error, run_cli
+
+ARCHS = Path(__file__).parent / "archs" / "hf_models.py"
 
 
 def _ftcompile(*args: str) -> subprocess.CompletedProcess:
@@ -59,7 +64,9 @@ def test_exported_weights_load_with_from_pretrained_as_plain_training_left_them(
     # what was there before training differs: the export is the trained model, not the start
     start = T.AutoModelForCausalLM.from_pretrained(root / "hf")
     assert rel_error(start.transformer.h[0].mlp.c_fc.weight.detach(), want["transformer.h.0.mlp.c_fc.weight"]) > 1e-4
-    assert (out / "model.safetensors").stat().st_mode & 0o044        # readable as the umask allows
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask     # as the umask allows
 
 
 def test_export_never_overwrites_and_refuses_another_packages_checkpoint(trained, tmp_path):
@@ -77,3 +84,20 @@ def test_export_never_overwrites_and_refuses_another_packages_checkpoint(trained
     e = _ftcompile("export", str(other), str(root / "ckpt"), "-o", str(tmp_path / "x"))
     assert e.returncode == 2 and "another package" in e.stderr, e.stderr
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".tmp-export-*"))
+
+
+@pytest.mark.parametrize("name", ["bert-tiny", "t5-tiny", f"{ARCHS}:llama"])
+def test_export_writes_the_models_state_dict_names(name, tmp_path):
+    """What export writes is the model's own state_dict, tied names once: not the non-persistent
+    buffers (BERT's position ids, Llama's rotary table) nor T5's lifted constant, which a package
+    holds too. The reference is the eager model's state_dict()."""
+    from ftcompile.models import ModelOptions, build_model
+    from ftcompile.runtime import load_package
+    from ftcompile.runtime.export import exported
+    from test_runtime import by_hand
+
+    m = load_package(by_hand(tmp_path / "pkg", name, stages=2, gpus=2)).manifest
+    names = exported(m)
+    want = set(build_model(name, ModelOptions()).model.state_dict())
+    assert set(names) | {a for n in names for a in m.params[n].aliases} == want
+    assert len(names) == len(set(names))
