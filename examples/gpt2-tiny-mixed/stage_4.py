@@ -9,7 +9,7 @@ Inputs:
     drop_dropout                     float32[2, 32, 64]       from stage 3
     h0_attn_matmul_1                 float32[2, 4, 32, 16]    from stage 3
 Outputs:
-    h0_add                           float32[2, 32, 64]       to stage 5  (gradient flows back)
+    h0_add                           float32[2, 32, 64]       to stage 6  (gradient flows back)
     h0_mlp_c_fc_view_1               float32[2, 32, 256]      to stage 5  (gradient flows back)
     h0_mlp_act_mul_1                 float32[2, 32, 256]      to stage 5  (gradient flows back)
 Parameters: 6 tensors, 20,928 elements.

@@ -3,17 +3,16 @@
 """Stage 7: transformer.h.1.attn .. transformer.h.1.mlp.act (14 graph nodes).
 
 GPU 3, depth 2 (stages between it and the end of the pipeline).
-Estimated per micro-batch (analytic profile on cpu): forward 0.172 ms, backward 0.265 ms.
+Estimated per micro-batch (analytic profile on cpu): forward 0.170 ms, backward 0.260 ms.
 
 Inputs:
-    h0_add_1                         float32[2, 32, 64]       from stage 5
-    h1_attn_transpose_1              float32[2, 4, 32, 16]    from stage 6
-    h1_attn_dropout                  float32[2, 4, 32, 32]    from stage 6
+    h0_add_1                         float32[2, 32, 64]       from stage 6
+    h1_attn_matmul_1                 float32[2, 4, 32, 16]    from stage 6
 Outputs:
     h1_add                           float32[2, 32, 64]       to stage 9  (gradient flows back)
     h1_mlp_c_fc_view_1               float32[2, 32, 256]      to stage 8  (gradient flows back)
     h1_mlp_act_mul                   float32[2, 32, 256]      to stage 8  (gradient flows back)
-    h1_mlp_act_pow                   float32[2, 32, 256]      to stage 8  (gradient flows back)
+    h1_mlp_act_mul_1                 float32[2, 32, 256]      to stage 8  (gradient flows back)
 Parameters: 6 tensors, 20,928 elements.
 """
 
@@ -27,8 +26,8 @@ aten = torch.ops.aten
 class Stage7(rt.StageModule):
     STAGE = 7
     # graph values, in the order of forward's arguments and of its results
-    INPUTS = ('add_8', 'transpose_6', 'dropout_4')
-    OUTPUTS = ('add_10', 'view_20', 'mul_6', 'pow_2')
+    INPUTS = ('add_8', 'matmul_3')
+    OUTPUTS = ('add_10', 'view_20', 'mul_6', 'mul_7')
     RANDOM = 1
     # buffers forward updates (running statistics), unless called with update_buffers=False
     BUFFER_UPDATES = ()
@@ -42,10 +41,8 @@ class Stage7(rt.StageModule):
         rt.declare(self, 'transformer.h.1.mlp.c_fc.bias', (256,), torch.float32)
         rt.declare(self, 'transformer.h.1.mlp.c_fc.weight', (64, 256), torch.float32)
 
-    def forward(self, h0_add_1, h1_attn_transpose_1, h1_attn_dropout, *, seed: int = 0, update_buffers: bool = True):
+    def forward(self, h0_add_1, h1_attn_matmul_1, *, seed: int = 0, update_buffers: bool = True):
         # transformer.h.1.attn (GPT2Attention)
-        h1_attn_matmul_1 = aten.matmul.default(h1_attn_dropout, h1_attn_transpose_1)
-        del h1_attn_dropout, h1_attn_transpose_1
         h1_attn_transpose_4 = aten.transpose.int(h1_attn_matmul_1, 1, 2)
         del h1_attn_matmul_1
         h1_attn_reshape = aten.reshape.default(h1_attn_transpose_4, [2, 32, -1])
@@ -75,4 +72,6 @@ class Stage7(rt.StageModule):
         # transformer.h.1.mlp.act (NewGELUActivation)
         h1_mlp_act_mul = aten.mul.Tensor(h1_mlp_c_fc_view_1, 0.5)
         h1_mlp_act_pow = aten.pow.Tensor_Scalar(h1_mlp_c_fc_view_1, 3.0)
-        return (h1_add, h1_mlp_c_fc_view_1, h1_mlp_act_mul, h1_mlp_act_pow, )
+        h1_mlp_act_mul_1 = aten.mul.Tensor(h1_mlp_act_pow, 0.044715)
+        del h1_mlp_act_pow
+        return (h1_add, h1_mlp_c_fc_view_1, h1_mlp_act_mul, h1_mlp_act_mul_1, )

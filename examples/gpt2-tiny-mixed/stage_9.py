@@ -35,7 +35,7 @@ class Stage9(rt.StageModule):
         super().__init__()
         rt.declare(self, 'transformer.ln_f.bias', (64,), torch.float32)
         rt.declare(self, 'transformer.ln_f.weight', (64,), torch.float32)
-        rt.declare(self, 'transformer.wte.weight', (1000, 64), torch.float32)  # tied: also lm_head.weight  # shared with stage 3
+        rt.declare(self, 'transformer.wte.weight', (1000, 64), torch.float32)  # tied: also lm_head.weight  # shared with stage 0
 
     def forward(self, labels, h1_add, h1_mlp_c_proj_addmm, *, seed: int = 0, update_buffers: bool = True):
         device = self._anchor.device
