@@ -180,12 +180,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .runtime import load_package
     from .runtime.checkpoint import human_bytes
     from .runtime.evaluation import open_checkpoint
-    from .runtime.export import ExportError, model_state, write_weights
+    from .runtime.export import check_new_folder, model_state, write_weights
 
     if not Path(args.package).is_dir():
         raise base.UsageError(f"no package folder at {args.package}; give the one the checkpoint was trained with")
-    if Path(args.output).exists():
-        raise ExportError(f"{args.output} exists; give a new folder (-o), export never overwrites")
+    check_new_folder(args.output)          # before any checkpoint is read
     package = load_package(args.package)
     ck = open_checkpoint(args.checkpoint)
     state = model_state(package, ck)

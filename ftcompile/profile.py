@@ -235,13 +235,12 @@ def optimizer_state_bytes(meta: TensorMeta, optimizer: str) -> int:
     if optimizer not in OPTIMIZERS:
         raise ProfileError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     n = meta.numel
-    size = meta.bytes // n if n else 0
     if optimizer == "sgd":
         return 0
     if optimizer == "momentum":
-        return size * n
+        return meta.bytes
     if optimizer == "adam":
-        return 2 * size * n
+        return 2 * meta.bytes
     # Adafactor (no first moment, as in its default): a factored second moment for
     # matrices (one row and one column vector per trailing 2-D slice), a full one otherwise.
     if len(meta.shape) >= 2:

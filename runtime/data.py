@@ -210,9 +210,9 @@ def _within_tables(t: torch.Tensor, ranges, lo: int, hi: int, b: int, g: torch.G
         a, z = max(lo, 0), min(hi, r.limit - 1)
         if (a, z) == (lo, hi):
             continue          # the whole draw lies in the table
+        (r0, r1), rest = r.window[0], tuple(slice(x, y) for x, y in r.window[1:])
         for i in range(t.shape[0] // b):
-            (r0, r1), rest = r.window[0], r.window[1:]
-            part = t[(slice(i * b + r0, i * b + r1),) + tuple(slice(x, y) for x, y in rest)]
+            part = t[(slice(i * b + r0, i * b + r1),) + rest]
             if a <= z:
                 part.copy_(torch.randint(a, z + 1, part.shape, generator=g, dtype=t.dtype))
             elif r.ignore is not None and lo <= r.ignore <= hi:

@@ -152,12 +152,6 @@ def lags_shared(cfg: TrainConfig) -> bool:
     return bool(shared_lag(cfg.schedule, exchanges_norms(cfg.clip_grad_norm, cfg.nonfinite), cfg.tied_lag))
 
 
-def _storages(st) -> set[int]:
-    """Where the stage's live parameters and buffers keep their data (written in place by updates
-    and by buffer-updating forwards); a stashed or predicted copy is never written."""
-    return {t.untyped_storage().data_ptr() for t in (*st.params.values(), *st.module.buffers()) if t.numel()}
-
-
 def sum_parts(parts: list[torch.Tensor]) -> torch.Tensor:
     """Holders' gradient parts of a shared tensor summed in the order given (stage order): every
     holder, and the reference, add the same tensors the same way, so the copies stay bit-equal."""
@@ -219,10 +213,9 @@ def accepts_update_buffers(module: torch.nn.Module) -> bool:
 #: Words of the errors PyTorch's kernels raise when a value indexes past a table: an embedding's
 #: "index out of range in self", cross-entropy's "Target 7000 is out of bounds", a CUDA kernel's
 #: device-side assert. Under ``_call`` they come from the data, not from ftcompile. (Python's own
-#: "list index out of range" is not among them: that is a bug, reported as one.)
-#: PyTorch kernels' messages for an index beyond its table. On the CPU they are raised inside the
-#: stage call; a CUDA device-side assert usually surfaces at a later synchronisation instead, so
-#: its entry is best effort: the host check of each step's inputs (data.check_index_ranges) comes first.
+#: "list index out of range" is not among them: that is a bug, reported as one.) A CUDA assert
+#: usually surfaces at a later synchronisation instead, so that entry is best effort: the host
+#: check of each step's inputs (data.check_index_ranges) comes first.
 _OUT_OF_RANGE = ("index out of range in self", "is out of bounds", "device-side assert")
 
 
@@ -290,6 +283,13 @@ class _Stage:
     update_phase: int = 0             # U(j): 0 not begun, 1 averaging over replicas, 2 shared sent, 3 norm sent
     bad_loss: set = field(default_factory=set)       # steps with a loss that is not finite
     times: StageTimes = field(default_factory=StageTimes)
+    # Where the live weights keep their data: the updates (and AvgPipe's pull) write it in place,
+    # so an output viewing it is copied before it is handed on. Stashed and predicted copies are
+    # never written, and buffers are rebound, not overwritten (ops.update_buffer).
+    live: frozenset = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.live = frozenset(p.untyped_storage().data_ptr() for p in self.params.values() if p.numel())
 
     def advance(self) -> None:
         self.next = next(self.tasks, None)
@@ -431,8 +431,7 @@ class RankEngine:
         return None
 
     def _needs_grad(self, v: str) -> bool:
-        spec = self.m.values[v]
-        return spec.is_tensor and spec.is_floating and spec.requires_grad and spec.producer is not None
+        return self.m.values[v].takes_gradient
 
     def _flow(self, progs: dict[int, StageProgram]) -> None:
         """The flow-control windows of this segment (see :func:`flow_windows`)."""
@@ -734,16 +733,13 @@ class RankEngine:
         st.times.forwards += 1
         if self.cache is not None:      # before sending: a reader that sees it sent finds it written
             self.cache.store(st.id, j, i, spec.outputs, outs)
-        live = None
         for v, out in zip(spec.outputs, outs):
             if v == self.m.loss:
                 self._loss(st, k, out)
             if not isinstance(out, torch.Tensor):
                 continue
             out = out.detach()
-            if live is None:
-                live = _storages(st)
-            if out.untyped_storage().data_ptr() in live:
+            if out.untyped_storage().data_ptr() in st.live:
                 # A view of a weight the stage updates in place (Gemma's norm `weight.float()` is
                 # aten.to, which returns a float32 weight itself): a send may still be reading it,
                 # and a reader on this rank would take it after U(j), when the stage updates

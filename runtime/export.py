@@ -21,7 +21,7 @@ import torch
 from . import checkpoint as ckpt
 from .package import Package
 
-__all__ = ["ExportError", "exported", "model_state", "write_weights", "WEIGHTS_FILE"]
+__all__ = ["ExportError", "check_new_folder", "exported", "model_state", "write_weights", "WEIGHTS_FILE"]
 
 WEIGHTS_FILE = "model.safetensors"
 # What transformers reads beside the weights; copied from the --pretrained folder the package
@@ -63,6 +63,17 @@ def model_state(package: Package, ck: ckpt.Checkpoint) -> dict[str, torch.Tensor
     return out
 
 
+def check_new_folder(out: str | os.PathLike) -> Path:
+    """``out`` as a folder export may create: it must not exist (export never overwrites) and its
+    parent must. Ask before reading a checkpoint; :func:`write_weights` asks again."""
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        raise ExportError(f"{out} exists; give a new folder (-o), export never overwrites")
+    if not out.parent.is_dir():
+        raise ExportError(f"the folder {out.parent} does not exist; create it, or give -o inside an existing folder")
+    return out
+
+
 def write_weights(state: dict[str, torch.Tensor], out: str | os.PathLike, *, config_from: str | None = None,
                   metadata: dict[str, str] | None = None) -> list[Path]:
     """Write ``state`` into the new folder ``out`` as :data:`WEIGHTS_FILE`, with the
@@ -71,11 +82,7 @@ def write_weights(state: dict[str, torch.Tensor], out: str | os.PathLike, *, con
     an existing ``out`` is refused, never overwritten."""
     from safetensors.torch import save_file
 
-    out = Path(out)
-    if out.exists() or out.is_symlink():
-        raise ExportError(f"{out} exists; give a new folder (-o), export never overwrites")
-    if not out.parent.is_dir():
-        raise ExportError(f"the folder {out.parent} does not exist; create it, or give -o inside an existing folder")
+    out = check_new_folder(out)
     tmp = out.parent / f".tmp-export-{out.name}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()

@@ -78,7 +78,7 @@ class LocalPipeline:
                 x = values[v]
                 if isinstance(x, torch.Tensor):
                     x = x.detach()
-                    if grad and m.values[v].requires_grad and (x.is_floating_point() or x.is_complex()):
+                    if grad and m.values[v].requires_grad and m.values[v].is_floating:
                         x.requires_grad_(True)
                 args.append(x)
             with torch.set_grad_enabled(grad):

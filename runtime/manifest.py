@@ -102,6 +102,12 @@ class ValueSpec:
         return self.dtype in FLOATING
 
     @property
+    def takes_gradient(self) -> bool:
+        """Whether a stage reading this value from another makes it a leaf that collects a gradient
+        to send back: a floating (complex included) tensor computed from the weights."""
+        return self.is_tensor and self.is_floating and self.requires_grad and self.producer is not None
+
+    @property
     def numel(self) -> int:
         n = 1
         for s in self.shape or ():

@@ -117,8 +117,7 @@ def reference_train(package: Package, batches: Iterator[dict], cfg: TrainConfig,
                     if isinstance(x, torch.Tensor):
                         x = x.detach()
                         vs = m.values.get(v)
-                        if vs is not None and vs.requires_grad and vs.producer is not None and (x.is_floating_point()
-                                                                                           or x.is_complex()):
+                        if vs is not None and vs.takes_gradient:
                             x.requires_grad_(True)
                     args.append(x)
                 # The backward recomputes the forward: running statistics were updated by the

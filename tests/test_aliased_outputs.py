@@ -16,9 +16,9 @@ import pytest
 
 from ftcompile.runtime import load_package
 from ftcompile.runtime.data import load_dataset
-from ftcompile.runtime.engine import RankEngine
 from ftcompile.runtime.reference import reference_train
-from test_runtime import by_hand, cfg_for, cli_args, final_weights, losses, rel_error, run_cli
+from test_runtime import (assert_engine_matches_reference, by_hand, cfg_for, cli_args, final_weights, losses,
+                          rel_error, run_cli)
 
 MODEL = """
 import torch
@@ -58,17 +58,7 @@ def package(tmp_path_factory):
 
 
 def test_one_rank_hands_on_the_forwards_values_not_the_updated_weight(package):
-    pkg = load_package(package)
-    cfg = cfg_for("async", micro_batches=2)
-    engine = RankEngine(pkg, cfg)
-    recs = engine.run(load_dataset("synthetic", pkg.manifest, micro_batches=2, seed=cfg.seed), 4,
-                      on_step=lambda r: None)
-    ref = reference_train(pkg, load_dataset("synthetic", pkg.manifest, micro_batches=2, seed=cfg.seed), cfg, 4)
-    assert [r["loss"] for r in recs] == pytest.approx(ref.losses, rel=1e-6)
-    for sid, w in ref.weights.items():
-        live = dict(engine.modules[sid].named_parameters())
-        for n, t in w.items():
-            assert rel_error(live[n].detach(), t) < 1e-6, (sid, n)
+    assert_engine_matches_reference(load_package(package), cfg_for("async", micro_batches=2), 4)
 
 
 def test_two_ranks_train_as_the_reference_does(package, tmp_path):

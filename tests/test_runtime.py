@@ -175,19 +175,24 @@ def cli_args(cfg: TrainConfig, pkg: Path, tmp: Path, nproc: int = 2) -> list[str
 
 # --------------------------------------------------------------------------- one process (schedules: tests/test_schedules.py)
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_engine_in_one_process_matches_reference(packages, schedule):
-    pkg = load_package(packages["interleaved"])
-    cfg = cfg_for(schedule)
+def assert_engine_matches_reference(pkg, cfg: TrainConfig, steps: int) -> None:
+    """Every stage of ``pkg`` in one RankEngine trains ``steps`` steps as runtime.reference does:
+    the same losses and final weights (relative 1e-6)."""
+    M = cfg.micro_batches
     engine = RankEngine(pkg, cfg)
-    recs = engine.run(load_dataset("synthetic", pkg.manifest, micro_batches=4, seed=cfg.seed), 3,
+    recs = engine.run(load_dataset("synthetic", pkg.manifest, micro_batches=M, seed=cfg.seed), steps,
                       on_step=lambda r: None)
-    ref = reference_train(pkg, load_dataset("synthetic", pkg.manifest, micro_batches=4, seed=cfg.seed), cfg, 3)
+    ref = reference_train(pkg, load_dataset("synthetic", pkg.manifest, micro_batches=M, seed=cfg.seed), cfg, steps)
     assert [r["loss"] for r in recs] == pytest.approx(ref.losses, rel=1e-6)
     for sid, w in ref.weights.items():
         live = dict(engine.modules[sid].named_parameters())
         for n, t in w.items():
             assert rel_error(live[n].detach(), t) < 1e-6, (sid, n)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_engine_in_one_process_matches_reference(packages, schedule):
+    assert_engine_matches_reference(load_package(packages["interleaved"]), cfg_for(schedule), 3)
 
 
 # --------------------------------------------------------------------------- several processes
