@@ -265,6 +265,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     from .replicas import layouts
 
+    if args.schedule == "avgpipe":
+        # AvgPipe's N parallel pipelines share the plan's GPUs in place of data-parallel replicas (the
+        # runtime runs them as its replicas): a plan of one pipeline over every GPU, N tuned for it.
+        if args.replicas not in (None, 1):
+            raise CompileError(f"--replicas {args.replicas} with --schedule avgpipe: AvgPipe's parallel pipelines "
+                               "share the GPUs in place of data-parallel replicas; drop --replicas (one pipeline over "
+                               "all GPUs) and give --parallel-pipelines N or auto")
+        args.replicas = 1
     lays = layouts(cluster, args.replicas)       # refuses an --replicas not dividing the GPUs, before tracing
     hw = load_hardware(args.hardware or cluster.hardware)
     t0 = time.perf_counter()
