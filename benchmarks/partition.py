@@ -182,6 +182,23 @@ def suite_problems(gpus=(3, 6), memory=(None, 1.2, 1.1), models=None):
                 yield label, Problem(graph, prof, cluster, schedule="async", micro_batches=4)
 
 
+def file_problems(paths, gpus=(3, 6), memory=(None, 1.2, 1.1), weights: float = 0.0, optimizer: str = "adam",
+                  values: bool = True):
+    """(label, Problem) for every placement-graph file (:mod:`placement_graphs`: the public BERT,
+    ResNet-50, InceptionV3 and GNMT graphs of Tarnawski et al.), GPU count and memory share of
+    total / P; free links."""
+    import os
+
+    from placement_graphs import load_problem, with_share
+
+    for path in paths:
+        name = os.path.splitext(os.path.basename(path))[0]
+        for P in gpus:
+            base = load_problem(path, P, weights=weights, optimizer=optimizer, values=values)
+            for share in memory:
+                yield f"{name} P={P} mem={share or 'unlimited'}", with_share(base, share)
+
+
 def untied_problem(problem: Problem, plan) -> Problem:
     """``problem`` with every tensor that several of ``plan``'s stages read given one copy per
     holding stage: the same plan then simulates without the tied-weight exchange and its wait
@@ -298,7 +315,8 @@ def suite_row(label: str, problem: Problem, result) -> dict:
     return row
 
 
-def run_suite(time_limit: float, jobs: int, models=None, gpus=(3, 6), memory=(None, 1.2, 1.1)) -> list[dict]:
+def run_suite(time_limit: float, jobs: int, models=None, gpus=(3, 6), memory=(None, 1.2, 1.1),
+              problems=None) -> list[dict]:
     """Run ``compile_plan(auto)`` on every suite case and print one line each.
 
     Columns: *seq best* the best objective seq's convex search found (before its choice by
@@ -319,7 +337,7 @@ def run_suite(time_limit: float, jobs: int, models=None, gpus=(3, 6), memory=(No
           f"{'m sim':>9}{'bound':>9}"
           f"{'m/bnd':>7}{'exact':>10}{'m/opt':>7}{'chosen':>8}{'ch obj':>9}{'ch sim':>9}{'sim/obj':>8}"
           f"{'untied':>7}{'time s':>7}")
-    for label, problem in suite_problems(gpus, memory, models):
+    for label, problem in (problems if problems is not None else suite_problems(gpus, memory, models)):
         t0 = time.perf_counter()
         result = compile_plan(problem, "auto", jobs=jobs, time_limit=time_limit)
         secs = time.perf_counter() - t0
@@ -362,12 +380,26 @@ def main(argv=None) -> int:
     ap.add_argument("--suite-gpus", default="3,6", help="--suite: GPU counts (default 3,6)")
     ap.add_argument("--suite-memory", default="free,1.2,1.1",
                     help="--suite: memory shares of total/P, 'free' for unlimited (default free,1.2,1.1)")
+    ap.add_argument("--graph-file", action="append", metavar="FILE.json",
+                    help="--suite on a profiled graph in the device-placement JSON format of Tarnawski et al. "
+                         "(their public BERT, ResNet-50, InceptionV3 and GNMT training graphs) instead of the zoo "
+                         "(repeatable; see benchmarks/placement_graphs.py)")
+    ap.add_argument("--graph-weights", type=float, default=0.0, metavar="SHARE",
+                    help="--graph-file: this share of each node's size is weights (priced with gradients and "
+                         "Adam state), the rest one micro-batch of activations (default 0)")
+    ap.add_argument("--graph-optimizer", default="adam", choices=("sgd", "momentum", "adam"),
+                    help="--graph-file: the optimizer whose state the weights carry (default adam)")
+    ap.add_argument("--graph-no-values", action="store_true",
+                    help="--graph-file: values between nodes take 4 bytes (no buffers count), not the file's sizes")
     ap.add_argument("--time-limit", type=float, default=20.0, help="seconds per searching strategy (default 20)")
     args = ap.parse_args(argv)
-    if args.suite:
+    if args.suite or args.graph_file:
         gpus = tuple(int(g) for g in args.suite_gpus.split(","))
         memory = tuple(None if m == "free" else float(m) for m in args.suite_memory.split(","))
-        rows = run_suite(args.time_limit, max(args.jobs, 1), args.suite_graph, gpus, memory)
+        problems = (file_problems(args.graph_file, gpus, memory, args.graph_weights, args.graph_optimizer,
+                                  not args.graph_no_values)
+                    if args.graph_file else None)
+        rows = run_suite(args.time_limit, max(args.jobs, 1), args.suite_graph, gpus, memory, problems)
         if args.json:
             atomic_write_text(args.json, json.dumps(rows, indent=1, default=str))
         return 0

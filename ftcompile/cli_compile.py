@@ -67,8 +67,10 @@ def add_parsers(sub) -> None:
     _avgpipe_arguments(g)
     g = p.add_argument_group("strategies")
     g.add_argument("--strategy", default="auto", metavar="NAMES",
-                   help="auto (all that apply) or a comma-separated list of: mixed, seq, acyclic, metis, "
-                        "uniform, params, exact (default: auto)")
+                   help="auto (all that apply) or a comma-separated list of: mixed, mixed-sim, seq, acyclic, "
+                        "metis, uniform, params, exact (default: auto). Each returns its lowest objective; where "
+                        "another of its candidates simulates faster, that plan gets a row NAME-sim of its own "
+                        "(mixed-sim: Mixed-pipe's fastest plan in simulation, refined by simulated period)")
     g.add_argument("--replicas", type=_replicas_arg, default=None, metavar="R|auto",
                    help="data x pipeline: R copies of a pipeline over GPUs/R GPUs each; default auto: every R "
                         "dividing the GPUs is planned and simulated, the highest throughput is kept")

@@ -171,7 +171,7 @@ def traffic(problem, plan, layout: ReplicaLayout, cluster: ClusterSpec, cost=Non
 
 #: Strategies that search until their time limit (``--time-limit``): planning a layout with them
 #: takes about that long, whatever the cluster.
-SEARCHING_STRATEGIES = ("mixed", "seq", "exact")
+SEARCHING_STRATEGIES = ("mixed", "mixed-sim", "seq", "exact")
 #: Auto replicas plans up to this many layouts with every strategy (a host of 8 GPUs has 4, two
 #: hosts of 8 have 8). More layouts (every divisor of a large GPU count) are screened
 #: (:func:`compile_replicated`) ...

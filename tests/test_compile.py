@@ -103,7 +103,8 @@ def test_diff_of_two_plans(compiled, capsys, tmp_path):
     auto, seq = compiled
     d = run_json(capsys, ["diff", str(auto), str(seq), "--json", "--picture", str(tmp_path / "d.png")])
     a, b = load_plan_file(auto), load_plan_file(seq)
-    assert d["same_graph"] and d["a"]["chosen"] == a["chosen"] and d["b"]["chosen"] == "seq"
+    # (seq's fastest split in simulation gets a row of its own, seq-sim, where it is another plan)
+    assert d["same_graph"] and d["a"]["chosen"] == a["chosen"] and d["b"]["chosen"] in ("seq", "seq-sim")
     assert d["delta"]["objective_ms"] == pytest.approx(b["cost"]["objective_ms"] - a["cost"]["objective_ms"])
     # Moves counted from the two plans agree with the diff.
     pa = {n: s["gpu"] for s in a["plan"]["stages"] for n in s["nodes"]}

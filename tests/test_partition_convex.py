@@ -28,9 +28,11 @@ def _seq_objective(problem) -> tuple[float, Plan | None]:
         plan = partition_seq(problem)
     except Infeasible:
         return float("inf"), None
-    # the best objective seq found (the plan returned is the fastest of its best in simulation)
-    assert evaluate(problem, plan).objective_ms >= plan.info["best_objective_ms"] * (1 - 1e-9)
-    return plan.info["best_objective_ms"], plan
+    # the plan returned is the best objective seq found (its fastest in simulation is only noted
+    # beside it, for compile's row seq-sim): what the tests compare is what a user gets
+    got = evaluate(problem, plan).objective_ms
+    assert got == pytest.approx(plan.info["best_objective_ms"], rel=1e-9)
+    return got, plan
 
 
 CASES = [

@@ -90,3 +90,24 @@ def test_tied_weights_wait_only_where_the_schedule_does_not_lag_them(seed):
     assert best_obj_sim <= 1.03 * best_obj
     result = compile_plan(problem, STRATEGIES, jobs=1, time_limit=5)
     assert result.best().sim["period_ms"] <= best_sim * (1 + 1e-9)
+
+
+def test_seq_returns_the_convex_optimum_and_compile_adds_its_faster_split_as_seq_sim():
+    """On this DAG under 1f1b the optimal convex split is not the fastest in simulation. seq
+    returns the optimum (what its bound proves), and compile prices the faster split it found as
+    the row ``seq-sim`` and chooses it: brute force over every convex split gives both figures."""
+    problem = branchy_problem(4, blocks=2, gpus=3, schedule="1f1b")
+    best_obj, best_obj_sim, best_sim = brute_force_simulated(problem)
+    assert best_sim < best_obj_sim * (1 - 1e-3)         # the case this test is about
+    result = compile_plan(problem, "seq", jobs=1, time_limit=5)
+    rows = {r.name: r for r in result.results}
+    seq, alt = rows["seq"], rows["seq-sim"]
+    assert seq.cost.objective_ms == pytest.approx(best_obj, rel=1e-9)
+    assert seq.plan.info["optimal"] and seq.plan.info["simulated_alternative"]["row"] == "seq-sim"
+    assert "stages" not in seq.plan.info["simulated_alternative"]      # the plan itself is the row's
+    assert alt.sim["period_ms"] < seq.sim["period_ms"] and alt.cost.objective_ms > seq.cost.objective_ms
+    assert alt.sim["period_ms"] >= best_sim * (1 - 1e-9)                # a convex split, as brute force sees
+    assert len({s.gpu for s in alt.plan.stages}) == len(alt.plan.stages)
+    assert alt.bound == seq.bound                                       # seq's bound covers its own splits
+    assert result.chosen == "seq-sim"
+    assert result.best().plan.info["alternative_of"] == "seq"

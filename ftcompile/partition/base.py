@@ -32,6 +32,7 @@ STRATEGIES: dict[str, str] = {
     "uniform": "ftcompile.partition.seq:partition_uniform",
     "params": "ftcompile.partition.seq:partition_params",
     "mixed": "ftcompile.partition.mixed:partition_mixed",
+    "mixed-sim": "ftcompile.partition.mixed:partition_mixed_simulated",
     "acyclic": "ftcompile.partition.acyclic:partition_acyclic",
     "metis": "ftcompile.partition.metis:partition_metis",
     "exact": "ftcompile.partition.exact:partition_exact",
@@ -113,7 +114,7 @@ def best_simulated(problem: Problem, finals: list[tuple[float, Plan]], top: int)
     finals = sorted(finals, key=lambda c: c[0])
     picked, seen = [], set()
     for obj, plan in finals:
-        key = tuple(sorted((s.gpu, tuple(sorted(s.nodes))) for s in plan.stages))
+        key = plan_key(plan)
         if key not in seen:
             seen.add(key)
             picked.append((obj, plan))
@@ -131,6 +132,46 @@ def best_simulated(problem: Problem, finals: list[tuple[float, Plan]], top: int)
                                           "simulated_memory_fits": not nf, "stages": len(pl.stages)}
                                          for nf, p, o, pl in sorted(scored, key=lambda c: c[2])]
     return best
+
+
+#: Plans whose objectives differ by less than this share count as equal: simulation decides.
+#: Rounding only: a strategy returns its lowest objective, so that "optimal" holds of what it returns.
+OBJECTIVE_TIE = 1e-9
+
+
+def lowest_objective(problem: Problem, finals: list[tuple[float, Plan]], top: int,
+                     tie: float = OBJECTIVE_TIE) -> Plan:
+    """The plan of lowest objective; among those within ``tie`` of it, the fastest in simulation
+    (:func:`best_simulated` over at most ``top`` of them; ``top=0``: no simulation)."""
+    low = min(o for o, _p in finals)
+    near = [(o, p) for o, p in finals if o <= low * (1 + tie)]
+    if top <= 0 or len(near) == 1:
+        return min(near, key=lambda c: (c[0], len(c[1].stages)))[1]
+    return best_simulated(problem, near, top)
+
+
+def plan_key(plan: Plan) -> tuple:
+    """What makes two plans the same: each stage's GPU and nodes (stage ids aside)."""
+    return tuple(sorted((s.gpu, tuple(sorted(s.nodes))) for s in plan.stages))
+
+
+def with_alternative(plan: Plan, fastest: Plan) -> Plan:
+    """``plan`` (a strategy's lowest objective) noting ``fastest`` (its fastest plan in simulation)
+    as ``info["simulated_alternative"]`` when that is another plan that simulates faster.
+
+    A strategy returns the plan its objective and bound speak of, so that "optimal" and "gap"
+    describe what it returns; :func:`ftcompile.compile.compile_plan` adds the alternative as a
+    row of its own (``<strategy>-sim``) and chooses among all rows by simulated throughput.
+    """
+    period = fastest.info.get("simulated_period_ms")
+    own = plan.info.get("simulated_period_ms")
+    if period is None or plan_key(fastest) == plan_key(plan) or (own is not None and own <= period):
+        return plan
+    plan.info["simulated_alternative"] = {
+        "stages": [[int(s.gpu), [int(n) for n in s.nodes]] for s in fastest.stages],
+        "simulated_period_ms": round(float(period), 6),
+        **{k: fastest.info[k] for k in ("simulated_candidates", "simulated_refinement") if k in fastest.info}}
+    return plan
 
 
 # --------------------------------------------------------------------------- memory

@@ -59,7 +59,7 @@ import numpy as np
 
 from ..plan import Plan, Problem, Stage, evaluate, ordered, shared_gradient_copies, stage_graph
 from ..units import format_bytes
-from .base import Infeasible, MemoryModel
+from .base import Infeasible, MemoryModel, plan_key
 from .seq import OpSequence, op_sequence
 
 SPACES = ("seq", "mixed")
@@ -1242,15 +1242,11 @@ def _quiet_fd1():
     return quiet_native_stdout()
 
 
-def _plan_key(plan: Plan) -> tuple:
-    return tuple(sorted((st.gpu, tuple(sorted(st.nodes))) for st in plan.stages))
-
-
 def _best_few(found: list[tuple], n: int) -> list[tuple]:
     """The ``n`` best distinct plans of ``found`` in :func:`_pick`'s order."""
     seen, best = set(), []
     for f in sorted(found, key=lambda f: (f[1].objective_ms, len(f[0].stages))):
-        key = _plan_key(f[0])
+        key = plan_key(f[0])
         if key not in seen:
             seen.add(key)
             best.append(f)
@@ -1271,7 +1267,7 @@ def _pick(problem: Problem, found: list[tuple], simulate_top: int, tie: float = 
 
     seen, scored = set(), []
     for f in found:
-        key = _plan_key(f[0])
+        key = plan_key(f[0])
         if key in seen:
             continue
         seen.add(key)

@@ -135,11 +135,14 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
        every op node, side nodes included; its bound holds for every convex split that
        fits. Graphs of more than ``mip_max_nodes`` op nodes skip it (``mip=False``: always).
 
-    Every candidate is priced by :func:`~ftcompile.plan.evaluate`; the ``simulate_top``
-    best by objective are simulated and the fastest simulated run that fits memory wins
-    (:func:`~ftcompile.partition.base.best_simulated`; ``simulate_top=0``: the lowest
-    objective). ``info["best_objective_ms"]`` is the lowest objective found, which the
-    bound and gap are also measured against.
+    Every candidate is priced by :func:`~ftcompile.plan.evaluate`, and the plan returned is
+    the lowest objective found (among splits within
+    :data:`~ftcompile.partition.base.OBJECTIVE_TIE` of it, the fastest in simulation), the one
+    the bound proves optimal; ``info["best_objective_ms"]`` is its objective. The
+    ``simulate_top`` best by objective are simulated (:func:`~ftcompile.partition.base.best_simulated`);
+    when another of them simulates faster it is noted as ``info["simulated_alternative"]``,
+    which :func:`~ftcompile.compile.compile_plan` makes the row ``seq-sim``
+    (``simulate_top=0``: no simulation).
     ``info`` says what was proven: ``space`` (the splits the bound covers),
     ``optimal`` (the plan meets the bound), ``bound_ms`` and ``gap`` (absent when
     no search finished within ``time_limit`` seconds or ``max_upsets`` upsets).
@@ -263,13 +266,17 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
             options.append((rcost.objective_ms, len(rplan.stages), rplan, rcost, dp_obj, source + "+refined"))
             obj, plan, cost, source = rcost.objective_ms, rplan, rcost, source + "+refined"
     best_obj = obj
+    fastest = None
     if simulate_top:
-        # The objective ignores the waits the schedule's dependencies impose: the few best plans
-        # are simulated and the fastest simulated run that fits wins.
-        from .base import best_simulated
+        # The plan returned is the lowest objective (near-ties decided by simulation): the split the
+        # bound proves optimal. The objective ignores the waits the schedule's dependencies impose,
+        # so the few best are simulated too, and the fastest goes with it as its alternative.
+        from .base import best_simulated, lowest_objective
 
         by_plan = {id(r[2]): r for r in options}
-        chosen = best_simulated(problem, [(r[0], r[2]) for r in options], simulate_top)
+        finals = [(r[0], r[2]) for r in options]
+        chosen = lowest_objective(problem, finals, simulate_top)
+        fastest = best_simulated(problem, finals, simulate_top)
         obj, S, plan, cost, dp_obj, source = by_plan[id(chosen)]
     by_stages: dict[str, float | None] = {}
     for r in found:
@@ -306,6 +313,10 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
             "; best of one topological order, the acyclic partitioner and single-node moves"
     info["seconds"] = round(time.perf_counter() - t0, 3)
     plan.info = info
+    if fastest is not None and fastest is not plan:
+        from .base import with_alternative
+
+        with_alternative(plan, fastest)
     return plan
 
 

@@ -1,0 +1,76 @@
+"""benchmarks/placement_graphs.py: the device-placement JSON format (Tarnawski et al.) as a Problem.
+
+A small graph written by hand in the format their README documents: a forward node and its
+backward share a colour class and become one op node with both times; the backward edges
+mirror the forward ones and add nothing; sinks feed a zero-cost loss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from placement_graphs import GraphFileError, load_problem, total_over_gpus, with_share  # noqa: E402
+
+from ftcompile.partition.base import run_strategy  # noqa: E402
+from ftcompile.plan import evaluate  # noqa: E402
+
+
+def _node(i, cls, latency, size, backward=False):
+    return {"id": i, "name": f"n{i}", "supportedOnFpga": 1, "cpuLatency": 10 * latency, "fpgaLatency": latency,
+            "isBackwardNode": int(backward), "colorClass": cls, "size": size}
+
+
+@pytest.fixture
+def diamond(tmp_path):
+    # a -> (b, c) -> d, forward 1, 2, 3, 4 ms, backward twice that; sizes in MB
+    fw = [_node(1, 1, 1.0, 1e6), _node(2, 2, 2.0, 2e6), _node(3, 3, 3.0, 3e6), _node(4, 4, 4.0, 4e6)]
+    bw = [_node(10 + n["id"], n["colorClass"], 2 * n["fpgaLatency"], n["size"], True) for n in fw]
+    edges = [(1, 2), (1, 3), (2, 4), (3, 4)]
+    doc = {"maxSizePerFPGA": 1e9, "maxFPGAs": 2, "maxCPUs": 1, "nodes": fw + bw,
+           "edges": [{"sourceId": a, "destId": b, "cost": 0.0, "size": 8e5} for a, b in edges]
+           + [{"sourceId": 10 + b, "destId": 10 + a, "cost": 0.0, "size": 8e5} for a, b in edges]}
+    path = tmp_path / "diamond.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_classes_become_op_nodes_with_forward_and_backward_times(diamond):
+    pb = load_problem(diamond, 2)
+    ops = list(pb.graph.op_nodes())
+    assert len(ops) == 5 and sum(n.is_loss for n in ops) == 1          # four classes and the loss
+    times = sorted((pb.profile.nodes[n.id].forward_ms, pb.profile.nodes[n.id].backward_ms) for n in ops)
+    assert times == [(0.0, 0.0), (1.0, 2.0), (2.0, 4.0), (3.0, 6.0), (4.0, 8.0)]
+    # the diamond's four forward edges, the input, and the sink into the loss
+    between = [(e.src, e.dst) for e in pb.graph.edges if pb.graph.node(e.src).kind == "op"
+               and pb.graph.node(e.dst).kind == "op"]
+    assert len(between) == 5
+    assert sum(c.activation_bytes for c in pb.profile.nodes.values()) == 10_000_000
+    # whole plans price: a convex split of all the work onto 2 GPUs
+    plan = run_strategy("seq", pb, time_limit=2, simulate_top=0)
+    assert evaluate(pb, plan).feasible
+
+
+def test_weights_share_with_sgd_makes_memory_twice_the_size(diamond):
+    pb = load_problem(diamond, 2, weights=1.0, optimizer="sgd", values=False)
+    assert sum(c.total for c in pb.profile.params.values()) == 2 * 10_000_000
+    assert total_over_gpus(pb) == 10_000_000
+    assert with_share(pb, 1.2).cluster.gpu_memory == 12_000_000
+    assert all(e.bytes <= 4 for e in pb.graph.edges if pb.graph.node(e.src).kind == "op")
+
+
+def test_bad_files_are_refused_with_what_is_wrong(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(GraphFileError, match="cannot read a placement graph"):
+        load_problem(str(bad), 2)
+    bad.write_text(json.dumps({"nodes": []}))
+    with pytest.raises(GraphFileError, match="'nodes' and 'edges'"):
+        load_problem(str(bad), 2)
+    bad.write_text(json.dumps({"nodes": [_node(1, 1, 1.0, 1.0)], "edges": [{"sourceId": 1, "destId": 9}]}))
+    with pytest.raises(GraphFileError, match="names a node that is not there"):
+        load_problem(str(bad), 2)
