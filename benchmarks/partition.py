@@ -252,8 +252,9 @@ def suite_row(label: str, problem: Problem, result) -> dict:
     lb = result.lower_bound_ms
     sinfo = (seq.plan.info if seq and seq.plan else None) or {}
     einfo = (exact.plan.info if exact and exact.plan else None) or {}
-    # Convex splits: the best objective any convex strategy found (seq's best before its choice
-    # by simulation), and seq's bound over every convex split when its search proved one.
+    # Convex splits: the best objective any convex strategy found (seq returns its best; its
+    # seq-sim row is a split that simulates faster), and seq's bound over every convex split
+    # when its search proved one.
     convex = [r.cost.objective_ms for r in result.results if r.feasible and r.name in CONVEX_STRATEGIES]
     if seq and seq.feasible and sinfo.get("best_objective_ms") is not None:
         convex.append(float(sinfo["best_objective_ms"]))
@@ -270,8 +271,8 @@ def suite_row(label: str, problem: Problem, result) -> dict:
     exact_opt = (exact.cost.objective_ms if exact and exact.feasible and einfo.get("optimal")
                  and einfo.get("bound_space") == "every plan" else None)
     m = mixed.cost.objective_ms if mixed and mixed.feasible else None
-    # Mixed-pipe's lowest objective found, before its choice and refinement by simulation, and
-    # the simulated period of the plan it returns (the bound bounds that period as well).
+    # Mixed-pipe's lowest objective found (the plan it returns; its fastest in simulation is the
+    # row mixed-sim), and the simulated period of that plan (the bound bounds that period as well).
     m_best = (float(mixed.plan.info["best_objective_ms"]) if m is not None
               and mixed.plan.info.get("best_objective_ms") is not None else m)
     m_sim = mixed.sim["period_ms"] if m is not None and getattr(mixed, "sim", None) else None
@@ -319,12 +320,12 @@ def run_suite(time_limit: float, jobs: int, models=None, gpus=(3, 6), memory=(No
               problems=None) -> list[dict]:
     """Run ``compile_plan(auto)`` on every suite case and print one line each.
 
-    Columns: *seq best* the best objective seq's convex search found (before its choice by
-    simulation); *cvx bound* the bound seq proved over every convex split (stages = chains of
+    Columns: *seq best* the best objective seq's convex search found (the split it returns);
+    *cvx bound* the bound seq proved over every convex split (stages = chains of
     ideals, one per GPU) and *cvx opt* whether seq's best meets it ("opt"), else the gap, and
     "!" when another convex strategy found a better split than seq; *mixed* Mixed-pipe's
-    objective, *m best* the lowest objective it found (before its choice by simulation), *m sim*
-    its plan's simulated period; *bound* the best bound over every plan (total work / P with the last-stage
+    objective (the lowest it found; its fastest plan in simulation is the row mixed-sim, which
+    *chosen* may name), *m best* the lowest objective it found, *m sim* its plan's simulated period; *bound* the best bound over every plan (total work / P with the last-stage
     knapsack, or exact's MIP bound when higher: "M"); *exact* exact's objective in the mixed
     space ("*" proven optimal); *chosen* compile's choice (best simulated throughput), its
     objective (Eq. 1), simulated period, their ratio, and the ratio the same plan simulates at
@@ -335,7 +336,7 @@ def run_suite(time_limit: float, jobs: int, models=None, gpus=(3, 6), memory=(No
     rows = []
     print(f"{'case':34}{'ops':>5}{'seq best':>10}{'cvx bound':>10}{'cvx opt':>8}{'mixed':>9}{'m best':>9}"
           f"{'m sim':>9}{'bound':>9}"
-          f"{'m/bnd':>7}{'exact':>10}{'m/opt':>7}{'chosen':>8}{'ch obj':>9}{'ch sim':>9}{'sim/obj':>8}"
+          f"{'m/bnd':>7}{'exact':>10}{'m/opt':>7}{'chosen':>10}{'ch obj':>9}{'ch sim':>9}{'sim/obj':>8}"
           f"{'untied':>7}{'time s':>7}")
     for label, problem in (problems if problems is not None else suite_problems(gpus, memory, models)):
         t0 = time.perf_counter()
@@ -359,7 +360,7 @@ def run_suite(time_limit: float, jobs: int, models=None, gpus=(3, 6), memory=(No
         print(f"{label:34}{row['op_nodes']:>5}{f(row['seq_best_ms'], '.3f'):>10}{f(row['convex_bound_ms'], '.3f'):>10}"
               f"{proof:>8}{f(row['mixed_ms'], '.3f'):>9}{f(row['mixed_best_ms'], '.3f'):>9}"
               f"{f(row['mixed_simulated_ms'], '.3f'):>9}{bound:>9}{f(row['mixed_over_bound'], '.3f'):>7}"
-              f"{exact:>10}{f(row['mixed_over_optimum'], '.3f'):>7}{chosen:>8}"
+              f"{exact:>10}{f(row['mixed_over_optimum'], '.3f'):>7}{chosen:>10}"
               f"{f(row.get('chosen_objective_ms'), '.3f'):>9}{f(row.get('chosen_simulated_ms'), '.3f'):>9}"
               f"{f(row.get('chosen_sim_over_objective'), '.3f'):>8}"
               f"{f(row.get('chosen_untied_sim_over_objective'), '.3f'):>7}{secs:>7.1f}", flush=True)

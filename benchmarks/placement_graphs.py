@@ -65,7 +65,20 @@ def load_problem(path: str, gpus: int, *, weights: float = 0.0, optimizer: str =
     if optimizer not in STATE:
         raise ValueError(f"optimizer must be one of {', '.join(STATE)}; got {optimizer!r}")
     doc = _read(path)
-    nodes = {int(n["id"]): n for n in doc["nodes"]}
+    try:
+        nodes: dict[int, dict] = {}
+        for n in doc["nodes"]:
+            i = int(n["id"])
+            if i in nodes:
+                raise GraphFileError(f"{path}: node id {i} appears twice")
+            nodes[i] = n
+        for e in doc["edges"]:
+            int(e["sourceId"]), int(e["destId"])
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, GraphFileError):
+            raise
+        raise GraphFileError(f"{path}: a node needs an integer 'id' and an edge 'sourceId' and 'destId' "
+                             f"({type(exc).__name__}: {exc})") from None
     cls_of = {i: int(n.get("colorClass", i)) for i, n in nodes.items()}
     members: dict[int, dict[str, list]] = {}
     for i, n in nodes.items():

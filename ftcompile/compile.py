@@ -241,19 +241,25 @@ def simulated_alternatives(problem: Problem, results: list[StrategyResult], simu
     ran = {r.name for r in results}
     for r in results:
         out.append(r)
-        alt = (r.plan.info or {}).get("simulated_alternative") if r.feasible and r.plan is not None else None
+        # (a plan whose simulated run did not fit still carries its alternative, which may)
+        alt = (r.plan.info or {}).get("simulated_alternative") if r.plan is not None else None
         if not alt or "stages" not in alt:
             continue
         stages = alt.pop("stages")
-        alt["row"] = r.name + SIMULATED_SUFFIX
-        if not simulate_plans or alt["row"] in ran:        # (``mixed-sim`` asked for and run itself)
+        name = r.name + SIMULATED_SUFFIX
+        if not simulate_plans or name in ran:        # (``mixed-sim`` asked for and run itself)
             continue
         t0 = time.perf_counter()
-        plan = Plan(r.plan.strategy, problem.num_gpus, [Stage(i, g, list(ns)) for i, (g, ns) in enumerate(stages)],
-                    {"alternative_of": r.name, **{k: v for k, v in alt.items() if k != "row"}})
-        plan = ordered(plan, problem.graph)
-        alt_r = _priced(r.name + SIMULATED_SUFFIX, problem, plan, True, t0)
+        try:
+            plan = Plan(r.plan.strategy, problem.num_gpus,
+                        [Stage(i, g, list(ns)) for i, (g, ns) in enumerate(stages)],
+                        {"alternative_of": r.name, **alt})
+            alt_r = _priced(name, problem, ordered(plan, problem.graph), True, t0)
+        except (PlanError, ValueError) as exc:      # one row lost, never the compile
+            alt["row_error"] = f"{type(exc).__name__}: {exc}"
+            continue
         if alt_r.feasible:
+            alt["row"] = name
             out.append(alt_r)
     return out
 

@@ -111,3 +111,19 @@ def test_seq_returns_the_convex_optimum_and_compile_adds_its_faster_split_as_seq
     assert alt.bound == seq.bound                                       # seq's bound covers its own splits
     assert result.chosen == "seq-sim"
     assert result.best().plan.info["alternative_of"] == "seq"
+
+
+def test_mixed_sim_is_a_strategy_with_the_same_stage_cap_as_mixed():
+    """``mixed-sim`` alone returns Mixed-pipe's fastest plan in simulation, under the cap 2bw puts on
+    the pipeline's depth (M + 1 stages), as ``mixed`` does."""
+    from ftcompile.partition.base import run_strategy
+
+    problem = branchy_problem(0, gpus=6, schedule="2bw", micro_batches=6)
+    fast = run_strategy("mixed-sim", problem, time_budget_s=2)
+    low = run_strategy("mixed", problem, time_budget_s=2)
+    assert len(fast.stages) <= 7 and len(low.stages) <= 7
+    assert fast.info["simulated_period_ms"] == pytest.approx(simulate(problem, fast).period_ms, rel=1e-6)
+    # within one search, the alternative mixed notes is faster than the plan it returns
+    alt = low.info.get("simulated_alternative")
+    if alt:
+        assert alt["simulated_period_ms"] < simulate(problem, low).period_ms

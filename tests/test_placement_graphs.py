@@ -74,3 +74,9 @@ def test_bad_files_are_refused_with_what_is_wrong(tmp_path):
     bad.write_text(json.dumps({"nodes": [_node(1, 1, 1.0, 1.0)], "edges": [{"sourceId": 1, "destId": 9}]}))
     with pytest.raises(GraphFileError, match="names a node that is not there"):
         load_problem(str(bad), 2)
+    bad.write_text(json.dumps({"nodes": [_node(1, 1, 1.0, 1.0), _node(1, 1, 1.0, 1.0)], "edges": []}))
+    with pytest.raises(GraphFileError, match="appears twice"):
+        load_problem(str(bad), 2)
+    bad.write_text(json.dumps({"nodes": [{"name": "x"}], "edges": []}))
+    with pytest.raises(GraphFileError, match="integer 'id'"):
+        load_problem(str(bad), 2)

@@ -142,12 +142,26 @@ OBJECTIVE_TIE = 1e-9
 def lowest_objective(problem: Problem, finals: list[tuple[float, Plan]], top: int,
                      tie: float = OBJECTIVE_TIE) -> Plan:
     """The plan of lowest objective; among those within ``tie`` of it, the fastest in simulation
-    (:func:`best_simulated` over at most ``top`` of them; ``top=0``: no simulation)."""
-    low = min(o for o, _p in finals)
-    near = [(o, p) for o, p in finals if o <= low * (1 + tie)]
-    if top <= 0 or len(near) == 1:
-        return min(near, key=lambda c: (c[0], len(c[1].stages)))[1]
-    return best_simulated(problem, near, top)
+    (:func:`best_simulated` over at most ``top`` of them; ``top=0``: no simulation).
+
+    With simulation, a plan that fits by :func:`ftcompile.plan.evaluate` but whose simulated run
+    does not (the replay sees transients evaluate bounds) is passed over for the next objective,
+    as :func:`best_simulated` ranks fitting runs first: compile would refuse it. After ``top``
+    simulations without a fitting run the lowest objective is returned as it is.
+    """
+    order = sorted(finals, key=lambda c: (c[0], len(c[1].stages)))
+    if top <= 0:
+        return order[0][1]
+    tried = 0
+    while order and tried < top:
+        low = order[0][0]
+        near = [c for c in order if c[0] <= low * (1 + tie)]
+        order = order[len(near):]
+        best = best_simulated(problem, near, top)
+        tried += min(len(near), top)
+        if best.info.get("simulated_memory_fits", True):
+            return best
+    return min(finals, key=lambda c: (c[0], len(c[1].stages)))[1]
 
 
 def plan_key(plan: Plan) -> tuple:
@@ -165,7 +179,10 @@ def with_alternative(plan: Plan, fastest: Plan) -> Plan:
     """
     period = fastest.info.get("simulated_period_ms")
     own = plan.info.get("simulated_period_ms")
-    if period is None or plan_key(fastest) == plan_key(plan) or (own is not None and own <= period):
+    fits = fastest.info.get("simulated_memory_fits", True)
+    own_fits = plan.info.get("simulated_memory_fits", True)
+    if period is None or plan_key(fastest) == plan_key(plan) or not fits or (
+            own_fits and own is not None and own <= period):
         return plan
     plan.info["simulated_alternative"] = {
         "stages": [[int(s.gpu), [int(n) for n in s.nodes]] for s in fastest.stages],

@@ -311,7 +311,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     if warm is not None:
         plan, cost, mip_value = warm
         if cost.feasible:
-            kept.append((Plan("exact", plan.num_gpus, plan.stages), cost, mip_value, "convex warm start"))
+            kept.append((Plan("exact", plan.num_gpus, plan.stages), cost, mip_value, "warm start"))
     space_bound = mip_obj = bound = first_obj = None
     fit_bound = best_bound = None
     while True:

@@ -693,6 +693,10 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
             left = max(1.0, time_budget_s * SEQ_UNTIL - (time.perf_counter() - t0), time_budget_s * MIN_SHARE)
             sp = partition_seq(problem, max_stages=max_stages, time_limit=left)
             consider(sp, "convex split (seq)")
+            alt = sp.info.get("simulated_alternative")
+            if alt and "stages" in alt:         # seq's fastest split in simulation is a candidate too
+                consider(Plan("seq", P, [Stage(i, g, ns) for i, (g, ns) in enumerate(alt["stages"])]),
+                         "convex split (seq, fastest in simulation)")
         except Infeasible as exc:
             worst_reason = worst_reason or exc.reason
         if sum(1 for _ in problem.graph.op_nodes()) <= exact_max_nodes and P > 1:
@@ -735,10 +739,11 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
     return plan
 
 
-def partition_mixed_simulated(problem: Problem, **options) -> Plan:
+def partition_mixed_simulated(problem: Problem, *, max_stages: int | None = None, **options) -> Plan:
     """Mixed-pipe's fastest plan in simulation (strategy ``mixed-sim``): :func:`partition_mixed`
-    with ``prefer="simulated"``."""
-    return partition_mixed(problem, prefer="simulated", **options)
+    with ``prefer="simulated"``. (``max_stages`` is named so that
+    :func:`~ftcompile.partition.base.run_strategy` sees it and caps 2bw's and 2gw's stages.)"""
+    return partition_mixed(problem, prefer="simulated", max_stages=max_stages, **options)
 
 
 def _best_simulated(problem: Problem, finals: list[tuple[float, Plan]], top: int) -> Plan:
