@@ -309,15 +309,19 @@ def test_tuning_chooses_the_fastest_setting_that_fits(tiny_problem):
     assert t.chosen is not None and t.chosen.parallel == 1 and all(not s.fits for s in t.settings if s.parallel == 2)
 
 
+_COMPILE = ["-m", "ftcompile", "compile", "gpt2-tiny", "--cluster", "2xcpu", "--gpus", "2", "--schedule", "avgpipe",
+            "--strategy", "seq", "-q"]
+
+
+@pytest.mark.slow
 def test_compile_plans_one_pipeline_over_every_gpu_and_tunes_n_on_it(tmp_path):
     """AvgPipe's N pipelines are the runtime's replicas: ``--replicas`` auto plans one pipeline over both GPUs
-    (not data-parallel copies of a smaller one) and tunes N for that plan; ``--replicas 2`` is refused."""
+    (not data-parallel copies of a smaller one) and tunes N for that plan."""
     import json
     import subprocess
     import sys
 
-    exe = [sys.executable, "-m", "ftcompile", "compile", "gpt2-tiny", "--cluster", "2xcpu", "--gpus", "2",
-           "--schedule", "avgpipe", "--strategy", "seq", "-q"]
+    exe = [sys.executable, *_COMPILE]
     r = subprocess.run(exe + ["--parallel-pipelines", "auto", "-o", str(tmp_path / "pkg")], capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -334,8 +338,15 @@ def test_compile_plans_one_pipeline_over_every_gpu_and_tunes_n_on_it(tmp_path):
     # every setting priced on the plan's two GPUs (the N pipelines share both)
     assert all(len(st["gpu_memory"]) == 2 for st in tuning["settings"])
 
-    bad = subprocess.run(exe + ["--replicas", "2", "-o", str(tmp_path / "no")], capture_output=True, text=True,
-                         timeout=600)
+
+def test_compile_refuses_replicas_with_avgpipe_before_any_work(tmp_path):
+    """``--replicas 2`` with ``--schedule avgpipe`` is refused in one line naming ``--parallel-pipelines``,
+    before tracing, writing nothing."""
+    import subprocess
+    import sys
+
+    bad = subprocess.run([sys.executable, *_COMPILE, "--replicas", "2", "-o", str(tmp_path / "no")],
+                         capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2, bad.stderr
     assert bad.stderr.strip().count("\n") == 0 and "--replicas 2 with --schedule avgpipe" in bad.stderr
     assert "--parallel-pipelines" in bad.stderr and "Traceback" not in bad.stderr
