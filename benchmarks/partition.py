@@ -394,6 +394,15 @@ def main(argv=None) -> int:
                     help="--graph-file: values between nodes take 4 bytes (no buffers count), not the file's sizes")
     ap.add_argument("--time-limit", type=float, default=20.0, help="seconds per searching strategy (default 20)")
     args = ap.parse_args(argv)
+    if args.graph_file:
+        # every file read before any case runs: a bad one is one line, not a traceback halfway
+        from placement_graphs import load_problem
+
+        for path in args.graph_file:
+            try:
+                load_problem(path, 1, weights=args.graph_weights, optimizer=args.graph_optimizer)
+            except ValueError as exc:
+                ap.error(str(exc))
     if args.suite or args.graph_file:
         gpus = tuple(int(g) for g in args.suite_gpus.split(","))
         memory = tuple(None if m == "free" else float(m) for m in args.suite_memory.split(","))

@@ -98,20 +98,33 @@ def stage_cap(problem: Problem, max_stages: int | None) -> int:
 
 # --------------------------------------------------------------------------- choosing by simulation
 
-def best_simulated(problem: Problem, finals: list[tuple[float, Plan]], top: int) -> Plan:
-    """Among the ``top`` distinct plans of lowest objective, the one whose simulated run is best.
+def simulated_choice(problem: Problem, finals: list[tuple[float, Plan]], top: int,
+                     tie: float | None = None) -> tuple[Plan, Plan]:
+    """``(lowest, fastest)`` among ``finals`` (``(objective, plan)`` pairs), each of the ``top``
+    distinct plans of lowest objective simulated once.
 
     The objective (FTPipe Eq. 1, the largest GPU load) ignores the waits between stages that
     the schedule's dependencies impose, most of all when a GPU runs several stages; only the
     simulator (:func:`ftcompile.simulate.simulate`) sees them, and it also replays the memory
-    the runtime holds. So each candidate is simulated, and the one whose simulated run fits
-    memory with the shortest simulated period wins (ties: lower objective). The winner's
-    ``info`` gets ``simulated_period_ms`` and ``simulated_memory_fits``; each simulated
-    candidate's figures go to ``info["simulated_candidates"]``.
+    the runtime holds. So:
+
+    * ``lowest`` is the plan of lowest objective whose simulated run fits memory (compile would
+      refuse one that does not); among those within ``tie`` (default :data:`OBJECTIVE_TIE`, rounding)
+      of it, the shortest simulated period. It is what a strategy returns: its objective, bound
+      and "optimal" speak of it. With none fitting, the lowest objective.
+    * ``fastest`` is the simulated run that fits memory with the shortest period (ties: lower
+      objective), which compile shows beside it (:func:`with_alternative`).
+
+    Every simulated plan's ``info`` gets ``simulated_period_ms`` and ``simulated_memory_fits``;
+    ``fastest``'s also ``simulated_candidates``, every simulated plan's figures. ``top=0``:
+    no simulation, both are the lowest objective.
     """
     from ..simulate import simulate
 
-    finals = sorted(finals, key=lambda c: c[0])
+    tie = OBJECTIVE_TIE if tie is None else tie
+    finals = sorted(finals, key=lambda c: (c[0], len(c[1].stages)))
+    if top <= 0:
+        return finals[0][1], finals[0][1]
     picked, seen = [], set()
     for obj, plan in finals:
         key = plan_key(plan)
@@ -127,41 +140,21 @@ def best_simulated(problem: Problem, finals: list[tuple[float, Plan]], top: int)
         plan.info["simulated_period_ms"] = round(sim.period_ms, 6)
         plan.info["simulated_memory_fits"] = fits
         scored.append((not fits, sim.period_ms, obj, plan))
-    best = min(scored, key=lambda c: c[:3])[3]
-    best.info["simulated_candidates"] = [{"objective_ms": round(o, 6), "simulated_period_ms": round(p, 6),
-                                          "simulated_memory_fits": not nf, "stages": len(pl.stages)}
-                                         for nf, p, o, pl in sorted(scored, key=lambda c: c[2])]
-    return best
+    fastest = min(scored, key=lambda c: c[:3])[3]
+    fastest.info["simulated_candidates"] = [{"objective_ms": round(o, 6), "simulated_period_ms": round(p, 6),
+                                             "simulated_memory_fits": not nf, "stages": len(pl.stages)}
+                                            for nf, p, o, pl in sorted(scored, key=lambda c: c[2])]
+    fitting = [c for c in scored if not c[0]]
+    if not fitting:
+        return finals[0][1], fastest
+    low = min(c[2] for c in fitting)
+    lowest = min((c for c in fitting if c[2] <= low * (1 + tie)), key=lambda c: (c[1], c[2]))[3]
+    return lowest, fastest
 
 
 #: Plans whose objectives differ by less than this share count as equal: simulation decides.
 #: Rounding only: a strategy returns its lowest objective, so that "optimal" holds of what it returns.
 OBJECTIVE_TIE = 1e-9
-
-
-def lowest_objective(problem: Problem, finals: list[tuple[float, Plan]], top: int,
-                     tie: float = OBJECTIVE_TIE) -> Plan:
-    """The plan of lowest objective; among those within ``tie`` of it, the fastest in simulation
-    (:func:`best_simulated` over at most ``top`` of them; ``top=0``: no simulation).
-
-    With simulation, a plan that fits by :func:`ftcompile.plan.evaluate` but whose simulated run
-    does not (the replay sees transients evaluate bounds) is passed over for the next objective,
-    as :func:`best_simulated` ranks fitting runs first: compile would refuse it. After ``top``
-    simulations without a fitting run the lowest objective is returned as it is.
-    """
-    order = sorted(finals, key=lambda c: (c[0], len(c[1].stages)))
-    if top <= 0:
-        return order[0][1]
-    tried = 0
-    while order and tried < top:
-        low = order[0][0]
-        near = [c for c in order if c[0] <= low * (1 + tie)]
-        order = order[len(near):]
-        best = best_simulated(problem, near, top)
-        tried += min(len(near), top)
-        if best.info.get("simulated_memory_fits", True):
-            return best
-    return min(finals, key=lambda c: (c[0], len(c[1].stages)))[1]
 
 
 def plan_key(plan: Plan) -> tuple:

@@ -59,7 +59,7 @@ import numpy as np
 
 from ..plan import Plan, Problem, Stage, evaluate, ordered, shared_gradient_copies, stage_graph
 from ..units import format_bytes
-from .base import Infeasible, MemoryModel, plan_key
+from .base import Infeasible, MemoryModel, plan_key, simulated_choice, with_alternative
 from .seq import OpSequence, op_sequence
 
 SPACES = ("seq", "mixed")
@@ -255,8 +255,9 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     max_stages:
         Only plans with at most this many stages are returned.
     simulate_top:
-        Among the candidate plans within 0.1% of the best objective, this many are
-        simulated and the fastest wins.
+        The best candidate plans by objective simulated: the plan returned is the lowest
+        objective whose simulated run fits (ties to rounding by period), and the fastest of them,
+        where another, is noted as ``info["simulated_alternative"]`` (compile's row ``exact-sim``).
     max_variables:
         A model larger than this is refused (:class:`Infeasible`) before it is built.
 
@@ -284,8 +285,8 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     cluster = problem.cluster
 
     # A model too large to build in reasonable time (many GPUs: P^2 transfer variables per value)
-    fastest = max((cluster.bandwidth(g, k) for g in range(P) for k in range(P) if g != k), default=1.0)
-    size = B * P + (sum(1 for v in blocks.values if v[2] * 1e3 / fastest >= 1e-7) * P * P
+    fastest_link = max((cluster.bandwidth(g, k) for g in range(P) for k in range(P) if g != k), default=1.0)
+    size = B * P + (sum(1 for v in blocks.values if v[2] * 1e3 / fastest_link >= 1e-7) * P * P
                     if comm and P > 1 else 0)
     if size > max_variables:
         raise Infeasible(f"exact ({space}): the MIP would have about {size:,} variables ({B} blocks on {P} GPUs"
@@ -325,7 +326,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
             if kept:
                 if lazy and status == highspy.HighsModelStatus.kInfeasible:
                     fit_bound = min(f[1].objective_ms for f in kept)   # nothing else is left
-                best = _pick(problem, kept, simulate_top)
+                best, fastest = _pick(problem, kept, simulate_top)
                 break
             if status == highspy.HighsModelStatus.kInfeasible:
                 what = ("weights, gradients and optimizer state, and the activations and working memory "
@@ -389,7 +390,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
             # assignments out; a relaxation gap alone (communication, recomputation) is priced.
             if (bound >= best_fit * (1 - 1e-9) or out_of_time or status != highspy.HighsModelStatus.kOptimal
                     or not (lazy or misfit)):
-                best = _pick(problem, found, simulate_top)
+                best, fastest = _pick(problem, found, simulate_top)
                 break
         # Cut these assignments off: in each, at least one block must move.
         for gpu_of in tried:
@@ -399,6 +400,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
             raise Infeasible(f"exact ({space}): the {cut_off} best assignments the solver found do not "
                              f"fit once all activations are counted ({cost.reason or 'or have too many stages'})")
     plan, cost, plan_mip, source = best
+    simulated = {k: plan.info[k] for k in ("simulated_period_ms", "simulated_memory_fits") if k in plan.info}
     solved = status == highspy.HighsModelStatus.kOptimal
     what = {"seq": "convex splits with one stage per GPU", "mixed": "plans"}[space]
     if B < seq.n:
@@ -456,8 +458,9 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
                                           + [f[1].objective_ms for f in kept])
         plan.info["bound_uncut_covers"] = (f"{covers} except other stagings of the {cut_off} assignments cut "
                                            f"off (each priced in {len(STAGINGS)} stagings)")
-    if "simulated_period_ms" in getattr(best[0], "info", {}):
-        plan.info["simulated_period_ms"] = best[0].info["simulated_period_ms"]
+    plan.info.update(simulated)
+    if fastest is not None:
+        with_alternative(plan, fastest)
     return plan
 
 
@@ -1255,26 +1258,14 @@ def _best_few(found: list[tuple], n: int) -> list[tuple]:
     return best
 
 
-def _pick(problem: Problem, found: list[tuple], simulate_top: int, tie: float = 1e-3) -> tuple:
-    """The best of the candidate plans by objective; among those within ``tie`` of it (at most
-    ``simulate_top``), the one with the shortest simulated period: waits between stages sharing
-    a GPU, which Eq. 1 does not see, can make one of two equal plans slower."""
+def _pick(problem: Problem, found: list[tuple], simulate_top: int) -> tuple[tuple, Plan | None]:
+    """The candidate (``(plan, cost, mip value, source)``) of lowest objective, ties and plans whose
+    simulated run does not fit decided by simulation, as every strategy returns its plan
+    (:func:`~ftcompile.partition.base.simulated_choice`), and the fastest plan in simulation
+    (None without simulation), which the returned plan notes for compile's row ``exact-sim``."""
     found = sorted(found, key=lambda f: (f[1].objective_ms, len(f[0].stages)))
-    found = [f for f in found if f[1].objective_ms <= found[0][1].objective_ms * (1 + tie)]
     if simulate_top <= 1 or len(found) == 1:
-        return found[0]
-    from ..simulate import simulate
-
-    seen, scored = set(), []
-    for f in found:
-        key = plan_key(f[0])
-        if key in seen:
-            continue
-        seen.add(key)
-        period = simulate(problem, f[0]).period_ms
-        scored.append((period, f[1].objective_ms, f))
-        if len(scored) >= simulate_top:
-            break
-    period, _obj, best = min(scored, key=lambda t: (t[0], t[1]))
-    best[0].info = {**best[0].info, "simulated_period_ms": period}
-    return best
+        return found[0], None
+    by_plan = {id(f[0]): f for f in found}
+    lowest, fastest = simulated_choice(problem, [(f[1].objective_ms, f[0]) for f in found], simulate_top)
+    return by_plan[id(lowest)], fastest

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..plan import Plan, Problem, Stage, _shared_sum_ms, evaluate
 from ..units import format_bytes
-from .base import Infeasible, MemoryModel, lowest_objective, with_alternative
+from .base import Infeasible, MemoryModel, simulated_choice, with_alternative
 from .coarsen import Quotient, coarsen, grow_around_centers, split_contiguous
 
 EPS_MS = 1e-9
@@ -724,10 +724,9 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
     # objective and any bound speak of. The fastest in simulation, refined by simulated period,
     # goes with it as info["simulated_alternative"] (compile makes it the row "mixed-sim"), or is
     # returned itself with prefer="simulated".
-    lowest = lowest_objective(problem, finals, simulate_top)
+    lowest, fastest = simulated_choice(problem, finals, simulate_top)
     plan = lowest
     if simulate_top:
-        fastest = _best_simulated(problem, finals, simulate_top)
         if sim_refine:
             from .simrefine import refine_simulated
 
@@ -744,13 +743,6 @@ def partition_mixed_simulated(problem: Problem, *, max_stages: int | None = None
     with ``prefer="simulated"``. (``max_stages`` is named so that
     :func:`~ftcompile.partition.base.run_strategy` sees it and caps 2bw's and 2gw's stages.)"""
     return partition_mixed(problem, prefer="simulated", max_stages=max_stages, **options)
-
-
-def _best_simulated(problem: Problem, finals: list[tuple[float, Plan]], top: int) -> Plan:
-    """:func:`~ftcompile.partition.base.best_simulated` (kept under this name for callers)."""
-    from .base import best_simulated
-
-    return best_simulated(problem, finals, top)
 
 
 def _assign_any(problem: Problem, q: Quotient) -> dict[int, int]:

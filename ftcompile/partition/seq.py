@@ -139,7 +139,7 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
     the lowest objective found (among splits within
     :data:`~ftcompile.partition.base.OBJECTIVE_TIE` of it, the fastest in simulation), the one
     the bound proves optimal; ``info["best_objective_ms"]`` is its objective. The
-    ``simulate_top`` best by objective are simulated (:func:`~ftcompile.partition.base.best_simulated`);
+    ``simulate_top`` best by objective are simulated (:func:`~ftcompile.partition.base.simulated_choice`);
     when another of them simulates faster it is noted as ``info["simulated_alternative"]``,
     which :func:`~ftcompile.compile.compile_plan` makes the row ``seq-sim``
     (``simulate_top=0``: no simulation).
@@ -271,12 +271,10 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
         # The plan returned is the lowest objective (near-ties decided by simulation): the split the
         # bound proves optimal. The objective ignores the waits the schedule's dependencies impose,
         # so the few best are simulated too, and the fastest goes with it as its alternative.
-        from .base import best_simulated, lowest_objective
+        from .base import simulated_choice
 
         by_plan = {id(r[2]): r for r in options}
-        finals = [(r[0], r[2]) for r in options]
-        chosen = lowest_objective(problem, finals, simulate_top)
-        fastest = best_simulated(problem, finals, simulate_top)
+        chosen, fastest = simulated_choice(problem, [(r[0], r[2]) for r in options], simulate_top)
         obj, S, plan, cost, dp_obj, source = by_plan[id(chosen)]
     by_stages: dict[str, float | None] = {}
     for r in found:
