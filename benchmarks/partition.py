@@ -285,6 +285,8 @@ def suite_row(label: str, problem: Problem, result) -> dict:
         # (exact's bound over every plan also bounds the convex splits, a part of that space)
         "convex_optimum_proven": bool(seq_best is not None and seq_best <= max(
             convex_bound or 0.0, every_bound if every_bound > lb else 0.0) * (1 + REL)),
+        # seq proved that no convex split fits (its MIP, or its DP on every op node)
+        "convex_none_proven": bool(seq and not seq.feasible and seq.proven_infeasible),
         "seq_is_best_convex": bool(seq_best is not None and best_convex is not None
                                    and seq_best <= best_convex * (1 + REL)),
         "mixed_ms": m, "every_plan_bound_ms": every_bound,
@@ -322,8 +324,9 @@ def run_suite(time_limit: float, jobs: int, models=None, gpus=(3, 6), memory=(No
 
     Columns: *seq best* the best objective seq's convex search found (the split it returns);
     *cvx bound* the bound seq proved over every convex split (stages = chains of
-    ideals, one per GPU) and *cvx opt* whether seq's best meets it ("opt"), else the gap, and
-    "!" when another convex strategy found a better split than seq; *mixed* Mixed-pipe's
+    ideals, one per GPU) and *cvx opt* whether seq's best meets it ("opt"), else the gap,
+    "none" when seq proved that no convex split fits, and "!" when another convex strategy
+    found a better split than seq; *mixed* Mixed-pipe's
     objective (the lowest it found; its fastest plan in simulation is the row mixed-sim, which
     *chosen* may name), *m best* the lowest objective it found, *m sim* its plan's simulated period; *bound* the best bound over every plan (total work / P with the last-stage
     knapsack, or exact's MIP bound when higher: "M"); *exact* exact's objective in the mixed
@@ -348,6 +351,8 @@ def run_suite(time_limit: float, jobs: int, models=None, gpus=(3, 6), memory=(No
         f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
         if row["convex_optimum_proven"]:
             proof = "opt"
+        elif row["convex_none_proven"]:
+            proof = "none"
         elif row["seq_best_ms"] is not None and row["convex_bound_ms"]:
             proof = f"{1 - row['convex_bound_ms'] / row['seq_best_ms']:.1%}"
         else:

@@ -10,8 +10,10 @@ The files are not part of this repository; download them and pass their paths.
 
 :func:`load_problem` turns one into a :class:`~ftcompile.plan.Problem`:
 
-* one op node per colour class (the forward node and its backward colocated), forward and
-  backward times from the class's forward and backward nodes, recomputation = the forward;
+* one op node per colour class (the forward node and its backward colocated; in operator graphs
+  also the weights an op reads; a node without a class is a class of its own), forward and
+  backward times the sums of the class's forward and backward nodes', recomputation = the
+  forward, its bytes the sum of its forward nodes' ``size``;
 * the forward edges between classes as values (their bytes from the edge's ``size`` where
   given; with ``values=False`` four bytes each, so that no buffer of them counts); a graph input
   feeds the sources, and a zero-cost loss reads every sink;
@@ -79,7 +81,10 @@ def load_problem(path: str, gpus: int, *, weights: float = 0.0, optimizer: str =
             raise
         raise GraphFileError(f"{path}: a node needs an integer 'id' and an edge 'sourceId' and 'destId' "
                              f"({type(exc).__name__}: {exc})") from None
-    cls_of = {i: int(n.get("colorClass", i)) for i, n in nodes.items()}
+    # A node without a colour class is a class of its own, under a key no class number can take
+    # (ids and class numbers overlap: node 16 and class 16 are unrelated).
+    cls_of = {i: ("class", int(n["colorClass"])) if n.get("colorClass") is not None else ("node", i)
+              for i, n in nodes.items()}
     members: dict[int, dict[str, list]] = {}
     for i, n in nodes.items():
         members.setdefault(cls_of[i], {"fw": [], "bw": []})["bw" if n.get("isBackwardNode") else "fw"].append(n)
@@ -112,7 +117,10 @@ def load_problem(path: str, gpus: int, *, weights: float = 0.0, optimizer: str =
     for c in order:
         k = nid[c]
         fw, bw = members[c]["fw"], members[c]["bw"]
-        size = max([float(n.get("size") or 0.0) for n in fw + bw] or [0.0])
+        # A class's bytes are its forward nodes' (an operator graph's class holds an op and the
+        # weights it reads; a backward node repeats its forward node's size); a class of backward
+        # nodes alone counts theirs.
+        size = sum(float(n.get("size") or 0.0) for n in (fw or bw))
         nbytes = max(4, int(value_bytes.get(c, 4.0)))
         names = []
         wbytes = int(size * weights) // 4 * 4
@@ -121,7 +129,8 @@ def load_problem(path: str, gpus: int, *, weights: float = 0.0, optimizer: str =
             params[name] = ParamInfo(name, "parameter", TensorMeta((wbytes // 4,), "float32"))
             pcost[name] = ParamCost(wbytes, wbytes, STATE[optimizer] * wbytes)   # weights, gradients, state
             names = [name]
-        g_nodes.append(Node(k, f"class{c}", "op", scope=f"class{c}", params=names,
+        label = f"{c[0]}{c[1]}"
+        g_nodes.append(Node(k, label, "op", scope=label, params=names,
                             outputs={value(k): ValueMeta(TensorMeta((nbytes // 4,), "float32"))}))
         preds = sorted(nid[p] for p in dag.predecessors(c)) or [0]
         for p in preds:

@@ -66,6 +66,7 @@ class StrategyResult:
     seconds: float = 0.0
     figures: dict = field(default_factory=dict)     # plan_figures(): speed-ups, staleness
     bound: dict | None = None        # the best proven bound covering this plan: {"ms", "covers"}
+    proven_infeasible: bool = False  # no plan: the strategy proved none of its space fits
 
     def row(self) -> dict:
         """The strategy's line in plan.json and the report."""
@@ -90,6 +91,7 @@ class StrategyResult:
             "staleness_updates": self.figures.get("staleness_updates"),
             "max_gpu_memory_bytes": c.max_memory_bytes if c else None,
             "seconds": round(self.seconds, 3),
+            **({"proven_infeasible": True} if self.proven_infeasible else {}),
             **({"info": self.plan.info} if self.plan and self.plan.info else {}),
         }
 
@@ -190,7 +192,8 @@ def _run_one(name: str, problem: Problem, simulate_plan: bool, options: dict | N
         return _priced(name, problem, Plan(plan.strategy, problem.num_gpus, plan.stages, plan.info), simulate_plan,
                        t0)
     except Infeasible as exc:
-        return StrategyResult(name, False, exc.reason, seconds=time.perf_counter() - t0)
+        return StrategyResult(name, False, exc.reason, seconds=time.perf_counter() - t0,
+                              proven_infeasible=exc.proven)
     except (PlanError, ValueError) as exc:
         return StrategyResult(name, False, f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - t0)
     except Exception as exc:  # noqa: BLE001 - one broken strategy must not sink the others
@@ -291,7 +294,7 @@ def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs
     floor_reason = memory_floor_reason(problem)
     if floor_reason is not None:
         for n in names:
-            results[n] = StrategyResult(n, False, floor_reason)
+            results[n] = StrategyResult(n, False, floor_reason, proven_infeasible=True)
             if progress:
                 progress(results[n])
     elif jobs > 1 and len(names) > 1:

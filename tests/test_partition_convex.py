@@ -166,6 +166,7 @@ def test_no_convex_split_fits_is_proven_and_said():
     with pytest.raises(Infeasible) as err:
         partition_seq(problem)
     assert err.value.reason.startswith("no convex split") and "fits" in err.value.reason
+    assert err.value.proven
 
 
 def test_search_that_runs_out_of_time_says_so():

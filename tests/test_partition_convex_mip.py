@@ -112,6 +112,7 @@ def test_seq_reaches_the_convex_optimum_when_its_dp_keeps_side_nodes_attached(se
             # allowed under memory, but then it must not claim that none exists
             assert limit != 1 << 60
             assert exc.reason.startswith("found no convex split") and "so one may exist" in exc.reason
+            assert not exc.proven
             continue
         info = plan.info
         assert any(s.get("attached") for s in info["searches"]), info["searches"]
@@ -134,3 +135,4 @@ def test_seq_says_no_convex_split_fits_when_the_mip_proves_it():
     with pytest.raises(Infeasible) as exc:
         partition_seq(p, max_upsets=50, time_limit=5)
     assert exc.value.reason.startswith("no convex split"), exc.value.reason
+    assert exc.value.proven           # what compile's table and the benchmark read

@@ -111,7 +111,8 @@ def test_compile_proves_no_fit_below_the_floor_and_searches_at_it():
     below = compile_plan(with_memory(problem, need - 1), ["seq", "mixed", "metis"], jobs=1, time_limit=2)
     assert below.chosen is None
     assert below.info["proven_no_fit"] and problem.graph.node(nid).name in below.info["proven_no_fit"]
-    assert all(not r.feasible and "proven" in r.reason for r in below.results)
+    assert all(not r.feasible and "proven" in r.reason and r.proven_infeasible for r in below.results)
+    assert all(row["proven_infeasible"] for row in (r.row() for r in below.results))
     assert below.failure_reasons().count("proven") == 1          # one reason, said once
     # Lifted to the floor the strategies run (whether a plan fits there is theirs to find).
     at = compile_plan(with_memory(problem, need), ["seq"], jobs=1, time_limit=2)

@@ -80,3 +80,26 @@ def test_bad_files_are_refused_with_what_is_wrong(tmp_path):
     bad.write_text(json.dumps({"nodes": [{"name": "x"}], "edges": []}))
     with pytest.raises(GraphFileError, match="integer 'id'"):
         load_problem(str(bad), 2)
+
+
+def test_operator_graph_classes_hold_several_nodes_and_classless_nodes_stand_alone(tmp_path):
+    # An operator graph's class holds an op and the weight it reads; a node without a class is
+    # one of its own even where its id equals a class number (here node 3 and class 3).
+    w = _node(1, 3, 0.0, 5e6)                    # a weight, class 3
+    op = _node(2, 3, 2.0, 1e6)                   # the op reading it, class 3
+    solo = _node(3, None, 1.0, 2e6)              # no class; id 3 is also class 3's number
+    del solo["colorClass"]
+    tail = _node(4, 4, 3.0, 1e6)
+    bw = [_node(12, 3, 4.0, 1e6, True), _node(14, 4, 6.0, 1e6, True)]
+    edges = [(1, 2), (2, 3), (3, 4)]            # class 3 -> node 3 -> class 4: a cycle if they merged
+    doc = {"nodes": [w, op, solo, tail] + bw,
+           "edges": [{"sourceId": a, "destId": b, "cost": 0.0, "size": 8e5} for a, b in edges]}
+    path = tmp_path / "ops.json"
+    path.write_text(json.dumps(doc))
+    pb = load_problem(str(path), 2)
+    ops = [n for n in pb.graph.op_nodes() if not n.is_loss]
+    assert len(ops) == 3
+    by_time = sorted((pb.profile.nodes[n.id].forward_ms, pb.profile.nodes[n.id].backward_ms,
+                      pb.profile.nodes[n.id].activation_bytes) for n in ops)
+    # class 3: both forward nodes' times and sizes (weight 5 MB + op 1 MB), its backward 4 ms
+    assert by_time == [(1.0, 0.0, 2_000_000), (2.0, 4.0, 6_000_000), (3.0, 6.0, 1_000_000)]
