@@ -127,3 +127,31 @@ def test_mixed_sim_is_a_strategy_with_the_same_stage_cap_as_mixed():
     alt = low.info.get("simulated_alternative")
     if alt:
         assert alt["simulated_period_ms"] < simulate(problem, low).period_ms
+
+
+def test_simulated_choice_stops_simulating_at_its_time_limit_once_a_plan_fits():
+    from ftcompile.partition.base import simulated_choice
+
+    problem = branchy_problem(1, gpus=3)
+    finals = []
+    for split in convex_splits(problem):
+        plan = Plan("t", 3, [Stage(i, i, sorted(ns)) for i, ns in enumerate(split)])
+        cost = evaluate(problem, plan)
+        if cost.feasible:
+            finals.append((cost.objective_ms, plan))
+        if len(finals) == 6:
+            break
+    finals.sort(key=lambda f: (f[0], len(f[1].stages)))
+    # No time: the lowest objective alone is simulated (it fits), the rest are counted as skipped.
+    lowest, fastest = simulated_choice(problem, [(o, Plan(p.strategy, 3, p.stages)) for o, p in finals], 6,
+                                       time_limit=0.0)
+    assert lowest is fastest and lowest.info["simulated_skipped"] == 5
+    assert len(lowest.info["simulated_candidates"]) == 1
+    assert lowest.info["simulated_period_ms"] == pytest.approx(simulate(problem, lowest).period_ms)
+    # Time enough: all six simulated, and the fastest is the loop's own fastest.
+    lowest, fastest = simulated_choice(problem, finals, 6, time_limit=600.0)
+    assert "simulated_skipped" not in fastest.info
+    assert len(fastest.info["simulated_candidates"]) == len({tuple(map(tuple, (s.nodes for s in p.stages)))
+                                                             for _, p in finals})
+    periods = {id(p): simulate(problem, p).period_ms for _, p in finals}
+    assert periods[id(fastest)] == pytest.approx(min(periods.values()))

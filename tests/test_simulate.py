@@ -304,3 +304,16 @@ def test_replicas_all_reduce_is_link_traffic_after_the_last_backward():
     # stage 1 (the end of the pipeline) finishes its backwards early: its all-reduce overlaps stage 0's
     # backwards; stage 0's does not (nothing is left to overlap), so the step grows by at most 4 ms
     assert one.minibatch_ms < two.minibatch_ms <= one.minibatch_ms + 4.0 + 1e-9
+
+
+def test_busy_time_is_counted_when_no_steady_state_shows():
+    # Too few steps to see a periodic state: the period is the second half's average, and each
+    # GPU's busy time there is its work (the bottleneck GPU 1: 2 + 3 ms per micro-batch, busy
+    # all the time), not what the few kept events of the first steps hold.
+    costs = [(1.0, 1.0, 0.0), (2.0, 3.0, 0.0), (1.0, 1.0, 0.0)]
+    pb = problem(make_graph(3), costs, 3, "pipedream", 4)
+    res = simulate(pb, one_per_gpu(3), steps=3, max_steps=4, keep_events=1)
+    assert not res.steady
+    assert res.period_ms == pytest.approx(5.0, abs=1e-6)
+    assert res.gpu_utilisation == pytest.approx([2 / 5, 1.0, 2 / 5], abs=1e-6)
+    assert res.bubble_fraction == pytest.approx(1 - (2 + 5 + 2) / 15, abs=1e-6)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import time
 from typing import Callable
 
 import numpy as np
@@ -99,7 +100,7 @@ def stage_cap(problem: Problem, max_stages: int | None) -> int:
 # --------------------------------------------------------------------------- choosing by simulation
 
 def simulated_choice(problem: Problem, finals: list[tuple[float, Plan]], top: int,
-                     tie: float | None = None) -> tuple[Plan, Plan]:
+                     tie: float | None = None, time_limit: float | None = None) -> tuple[Plan, Plan]:
     """``(lowest, fastest)`` among ``finals`` (``(objective, plan)`` pairs), each of the ``top``
     distinct plans of lowest objective simulated once.
 
@@ -118,6 +119,11 @@ def simulated_choice(problem: Problem, finals: list[tuple[float, Plan]], top: in
     Every simulated plan's ``info`` gets ``simulated_period_ms`` and ``simulated_memory_fits``;
     ``fastest``'s also ``simulated_candidates``, every simulated plan's figures. ``top=0``:
     no simulation, both are the lowest objective.
+
+    ``time_limit`` (seconds): no further candidate is simulated once it is spent (the lowest
+    objective is simulated first, the others by stage count), except while none simulated so far fits (a plan of hundreds of stages takes a minute to simulate: BERT-12's
+    operator graph under tight memory); ``fastest.info["simulated_skipped"]`` then counts the
+    candidates left out.
     """
     from ..simulate import simulate
 
@@ -134,7 +140,16 @@ def simulated_choice(problem: Problem, finals: list[tuple[float, Plan]], top: in
         if len(picked) == top:
             break
     scored = []
-    for obj, plan in picked:
+    t0 = time.perf_counter()
+    skipped = 0
+    # The lowest objective first (what a strategy returns must be simulated), then the others
+    # by stage count: a simulation's cost grows with the stages, so under a time limit the
+    # cheap ones are not the ones left out.
+    for obj, plan in picked[:1] + sorted(picked[1:], key=lambda c: len(c[1].stages)):
+        if (time_limit is not None and scored and any(not c[0] for c in scored)
+                and time.perf_counter() - t0 >= time_limit):
+            skipped += 1
+            continue
         sim = simulate(problem, plan)
         fits = bool(getattr(sim, "memory_feasible", True))
         plan.info["simulated_period_ms"] = round(sim.period_ms, 6)
@@ -144,6 +159,8 @@ def simulated_choice(problem: Problem, finals: list[tuple[float, Plan]], top: in
     fastest.info["simulated_candidates"] = [{"objective_ms": round(o, 6), "simulated_period_ms": round(p, 6),
                                              "simulated_memory_fits": not nf, "stages": len(pl.stages)}
                                             for nf, p, o, pl in sorted(scored, key=lambda c: c[2])]
+    if skipped:
+        fastest.info["simulated_skipped"] = skipped
     fitting = [c for c in scored if not c[0]]
     if not fitting:
         return finals[0][1], fastest

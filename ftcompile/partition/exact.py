@@ -66,6 +66,9 @@ SPACES = ("seq", "mixed")
 #: How a mixed-space assignment is staged for pricing (:func:`plan_from_assignment`'s ``merge``):
 #: runs of consecutive blocks merged, runs unmerged, Mixed-pipe's merging, and connected components.
 STAGINGS = (True, False, "all", "components")
+#: The share of the time limit spent simulating the best plans found, after the search
+#: (:func:`~ftcompile.partition.base.simulated_choice`'s ``time_limit``).
+SIM_SHARE = 0.25
 
 
 @dataclass
@@ -258,6 +261,8 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         The best candidate plans by objective simulated: the plan returned is the lowest
         objective whose simulated run fits (ties to rounding by period), and the fastest of them,
         where another, is noted as ``info["simulated_alternative"]`` (compile's row ``exact-sim``).
+        They are simulated in :data:`SIM_SHARE` of ``time_limit`` on top of it (at least the
+        returned plan; the others by stage count while time is left).
     max_variables:
         A model larger than this is refused (:class:`Infeasible`) before it is built.
 
@@ -299,6 +304,9 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
                        max_rounds=max_rounds)
     rounds, cut_off = 0, 0
     best = None
+    # Simulating the best few after the search: a share of the time limit on top of it (plans of
+    # hundreds of stages take a minute each to simulate).
+    sim_limit = SIM_SHARE * time_limit
     # In seq space an assignment is one plan, so cutting it off loses nothing once it is priced:
     # the fitting ones are kept, and the search goes on below the best of them until the MIP's
     # bound meets it (lazy memory cuts). Its bound then holds for every convex split that fits.
@@ -326,7 +334,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
             if kept:
                 if lazy and status == highspy.HighsModelStatus.kInfeasible:
                     fit_bound = min(f[1].objective_ms for f in kept)   # nothing else is left
-                best, fastest = _pick(problem, kept, simulate_top)
+                best, fastest = _pick(problem, kept, simulate_top, sim_limit)
                 break
             if status == highspy.HighsModelStatus.kInfeasible:
                 what = ("weights, gradients and optimizer state, and the activations and working memory "
@@ -390,7 +398,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
             # assignments out; a relaxation gap alone (communication, recomputation) is priced.
             if (bound >= best_fit * (1 - 1e-9) or out_of_time or status != highspy.HighsModelStatus.kOptimal
                     or not (lazy or misfit)):
-                best, fastest = _pick(problem, found, simulate_top)
+                best, fastest = _pick(problem, found, simulate_top, sim_limit)
                 break
         # Cut these assignments off: in each, at least one block must move.
         for gpu_of in tried:
@@ -1258,7 +1266,8 @@ def _best_few(found: list[tuple], n: int) -> list[tuple]:
     return best
 
 
-def _pick(problem: Problem, found: list[tuple], simulate_top: int) -> tuple[tuple, Plan | None]:
+def _pick(problem: Problem, found: list[tuple], simulate_top: int,
+          time_limit: float | None = None) -> tuple[tuple, Plan | None]:
     """The candidate (``(plan, cost, mip value, source)``) of lowest objective, ties and plans whose
     simulated run does not fit decided by simulation, as every strategy returns its plan
     (:func:`~ftcompile.partition.base.simulated_choice`), and the fastest plan in simulation
@@ -1267,5 +1276,6 @@ def _pick(problem: Problem, found: list[tuple], simulate_top: int) -> tuple[tupl
     if simulate_top <= 1 or len(found) == 1:
         return found[0], None
     by_plan = {id(f[0]): f for f in found}
-    lowest, fastest = simulated_choice(problem, [(f[1].objective_ms, f[0]) for f in found], simulate_top)
+    lowest, fastest = simulated_choice(problem, [(f[1].objective_ms, f[0]) for f in found], simulate_top,
+                                       time_limit=time_limit)
     return by_plan[id(lowest)], fastest

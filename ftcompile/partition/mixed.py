@@ -724,7 +724,9 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
     # objective and any bound speak of. The fastest in simulation, refined by simulated period,
     # goes with it as info["simulated_alternative"] (compile makes it the row "mixed-sim"), or is
     # returned itself with prefer="simulated".
-    lowest, fastest = simulated_choice(problem, finals, simulate_top)
+    # Simulating the best few may take as long as the search did (its fastest plan in simulation,
+    # often one of few stages, is compile's best row in many cases), no longer.
+    lowest, fastest = simulated_choice(problem, finals, simulate_top, time_limit=time_budget_s)
     plan = lowest
     if simulate_top:
         if sim_refine:

@@ -287,7 +287,8 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
         from .base import simulated_choice
 
         by_plan = {id(r[2]): r for r in options}
-        chosen, fastest = simulated_choice(problem, [(r[0], r[2]) for r in options], simulate_top)
+        chosen, fastest = simulated_choice(problem, [(r[0], r[2]) for r in options], simulate_top,
+                                           time_limit=max(1.0, 0.25 * time_limit))
         obj, S, plan, cost, dp_obj, source = by_plan[id(chosen)]
     by_stages: dict[str, float | None] = {}
     for r in found:
