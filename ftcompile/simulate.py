@@ -708,8 +708,7 @@ class _Sim:
         used = sorted(self.stages_on)
         idle = sum(window - busy[g] for g in used)
         minibatch = self.L
-        loads = [sum(self.st[s].f + self.st[s].r + self.st[s].b + self.st[s].u / M for s in ss)
-                 for ss in self.stages_on.values()]
+        loads = [self._work_per_step(ss) / M for ss in self.stages_on.values()]
         peaks = [self.peak.get(g, self.static.get(g, 0)) for g in range(plan.num_gpus)]
         breakdown = []
         for g in range(plan.num_gpus):

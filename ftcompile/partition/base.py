@@ -121,9 +121,10 @@ def simulated_choice(problem: Problem, finals: list[tuple[float, Plan]], top: in
     no simulation, both are the lowest objective.
 
     ``time_limit`` (seconds): no further candidate is simulated once it is spent (the lowest
-    objective is simulated first, the others by stage count), except while none simulated so far fits (a plan of hundreds of stages takes a minute to simulate: BERT-12's
-    operator graph under tight memory); ``fastest.info["simulated_skipped"]`` then counts the
-    candidates left out.
+    objective is simulated first, the others by stage count), except while none simulated so
+    far fits (a plan of hundreds of stages takes a minute to simulate: BERT-12's operator
+    graph under tight memory); ``fastest.info["simulated_skipped"]`` then counts the
+    candidates left out. Strategies give it :data:`SIMULATION_SHARE` of their own limit.
     """
     from ..simulate import simulate
 
@@ -169,6 +170,10 @@ def simulated_choice(problem: Problem, finals: list[tuple[float, Plan]], top: in
     return lowest, fastest
 
 
+#: The share of a searching strategy's time limit its simulation of the few best plans may take
+#: after the search (seq and exact; Mixed-pipe allows its whole budget, see partition_mixed).
+SIMULATION_SHARE = 0.25
+
 #: Plans whose objectives differ by less than this share count as equal: simulation decides.
 #: Rounding only: a strategy returns its lowest objective, so that "optimal" holds of what it returns.
 OBJECTIVE_TIE = 1e-9
@@ -197,7 +202,8 @@ def with_alternative(plan: Plan, fastest: Plan) -> Plan:
     plan.info["simulated_alternative"] = {
         "stages": [[int(s.gpu), [int(n) for n in s.nodes]] for s in fastest.stages],
         "simulated_period_ms": round(float(period), 6),
-        **{k: fastest.info[k] for k in ("simulated_candidates", "simulated_refinement") if k in fastest.info}}
+        **{k: fastest.info[k] for k in ("simulated_candidates", "simulated_refinement", "simulated_skipped")
+           if k in fastest.info}}
     return plan
 
 

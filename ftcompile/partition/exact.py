@@ -59,16 +59,13 @@ import numpy as np
 
 from ..plan import Plan, Problem, Stage, evaluate, ordered, shared_gradient_copies, stage_graph
 from ..units import format_bytes
-from .base import Infeasible, MemoryModel, plan_key, simulated_choice, with_alternative
+from .base import SIMULATION_SHARE, Infeasible, MemoryModel, plan_key, simulated_choice, with_alternative
 from .seq import OpSequence, op_sequence
 
 SPACES = ("seq", "mixed")
 #: How a mixed-space assignment is staged for pricing (:func:`plan_from_assignment`'s ``merge``):
 #: runs of consecutive blocks merged, runs unmerged, Mixed-pipe's merging, and connected components.
 STAGINGS = (True, False, "all", "components")
-#: The share of the time limit spent simulating the best plans found, after the search
-#: (:func:`~ftcompile.partition.base.simulated_choice`'s ``time_limit``).
-SIM_SHARE = 0.25
 
 
 @dataclass
@@ -261,7 +258,8 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         The best candidate plans by objective simulated: the plan returned is the lowest
         objective whose simulated run fits (ties to rounding by period), and the fastest of them,
         where another, is noted as ``info["simulated_alternative"]`` (compile's row ``exact-sim``).
-        They are simulated in :data:`SIM_SHARE` of ``time_limit`` on top of it (at least the
+        They are simulated in :data:`~ftcompile.partition.base.SIMULATION_SHARE` of
+        ``time_limit`` on top of it (at least the
         returned plan; the others by stage count while time is left).
     max_variables:
         A model larger than this is refused (:class:`Infeasible`) before it is built.
@@ -306,7 +304,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     best = None
     # Simulating the best few after the search: a share of the time limit on top of it (plans of
     # hundreds of stages take a minute each to simulate).
-    sim_limit = SIM_SHARE * time_limit
+    sim_limit = SIMULATION_SHARE * time_limit
     # In seq space an assignment is one plan, so cutting it off loses nothing once it is priced:
     # the fitting ones are kept, and the search goes on below the best of them until the MIP's
     # bound meets it (lazy memory cuts). Its bound then holds for every convex split that fits.

@@ -577,7 +577,9 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
     ``time_budget_s`` is the whole search's, in shares (:data:`REFINE_UNTIL` and the
     others): refinement by objective up to 30% of it, seq's search to 50%, the MIP to 85%,
     refinement by simulation the rest; seq and the MIP get at least 20% each and the last
-    step 15%, so none of them gets only what an earlier one left. ``max_stages``: no plan with more
+    step 15%, so none of them gets only what an earlier one left. Simulating the best few
+    before that refinement may take up to ``time_budget_s`` again (the returned plan is always
+    simulated; :func:`~ftcompile.partition.base.simulated_choice`). ``max_stages``: no plan with more
     stages. Raises :class:`Infeasible` when no candidate fits in GPU memory.
     """
     if prefer not in ("objective", "simulated"):

@@ -30,7 +30,7 @@ import numpy as np
 from ..ir import OpGraph
 from ..plan import Plan, Problem, Stage, evaluate
 from ..units import format_bytes
-from .base import Infeasible, MemoryModel, working_set_bounds
+from .base import SIMULATION_SHARE, Infeasible, MemoryModel, simulated_choice, with_alternative, working_set_bounds
 
 #: Module classes that are one "layer" (basic block) of the usual model families.
 LAYER_CLASSES = frozenset({
@@ -138,8 +138,9 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
        ``seq`` space (a MIP whose constraints are exactly convexity, started from the
        best split so far) spends the rest of ``time_limit`` on every op node, side nodes
        included (at least 40% of it, :data:`DP_SHARE`; 70% when the DP had to attach side
-       nodes, :data:`DP_SHARE_ATTACHED`, as only the MIP can then prove anything of every split); its bound holds for every convex split that
-       fits. Graphs of more than ``mip_max_nodes`` op nodes skip it (``mip=False``: always).
+       nodes, :data:`DP_SHARE_ATTACHED`, as only the MIP can then prove anything of every
+       split); its bound holds for every convex split that fits. Graphs of more than
+       ``mip_max_nodes`` op nodes skip it (``mip=False``: always).
 
     Every candidate is priced by :func:`~ftcompile.plan.evaluate`, and the plan returned is
     the lowest objective found (among splits within
@@ -284,11 +285,9 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
         # The plan returned is the lowest objective (near-ties decided by simulation): the split the
         # bound proves optimal. The objective ignores the waits the schedule's dependencies impose,
         # so the few best are simulated too, and the fastest goes with it as its alternative.
-        from .base import simulated_choice
-
         by_plan = {id(r[2]): r for r in options}
         chosen, fastest = simulated_choice(problem, [(r[0], r[2]) for r in options], simulate_top,
-                                           time_limit=max(1.0, 0.25 * time_limit))
+                                           time_limit=max(1.0, SIMULATION_SHARE * time_limit))
         obj, S, plan, cost, dp_obj, source = by_plan[id(chosen)]
     by_stages: dict[str, float | None] = {}
     for r in found:
@@ -325,9 +324,7 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
             "; best of one topological order, the acyclic partitioner and single-node moves"
     info["seconds"] = round(time.perf_counter() - t0, 3)
     plan.info = info
-    if fastest is not None and fastest is not plan:
-        from .base import with_alternative
-
+    if fastest is not None:
         with_alternative(plan, fastest)
     return plan
 
