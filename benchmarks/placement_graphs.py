@@ -76,16 +76,16 @@ def load_problem(path: str, gpus: int, *, weights: float = 0.0, optimizer: str =
             nodes[i] = n
         for e in doc["edges"]:
             int(e["sourceId"]), int(e["destId"])
+        # A node without a colour class is a class of its own, under a key no class number can
+        # take (ids and class numbers overlap: node 16 and class 16 are unrelated).
+        cls_of = {i: ("class", int(n["colorClass"])) if n.get("colorClass") is not None else ("node", i)
+                  for i, n in nodes.items()}
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, GraphFileError):
             raise
-        raise GraphFileError(f"{path}: a node needs an integer 'id' and an edge 'sourceId' and 'destId' "
-                             f"({type(exc).__name__}: {exc})") from None
-    # A node without a colour class is a class of its own, under a key no class number can take
-    # (ids and class numbers overlap: node 16 and class 16 are unrelated).
-    cls_of = {i: ("class", int(n["colorClass"])) if n.get("colorClass") is not None else ("node", i)
-              for i, n in nodes.items()}
-    members: dict[int, dict[str, list]] = {}
+        raise GraphFileError(f"{path}: a node needs an integer 'id' (and an integer 'colorClass' or none) and an "
+                             f"edge 'sourceId' and 'destId' ({type(exc).__name__}: {exc})") from None
+    members: dict[tuple, dict[str, list]] = {}
     for i, n in nodes.items():
         members.setdefault(cls_of[i], {"fw": [], "bw": []})["bw" if n.get("isBackwardNode") else "fw"].append(n)
     dag = nx.DiGraph()

@@ -80,6 +80,9 @@ def test_bad_files_are_refused_with_what_is_wrong(tmp_path):
     bad.write_text(json.dumps({"nodes": [{"name": "x"}], "edges": []}))
     with pytest.raises(GraphFileError, match="integer 'id'"):
         load_problem(str(bad), 2)
+    bad.write_text(json.dumps({"nodes": [_node(1, "attn", 1.0, 1.0)], "edges": []}))
+    with pytest.raises(GraphFileError, match="integer 'colorClass'"):
+        load_problem(str(bad), 2)
 
 
 def test_operator_graph_classes_hold_several_nodes_and_classless_nodes_stand_alone(tmp_path):
