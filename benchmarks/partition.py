@@ -170,7 +170,7 @@ def suite_problems(gpus=(3, 6), memory=(None, 1.2, 1.1), models=None):
         graph = trace(built.model, built.args, built.kwargs, source={"model": model},
                       basic_blocks=built.basic_blocks if blocks == "auto" else ())
         prof = analytic_profile(graph, load_hardware("rtx2080ti"), optimizer="adam")
-        total = sum(c.total for c in prof.params.values()) + sum(c.activation_bytes for c in prof.nodes.values())
+        total = prof.training_bytes()
         for P in gpus:
             for share in memory:
                 cluster = PRESETS["paper-8x2080ti"].with_overrides(gpus=P, bandwidth="1000000GB/s")

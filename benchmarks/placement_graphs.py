@@ -157,9 +157,7 @@ def load_problem(path: str, gpus: int, *, weights: float = 0.0, optimizer: str =
 def total_over_gpus(problem: Problem) -> float:
     """Weights, gradients, optimizer state and one micro-batch's activations over the GPUs: the
     "total / P" the suite's tight memory limits are stated in."""
-    static = sum(c.total for c in problem.profile.params.values())
-    acts = sum(c.activation_bytes for c in problem.profile.nodes.values())
-    return (static + acts) / problem.num_gpus
+    return problem.profile.training_bytes() / problem.num_gpus
 
 
 def with_share(problem: Problem, share: float | None) -> Problem:

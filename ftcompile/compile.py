@@ -189,8 +189,10 @@ def _run_one(name: str, problem: Problem, simulate_plan: bool, options: dict | N
     try:
         with quiet_native_stdout():
             plan = run_strategy(name, search or problem, **(options or {}))
-        return _priced(name, problem, Plan(plan.strategy, problem.num_gpus, plan.stages, plan.info), simulate_plan,
-                       t0)
+        # The strategy's simulations hold for this problem only when it searched on it.
+        kept = plan.simulations if search is None or search is problem else {}
+        return _priced(name, problem, Plan(plan.strategy, problem.num_gpus, plan.stages, plan.info, kept),
+                       simulate_plan, t0)
     except Infeasible as exc:
         return StrategyResult(name, False, exc.reason, seconds=time.perf_counter() - t0,
                               proven_infeasible=exc.proven)
@@ -210,9 +212,9 @@ def _priced(name: str, problem: Problem, plan: Plan, simulate_plan: bool, t0: fl
                               seconds=time.perf_counter() - t0)
     sim = None
     if simulate_plan:
-        from .simulate import simulate
+        from .simulate import simulation_of
 
-        sim = simulate(problem, plan).to_json(events=False)
+        sim = simulation_of(problem, plan).to_json(events=False)
         if not sim["memory_feasible"]:
             worst = max(range(plan.num_gpus), key=lambda g: sim["gpu_peak_memory"][g] - sim["gpu_memory_limit"])
             from .units import format_bytes
@@ -256,7 +258,7 @@ def simulated_alternatives(problem: Problem, results: list[StrategyResult], simu
         try:
             plan = Plan(r.plan.strategy, problem.num_gpus,
                         [Stage(i, g, list(ns)) for i, (g, ns) in enumerate(stages)],
-                        {"alternative_of": r.name, **alt})
+                        {"alternative_of": r.name, **alt}, r.plan.simulations)
             alt_r = _priced(name, problem, ordered(plan, problem.graph), True, t0)
         except (PlanError, ValueError) as exc:      # one row lost, never the compile
             alt["row_error"] = f"{type(exc).__name__}: {exc}"
@@ -883,11 +885,11 @@ def write_report(out_dir: str, doc: dict, result: CompileResult | None = None) -
         paths["gpus"] = os.path.join(out_dir, "gpus.png")
         draw_gpu_boxes([(str((doc.get("model") or {}).get("model", "plan")), doc)], paths["gpus"])
         if result is not None and result.chosen is not None:
-            from .simulate import simulate
+            from .simulate import simulation_of
             from .timeline import draw_timeline
 
             best = result.best()
-            sim = simulate(result.problem, best.plan)
+            sim = simulation_of(result.problem, best.plan)     # (the row's own replay, with its events)
             base = os.path.join(out_dir, "timeline")
             draw_timeline(sim, base + ".png")
             paths["timeline"] = base + ".png"

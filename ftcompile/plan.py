@@ -75,6 +75,11 @@ class Plan:
     num_gpus: int
     stages: list[Stage]
     info: dict = field(default_factory=dict)   # what the partitioner wants to say (L, seeds, bound...)
+    # Simulations already run of this plan (and of the alternative a strategy notes), keyed by
+    # simulation_key, so that a strategy's choice, compile's row and the report's timeline share
+    # one replay (hundreds of stages take a minute). Never written to JSON; valid for the
+    # problem the plan was made for only (ftcompile.simulate.simulation_of).
+    simulations: dict = field(default_factory=dict, compare=False, repr=False)
 
     def stage_of(self) -> dict[int, int]:
         return {n: s.id for s in self.stages for n in s.nodes}
@@ -383,7 +388,14 @@ def ordered(plan: Plan, graph: OpGraph) -> Plan:
     first = {s.id: min(s.nodes) for s in plan.stages}
     order = list(nx.lexicographical_topological_sort(sg, key=lambda s: first[s]))
     stages = [Stage(i, by_id[s].gpu, sorted(by_id[s].nodes)) for i, s in enumerate(order)]
-    return Plan(plan.strategy, plan.num_gpus, stages, dict(plan.info))
+    # The same simulations dict: keyed by the exact stages, an entry holds for whichever plan matches.
+    return Plan(plan.strategy, plan.num_gpus, stages, dict(plan.info), plan.simulations)
+
+
+def simulation_key(plan: Plan) -> tuple:
+    """What a simulation of ``plan`` depends on in the plan itself: the GPU count and every
+    stage's id, GPU and nodes (the ids set the engine's stage order)."""
+    return (plan.num_gpus, tuple((s.id, s.gpu, tuple(sorted(s.nodes))) for s in plan.stages))
 
 
 # --------------------------------------------------------------------------- costs

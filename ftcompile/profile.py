@@ -142,6 +142,12 @@ class Profile:
             "optimizer_bytes": sum(p.optimizer_bytes for p in self.params.values()),
         }
 
+    def training_bytes(self) -> int:
+        """Weights, gradients and optimizer state of every parameter plus one micro-batch's
+        activations of every op node: the whole model's training memory on one device, the
+        "total" of the "total / P" memory limits the partition benchmarks and tests state."""
+        return sum(c.total for c in self.params.values()) + sum(c.activation_bytes for c in self.nodes.values())
+
     def summary(self, graph: OpGraph | None = None, top: int = 5) -> dict:
         heavy = sorted(self.nodes.items(), key=lambda kv: -kv[1].compute_ms)[:top]
         return {

@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import networkx as nx
 
-from .plan import Plan, Problem, evaluate, plan_windows, stage_depths, stage_graph
+from .plan import Plan, Problem, evaluate, plan_windows, simulation_key, stage_depths, stage_graph
 from .runtime.allreduce import BUCKET_BYTES as ALLREDUCE_BUCKET_BYTES
 
 FLUSHING = ("gpipe", "1f1b")
@@ -285,6 +285,23 @@ def simulate(problem: Problem, plan: Plan, *, micro_batches: int | None = None, 
     sim = _Sim(problem, plan, cost, st, progs, M, cluster, keep_events)
     sim.run(min_steps=steps or 0, max_steps=total_steps)
     return sim.result(plan, cost, micro_batch_size(problem))
+
+
+def simulation_of(problem: Problem, plan: Plan) -> SimResult:
+    """``simulate(problem, plan)`` at its defaults, run once per plan and kept on it
+    (``plan.simulations``), so that a strategy's choice among its candidates, compile's row and
+    the report's timeline share one replay of a plan of hundreds of stages.
+
+    The result is keyed by :func:`~ftcompile.plan.simulation_key` (the plan's stages as
+    numbered); the problem is not part of the key: a plan's simulations are of the problem it
+    was made for, and a caller that prices a plan on another problem (another cluster, batch or
+    schedule) calls :func:`simulate` itself.
+    """
+    key = simulation_key(plan)
+    sim = plan.simulations.get(key)
+    if sim is None:
+        sim = plan.simulations[key] = simulate(problem, plan)
+    return sim
 
 
 class _Sim:

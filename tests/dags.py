@@ -111,9 +111,7 @@ def with_memory(problem: Problem, nbytes: int) -> Problem:
 def total_over_gpus(problem: Problem) -> float:
     """Weights, gradients, optimizer state and one micro-batch's activations of the whole
     model, over the number of GPUs (the "total / P" tight-memory tests are stated in)."""
-    static = sum(c.total for c in problem.profile.params.values())
-    acts = sum(c.activation_bytes for c in problem.profile.nodes.values())
-    return (static + acts) / problem.num_gpus
+    return problem.profile.training_bytes() / problem.num_gpus
 
 
 # --------------------------------------------------------------------------- references

@@ -143,8 +143,9 @@ def test_compile_that_cannot_fit_says_what_would(tmp_path, capsys):
     # 804 MB on a 2080 Ti preset: 4 MB beyond the 800 MB every GPU keeps free (the reserve); the
     # GPU holding the tied embedding needs more than 803 MB whatever the split (async lags it; with
     # --tied-lag given compile keeps the lag, test_reprice covers its turning it off by itself)
+    # (--time-limit 3: nothing fits, so each search spends its whole limit failing to prove it)
     rc = main(["compile", "t5-tiny", "--gpus", "2", "--gpu-memory", "804MB", "--replicas", "1", "--strategy",
-               "seq,mixed", "--tied-lag", "-q",
+               "seq,mixed", "--tied-lag", "-q", "--time-limit", "3",
                "-o", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c")])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
@@ -161,7 +162,7 @@ def test_compile_that_cannot_fit_says_what_would(tmp_path, capsys):
 
     def seq(*extra):
         return main(["compile", "t5-tiny", "--strategy", "seq", "--tied-lag", "-q", "--json", "-o", str(tmp_path / "s"),
-                     "--replicas", "1", "--cache-dir", str(tmp_path / "c"), *extra])
+                     "--replicas", "1", "--time-limit", "3", "--cache-dir", str(tmp_path / "c"), *extra])
 
     assert seq("--gpus", "2", "--gpu-memory", memory) == 0
     assert seq("--gpus", str(gpus), "--gpu-memory", "804MB") == 0

@@ -174,3 +174,32 @@ def test_search_that_runs_out_of_time_says_so():
     plan = partition_seq(problem, time_limit=0.0)
     assert plan.info["optimal"] is False
     assert "time limit" in plan.info["search"] and "bound_ms" not in plan.info
+
+
+@pytest.mark.parametrize("seed,blocks", [(0, 1), (1, 2), (2, 2), (3, 1)])
+def test_upsets_are_listed_or_refused_at_the_cap_as_brute_force_counts(seed, blocks):
+    """all_upsets lists as many upsets as the DAG has ideals (their complements), counted by
+    brute force, and refuses exactly above the cap; the greedy antichain its quick refusal
+    rests on is one (no path joins two of its units)."""
+    import itertools
+
+    import networkx as nx
+
+    from ftcompile.partition.convex import all_upsets, greedy_antichain
+
+    problem = branchy_problem(seed, blocks=blocks, gpus=3)
+    units = build_units(problem)
+    count = len(downsets(problem))
+    listed = all_upsets(units, 10**9)
+    assert listed is not None and len(set(listed[0])) == count
+    assert all_upsets(units, count) is not None and all_upsets(units, count - 1) is None
+    ops = {n.id for n in problem.graph.op_nodes()}
+    dag = nx.DiGraph([(e.src, e.dst) for e in problem.graph.edges if e.src in ops and e.dst in ops])
+    dag.add_nodes_from(ops)
+    anti = greedy_antichain(units)
+    assert len(anti) >= 2
+    for a, b in itertools.combinations(anti, 2):
+        for x, y in itertools.product(units.members[a], units.members[b]):
+            assert not nx.has_path(dag, x, y) and not nx.has_path(dag, y, x)
+    assert 2 ** len(anti) <= count
+    assert all_upsets(units, 2 ** len(anti) - 1) is None       # refused without listing

@@ -9,6 +9,7 @@ every convex split (``tests/dags.py``), simulated one by one.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -155,3 +156,45 @@ def test_simulated_choice_stops_simulating_at_its_time_limit_once_a_plan_fits():
                                                              for _, p in finals})
     periods = {id(p): simulate(problem, p).period_ms for _, p in finals}
     assert periods[id(fastest)] == pytest.approx(min(periods.values()))
+
+
+@pytest.mark.parametrize("strategies,jobs", [("seq", 1), ("seq,uniform", 2)])
+def test_compile_simulates_each_plan_once_and_its_rows_match_a_fresh_simulation(strategies, jobs, monkeypatch,
+                                                                                   tmp_path):
+    """seq's choice among its candidates, compile's row (and the ``seq-sim`` row of the
+    alternative it notes) and the report's timeline share one replay per plan: no plan is
+    simulated twice in this process, and every row's figures equal a fresh simulation of its
+    plan (so what was reused is what a replay of that plan gives). With jobs=2 the strategies
+    run in worker processes: their simulations cross with the plans, and the parent simulates
+    nothing again."""
+    import ftcompile.simulate as simulate_module
+    from ftcompile.compile import plan_document, write_report
+    from ftcompile.plan import simulation_key
+
+    problem = branchy_problem(4, blocks=2, gpus=3, schedule="1f1b")    # seq notes seq-sim here
+    calls: list[tuple] = []
+    real = simulate_module.simulate
+
+    def counting(pb, plan, **kw):
+        calls.append(simulation_key(plan))
+        return real(pb, plan, **kw)
+
+    monkeypatch.setattr(simulate_module, "simulate", counting)
+    result = compile_plan(problem, strategies, jobs=jobs, time_limit=5)
+    write_report(str(tmp_path / "out"), plan_document(result), result)
+    assert (tmp_path / "out" / "timeline.png").exists()
+    assert len(calls) == len(set(calls)), "a plan was simulated twice"
+    rows = {r.name: r for r in result.results if r.feasible}
+    assert "seq-sim" in rows
+    if jobs == 2:
+        assert calls == []          # every row's replay came back from the workers
+    else:
+        assert calls
+    monkeypatch.setattr(simulate_module, "simulate", real)
+    for r in rows.values():
+        assert simulation_key(r.plan) in r.plan.simulations
+        fresh = simulate(problem, r.plan)
+        assert r.sim["period_ms"] == pytest.approx(fresh.period_ms, rel=1e-12)
+        assert r.sim["gpu_peak_memory"] == fresh.gpu_peak_memory
+        assert "simulations" not in r.plan.to_json()
+    json.dumps(plan_document(result))       # (plan.json never carries the replays)

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from ..profile import held_activation_bytes
-from ..plan import (ALLREDUCE_BUCKET_BYTES, Plan, Problem, Stage, _stage_params, plan_windows,
+from ..plan import (ALLREDUCE_BUCKET_BYTES, Plan, Problem, Stage, _stage_params, ordered, plan_windows,
                     receive_windows, shared_gradient_receive, shared_update_transient,
                     stage_depths, stage_graph, working_sets)
 
@@ -67,7 +67,7 @@ def run_strategy(name: str, problem: Problem, **options) -> Plan:
     ``options`` go to the strategy's function; ``max_stages=None`` is dropped, and a
     plan with more stages than ``max_stages`` is refused (:class:`Infeasible`).
     """
-    from ..plan import check_plan, evaluate, ordered
+    from ..plan import check_plan, evaluate
 
     if options.get("max_stages") is None:
         options.pop("max_stages", None)
@@ -126,7 +126,7 @@ def simulated_choice(problem: Problem, finals: list[tuple[float, Plan]], top: in
     graph under tight memory); ``fastest.info["simulated_skipped"]`` then counts the
     candidates left out. Strategies give it :data:`SIMULATION_SHARE` of their own limit.
     """
-    from ..simulate import simulate
+    from ..simulate import simulation_of
 
     tie = OBJECTIVE_TIE if tie is None else tie
     finals = sorted(finals, key=lambda c: (c[0], len(c[1].stages)))
@@ -151,7 +151,9 @@ def simulated_choice(problem: Problem, finals: list[tuple[float, Plan]], top: in
                 and time.perf_counter() - t0 >= time_limit):
             skipped += 1
             continue
-        sim = simulate(problem, plan)
+        # Simulated as run_strategy will number its stages (the ids set the engine's order), and
+        # kept on the plan: compile's row reuses it (ordered() keeps the same simulations).
+        sim = simulation_of(problem, ordered(plan, problem.graph))
         fits = bool(getattr(sim, "memory_feasible", True))
         plan.info["simulated_period_ms"] = round(sim.period_ms, 6)
         plan.info["simulated_memory_fits"] = fits
@@ -199,6 +201,7 @@ def with_alternative(plan: Plan, fastest: Plan) -> Plan:
     if period is None or plan_key(fastest) == plan_key(plan) or not fits or (
             own_fits and own is not None and own <= period):
         return plan
+    plan.simulations.update(fastest.simulations)      # (compile's row for it reuses its simulation)
     plan.info["simulated_alternative"] = {
         "stages": [[int(s.gpu), [int(n) for n in s.nodes]] for s in fastest.stages],
         "simulated_period_ms": round(float(period), 6),

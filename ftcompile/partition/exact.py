@@ -585,7 +585,8 @@ def _warm_start(problem: Problem, mip: "_Mip", blocks: Blocks, P: int, space: st
             try:
                 from .seq import partition_seq
 
-                sp = partition_seq(problem, max_stages=max_stages, time_limit=time_limit)
+                # (its objective's best alone: seq's simulation of its best few would be spent here)
+                sp = partition_seq(problem, max_stages=max_stages, time_limit=time_limit, simulate_top=0)
             except Infeasible:
                 pass
         gpu_of_node = {n: st.gpu for st in sp.stages for n in st.nodes} if sp is not None else {}

@@ -684,6 +684,7 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
             """Another partitioner's plan joins the candidates (re-made with Mixed-pipe's info)."""
             nonlocal best
             plan = _plan(problem, [(st.gpu, st.nodes) for st in found.stages], {"source": source, "refined": False})
+            plan.simulations.update(found.simulations)      # (seq's replays: not run again)
             cost = evaluate(problem, plan)
             if cost.feasible:
                 finals.append((cost.objective_ms, plan))
@@ -697,7 +698,8 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
             consider(sp, "convex split (seq)")
             alt = sp.info.get("simulated_alternative")
             if alt and "stages" in alt:         # seq's fastest split in simulation is a candidate too
-                consider(Plan("seq", P, [Stage(i, g, ns) for i, (g, ns) in enumerate(alt["stages"])]),
+                consider(Plan("seq", P, [Stage(i, g, ns) for i, (g, ns) in enumerate(alt["stages"])],
+                              simulations=sp.simulations),
                          "convex split (seq, fastest in simulation)")
         except Infeasible as exc:
             worst_reason = worst_reason or exc.reason

@@ -15,20 +15,20 @@ import time
 
 import networkx as nx
 
-from ..plan import Plan, Problem, Stage, evaluate, ordered, stage_graph
+from ..plan import Plan, Problem, Stage, evaluate, ordered, simulation_key, stage_graph
 
 
 def simulated_score(problem: Problem, plan: Plan) -> tuple[float, float] | None:
     """``(simulated period, objective)`` per micro-batch of ``plan``, or None if it does not fit
     (by :func:`~ftcompile.plan.evaluate` or in the simulated run's memory replay)."""
-    from ..simulate import simulate
+    from ..simulate import simulation_of
 
     # simulate() evaluates the plan again itself; evaluating first costs about a sixth of a
     # simulation and keeps plans that cannot fit from being simulated at all.
     cost = evaluate(problem, plan)
     if not cost.feasible:
         return None
-    sim = simulate(problem, plan)
+    sim = simulation_of(problem, plan)
     if not getattr(sim, "memory_feasible", True):
         return None
     return sim.period_ms, cost.objective_ms
@@ -55,7 +55,10 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
     """
     t0 = time.perf_counter()
     graph = problem.graph
-    start = simulated_score(problem, plan)
+    # Every plan is scored as it will run, stages numbered by ordered() (the ids set the
+    # engine's stage order), and keeps its simulation: compile's row reuses the winner's.
+    # (ordered() shares the plan's simulations dict: ``plan`` keeps the one run here.)
+    start = simulated_score(problem, ordered(plan, graph))
     if start is None or time_limit <= 0 or len(plan.stages) < 2:
         return plan
     neighbours: dict[int, set[int]] = {}
@@ -63,7 +66,8 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
         neighbours.setdefault(e.src, set()).add(e.dst)
         neighbours.setdefault(e.dst, set()).add(e.src)
     stages = [(s.gpu, set(s.nodes)) for s in plan.stages]
-    best, moves, sims = start, 0, 0
+    best, best_plan, moves, sims = start, None, 0, 0
+    scored: dict[tuple, tuple | None] = {}
     rng = random.Random(seed)
     improved = True
     while improved and time.perf_counter() - t0 < time_limit:
@@ -84,10 +88,14 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
             candidate = _as_plan(plan, trial)
             if not nx.is_directed_acyclic_graph(stage_graph(graph, candidate)):
                 continue
-            score = simulated_score(problem, candidate)
+            candidate = ordered(candidate, graph)
+            key = simulation_key(candidate)
+            if key in scored:           # (two moves from two plans can make the same plan)
+                continue
+            score = scored[key] = simulated_score(problem, candidate)
             sims += 1
             if score is not None and score < best:
-                best, stages, improved = score, trial, True
+                best, best_plan, stages, improved = score, candidate, trial, True
                 moves += 1
                 break
     report = {"from_period_ms": round(start[0], 6), "from_objective_ms": round(start[1], 6),
@@ -96,7 +104,7 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
     if moves == 0:
         plan.info["simulated_refinement"] = report
         return plan
-    out = ordered(_as_plan(plan, stages), graph)
+    out = best_plan
     out.info["simulated_refinement"] = report
     out.info["simulated_period_ms"] = round(best[0], 6)
     out.info["simulated_memory_fits"] = True
