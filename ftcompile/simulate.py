@@ -301,6 +301,8 @@ def simulation_of(problem: Problem, plan: Plan) -> SimResult:
     sim = plan.simulations.get(key)
     if sim is None:
         sim = plan.simulations[key] = simulate(problem, plan)
+    elif sim.strategy != plan.strategy:     # (Mixed-pipe reuses seq's replays: the label is the plan's)
+        sim = replace(sim, strategy=plan.strategy)
     return sim
 
 

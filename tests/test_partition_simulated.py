@@ -198,3 +198,24 @@ def test_compile_simulates_each_plan_once_and_its_rows_match_a_fresh_simulation(
         assert r.sim["gpu_peak_memory"] == fresh.gpu_peak_memory
         assert "simulations" not in r.plan.to_json()
     json.dumps(plan_document(result))       # (plan.json never carries the replays)
+
+
+def test_simulation_of_replays_a_plan_once_per_stage_numbering():
+    """simulation_of keeps one replay per plan as numbered: the same plan again is the same
+    result; a copy sharing the replays under another strategy's name gets its own label; the
+    same stages numbered otherwise (the ids set the engine's order) are replayed anew, as a
+    fresh simulate() of that numbering gives."""
+    from ftcompile.plan import simulation_key
+    from ftcompile.simulate import simulation_of
+
+    problem = branchy_problem(0, gpus=3)
+    plan = Plan("t", 3, [Stage(i, i, sorted(ns)) for i, ns in enumerate(next(iter(convex_splits(problem))))])
+    first = simulation_of(problem, plan)
+    assert simulation_of(problem, plan) is first and list(plan.simulations) == [simulation_key(plan)]
+    other = simulation_of(problem, Plan("mixed", 3, plan.stages, {}, plan.simulations))
+    assert other.strategy == "mixed" and other.period_ms == first.period_ms and first.strategy == "t"
+    renumbered = Plan("t", 3, [Stage(2 - s.id, s.gpu, s.nodes) for s in plan.stages], {}, plan.simulations)
+    again = simulation_of(problem, renumbered)
+    assert again is not first and len(plan.simulations) == 2
+    assert again.period_ms == simulate(problem, renumbered).period_ms
+    assert "simulations" not in plan.to_json()
