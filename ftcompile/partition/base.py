@@ -121,9 +121,10 @@ def simulated_choice(problem: Problem, finals: list[tuple[float, Plan]], top: in
     no simulation, both are the lowest objective.
 
     ``time_limit`` (seconds): the lowest objective is always simulated, first; the others, by
-    stage count, get ``time_limit`` seconds of simulation after it: none is started once that
-    is spent, except while none simulated so far fits (a plan of hundreds of stages takes a
-    minute to simulate: BERT-12's operator graph under tight memory).
+    stage count, get ``time_limit`` seconds of simulation after it: none is started that would
+    not end within them at the slowest rate per stage seen so far, except while none simulated
+    so far fits (a plan of hundreds of stages takes a minute to simulate: BERT-12's operator
+    graph under tight memory).
     ``fastest.info["simulated_skipped"]`` then counts the candidates left out. Strategies give
     it :data:`SIMULATION_SHARE` of their own limit.
     """
@@ -148,17 +149,22 @@ def simulated_choice(problem: Problem, finals: list[tuple[float, Plan]], top: in
     # by stage count: a simulation's cost grows with the stages, so under a time limit the
     # cheap ones are not the ones left out. Their time starts after the first: a deep lowest
     # plan (94 stages of BERT-6's operator graph: 13 s) must not leave the few-stage
-    # candidates, milliseconds each, unsimulated.
+    # candidates, milliseconds each, unsimulated. One is started only if it should end in time
+    # at the slowest rate seen (BERT-12's: a 287-stage plan took a minute, then one of 288 began).
+    rate = 0.0                      # the most seconds a simulation took per stage so far
     for obj, plan in picked[:1] + sorted(picked[1:], key=lambda c: len(c[1].stages)):
         if t0 is None and scored:
             t0 = time.perf_counter()
-        if (time_limit is not None and scored and any(not c[0] for c in scored)
-                and time.perf_counter() - t0 >= time_limit):
-            skipped += 1
-            continue
+        if time_limit is not None and scored and any(not c[0] for c in scored):
+            left = time_limit - (time.perf_counter() - t0)
+            if left <= 0 or rate * len(plan.stages) > left:
+                skipped += 1
+                continue
         # Simulated as run_strategy will number its stages (the ids set the engine's order), and
         # kept on the plan: compile's row reuses it (ordered() keeps the same simulations).
+        t = time.perf_counter()
         sim = simulation_of(problem, ordered(plan, problem.graph))
+        rate = max(rate, (time.perf_counter() - t) / max(1, len(plan.stages)))
         fits = bool(getattr(sim, "memory_feasible", True))
         plan.info["simulated_period_ms"] = round(sim.period_ms, 6)
         plan.info["simulated_memory_fits"] = fits

@@ -258,9 +258,8 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         The best candidate plans by objective simulated: the plan returned is the lowest
         objective whose simulated run fits (ties to rounding by period), and the fastest of them,
         where another, is noted as ``info["simulated_alternative"]`` (compile's row ``exact-sim``).
-        They are simulated in :data:`~ftcompile.partition.base.SIMULATION_SHARE` of
-        ``time_limit`` on top of it (at least the
-        returned plan; the others by stage count while time is left).
+        The returned plan is always simulated; the others, by stage count, get
+        :data:`~ftcompile.partition.base.SIMULATION_SHARE` of ``time_limit`` after it.
     max_variables:
         A model larger than this is refused (:class:`Infeasible`) before it is built.
 
