@@ -513,7 +513,7 @@ class _Sim:
         if kind == "F":
             dur = st.f
             self.taken[s] = k + 1
-            for u in self.credit_to.get(s, ()):
+            for u in self.credit_to.get(s, ()):         # credits: those producers may now run
                 self.stale.add(u)
                 self.dirty_gpus.add(self.st[u].gpu)
             self.pending[s] += 1
@@ -527,7 +527,6 @@ class _Sim:
                     if self.waiting[key] == 0:
                         del self.waiting[key]
                         self.mem(g, "receive", -self.wait_bytes.pop(key))
-                self.dirty_gpus.add(self.st[u].gpu)     # credits: the producer may now run
             if step not in self.data_steps[g]:
                 self.data_steps[g].add(step)
                 self.mem(g, "data", M * self.input_bytes[g])

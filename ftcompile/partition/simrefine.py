@@ -15,7 +15,7 @@ import time
 
 import networkx as nx
 
-from ..plan import Plan, Problem, Stage, evaluate, ordered, simulation_key, stage_graph
+from ..plan import Plan, Problem, Stage, evaluate, ordered, simulation_key
 
 
 def simulated_score(problem: Problem, plan: Plan) -> tuple[float, float] | None:
@@ -85,10 +85,10 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
             trial = [(g, set(ns)) for g, ns in stages]
             trial[s][1].discard(n)
             trial[t][1].add(n)
-            candidate = _as_plan(plan, trial)
-            if not nx.is_directed_acyclic_graph(stage_graph(graph, candidate)):
+            try:
+                candidate = ordered(_as_plan(plan, trial), graph)
+            except nx.NetworkXUnfeasible:       # (the move made the stage graph cyclic)
                 continue
-            candidate = ordered(candidate, graph)
             key = simulation_key(candidate)
             if key in scored:           # (two moves from two plans can make the same plan)
                 continue
