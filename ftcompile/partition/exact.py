@@ -11,6 +11,8 @@ Model (``B`` blocks, ``P`` GPUs)::
     C_g = sum_b (c_b + r_b) x[b,g] - saved_g     compute, recomputation included
     saved_g <= sum_b r_b x[b,g],  saved_g <= R x[loss,g]    the last stage skips recomputation
     mixed: saved_g <= sum_b r_b u[b,g], u[b,g] <= x[b,g], x[loss,g];  sum_{b,g} c_b u[b,g] <= T
+           u[b,g] in {0,1} (b in a sink stage on g),  u[p,g] <= u[c,g] (c reads p)
+           interchangeable GPUs: x[loss,0] = 1, the others by compute (sum_b c_b x[b,g] >= ... g+1)
     w[v,g,h] >= x[p(v),g] + x[c,h] - 1           value v crosses from GPU g to GPU h (c reads v)
     S_g = sum_{v,h} bytes_v / bw(g,h) w[v,g,h],  R_h = sum_{v,g} float_bytes_v / bw(g,h) w[v,g,h]
     y[q,g] >= x[b,g] (b reads q);  sum_q mem_q y[q,g] + A_g <= memory   parameters once per GPU
@@ -45,7 +47,9 @@ fits; in ``mixed`` space while the solver's best assignments include one that
 fits in none of its stagings and the bound is below the best plan that fits,
 until the time limit. The bound reported over every plan is the first solve's;
 a later one (``bound_uncut_ms``) leaves out the other stagings of the
-assignments cut off.
+assignments cut off. In ``mixed`` space a second solve then keeps ``T`` at most
+the best plan's value and minimises the block edges between GPUs
+(:func:`_fewer_cuts`): the same objective in fewer stages.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ SPACES = ("seq", "mixed")
 #: How a mixed-space assignment is staged for pricing (:func:`plan_from_assignment`'s ``merge``):
 #: runs of consecutive blocks merged, runs unmerged, Mixed-pipe's merging, and connected components.
 STAGINGS = (True, False, "all", "components")
+#: Share of exact's mixed-space time left to its second solve, for fewer stages (:func:`_fewer_cuts`).
+FEWER_CUTS_SHARE = 0.25
 
 
 @dataclass
@@ -225,7 +231,8 @@ def plan_from_assignment(problem: Problem, members: list[list[int]], gpu_of_bloc
 def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: float = 20.0, space: str = "mixed",
                     comm: bool = True, mip_rel_gap: float = 1e-6, max_rounds: int = 20,
                     warm_start: bool = True, max_candidates: int = 20, max_stages: int | None = None,
-                    simulate_top: int = 4, max_variables: int = 300_000, warm_plan: Plan | None = None) -> Plan:
+                    simulate_top: int = 4, max_variables: int = 300_000, warm_plan: Plan | None = None,
+                    fewer_cuts: bool = True) -> Plan:
     """The plan minimising the largest GPU load, by MIP (HiGHS), with the solver's proven bound.
 
     Parameters
@@ -260,6 +267,11 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         where another, is noted as ``info["simulated_alternative"]`` (compile's row ``exact-sim``).
         The returned plan is always simulated; the others, by stage count, get
         :data:`~ftcompile.partition.base.SIMULATION_SHARE` of ``time_limit`` after it.
+    fewer_cuts:
+        In ``mixed`` space, a second solve (the last :data:`FEWER_CUTS_SHARE` of ``time_limit``)
+        keeps the MIP's value at most the best plan's and minimises the block edges between GPUs,
+        so that the plan returned has fewer stages (:func:`_fewer_cuts`; on a tie the plan with
+        fewer crossings wins).
     max_variables:
         A model larger than this is refused (:class:`Infeasible`) before it is built.
 
@@ -322,7 +334,8 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     fit_bound = best_bound = None
     while True:
         rounds += 1
-        h.setOptionValue("time_limit", max(1.0, time_limit - (time.perf_counter() - t0)))
+        phase1 = time_limit * (1.0 - FEWER_CUTS_SHARE) if space == "mixed" and fewer_cuts else time_limit
+        h.setOptionValue("time_limit", max(1.0, phase1 - (time.perf_counter() - t0)))
         h.run()
         status = h.getModelStatus()
         info = h.getInfo()
@@ -359,24 +372,17 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         tried = set()
         found = []
         misfit = False              # some assignment fits in none of its stagings
+        misfit_reason = None        # why the last staging priced did not fit
         for mip_value, xv in zip([mip_obj] + [s.objective for s in saved], candidates):
             gpu_of = tuple(int(np.argmax(xv.reshape(B, P)[b])) for b in range(B))
             if gpu_of in tried:
                 continue
             tried.add(gpu_of)
             fits = len(found)
-            for merge in (STAGINGS if space == "mixed" else (True,)):
-                if merge == "all":
-                    plan = _fewest_stages(problem, blocks.members, list(gpu_of))
-                elif merge == "components":
-                    plan = _components(problem, blocks.members, list(gpu_of))
-                    if plan is None:
-                        continue
-                else:
-                    plan = plan_from_assignment(problem, blocks.members, list(gpu_of), "exact", merge=merge)
-                cost = evaluate(problem, plan)
-                if cost.feasible and (max_stages is None or len(plan.stages) <= max_stages):
-                    found.append((plan, cost, mip_value, "mip"))
+            priced, why = _priced_stagings(problem, blocks, list(gpu_of),
+                                           STAGINGS if space == "mixed" else (True,), max_stages)
+            found += [(plan, cost, mip_value, "mip") for plan, cost in priced]
+            misfit_reason = why or misfit_reason
             misfit = misfit or len(found) == fits
         # only the best few can be returned (_pick simulates at most simulate_top), and tight
         # memory can take hundreds of rounds: the rest are dropped as they come
@@ -395,6 +401,11 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
             # assignments out; a relaxation gap alone (communication, recomputation) is priced.
             if (bound >= best_fit * (1 - 1e-9) or out_of_time or status != highspy.HighsModelStatus.kOptimal
                     or not (lazy or misfit)):
+                if space == "mixed" and fewer_cuts and P > 1:
+                    left = time_limit - (time.perf_counter() - t0)
+                    # (first: on a tie with the plan it started from, the one with fewer crossings)
+                    found = _best_few(_fewer_cuts(problem, mip, blocks, found, left, max_stages) + found,
+                                      max(simulate_top, 1))
                 best, fastest = _pick(problem, found, simulate_top, sim_limit)
                 break
         # Cut these assignments off: in each, at least one block must move.
@@ -403,7 +414,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
             h.addConstr(h.qsum([x[b][gpu_of[b]] for b in range(B)]) <= B - 1)
         if out_of_time:
             raise Infeasible(f"exact ({space}): the {cut_off} best assignments the solver found do not "
-                             f"fit once all activations are counted ({cost.reason or 'or have too many stages'})")
+                             f"fit once all activations are counted ({misfit_reason or 'or have too many stages'})")
     plan, cost, plan_mip, source = best
     simulated = {k: plan.info[k] for k in ("simulated_period_ms", "simulated_memory_fits") if k in plan.info}
     solved = status == highspy.HighsModelStatus.kOptimal
@@ -480,9 +491,9 @@ def relaxed_objective(problem: Problem, plan: Plan, *, space: str = "mixed", com
     did not return a plan a user knows of, and to test that the MIP's second statement of
     evaluate's time and memory rules stays below the first.
 
-    Interchangeable GPUs are renumbered by first use along the block order (``seq`` space: by
-    the stage graph's order), as the MIP's symmetry rows ask; on other clusters a ``seq``-space
-    plan must have its ``k``-th stage on GPU ``k``.
+    Interchangeable GPUs are renumbered as the MIP's symmetry rows ask (:func:`_canonical`;
+    ``seq`` space: by the stage graph's order); on other clusters a ``seq``-space plan must have
+    its ``k``-th stage on GPU ``k``.
 
     Raises
     ------
@@ -513,7 +524,7 @@ def relaxed_objective(problem: Problem, plan: Plan, *, space: str = "mixed", com
             raise ValueError("on this cluster a seq-space plan has its k-th stage on GPU k")
         gpu_of = [rank[g] for g in gpu_of]
     elif mip.homogeneous:
-        gpu_of, _ = _by_first_use(gpu_of)
+        gpu_of, _ = _canonical(gpu_of, blocks)
     if max(gpu_of) >= P:
         raise ValueError(f"the plan uses GPU {max(gpu_of)}; the MIP has {P}")
     h = mip.h
@@ -548,12 +559,17 @@ def _prepare(problem: Problem, space: str, max_nodes: int) -> tuple[OpSequence, 
     return seq, blocks, min(problem.num_gpus, blocks.n)
 
 
-def _by_first_use(gpus: list[int]) -> tuple[list[int], dict[int, int]]:
-    """GPUs renumbered by first use along the block order, as the MIP's symmetry rows ask of
-    interchangeable GPUs; and the renumbering."""
-    relabel: dict[int, int] = {}
-    for g in gpus:
-        relabel.setdefault(g, len(relabel))
+def _canonical(gpus: list[int], blocks: Blocks) -> tuple[list[int], dict[int, int]]:
+    """GPUs of a block assignment renumbered as the MIP's symmetry rows ask of interchangeable
+    GPUs: the loss's GPU first, then the others by compute, largest first (ties by first use
+    along the block order); and the renumbering."""
+    load: dict[int, float] = {}
+    for b, g in enumerate(gpus):
+        load[g] = load.get(g, 0.0) + float(blocks.compute_ms[b])
+    first = {g: b for b, g in reversed(list(enumerate(gpus)))}
+    lead = gpus[blocks.loss] if blocks.loss is not None else None
+    order = sorted(load, key=lambda g: (g != lead, -load[g], first[g]))
+    relabel = {g: k for k, g in enumerate(order)}
     return [relabel[g] for g in gpus], relabel
 
 
@@ -600,7 +616,7 @@ def _warm_start(problem: Problem, mip: "_Mip", blocks: Blocks, P: int, space: st
         if sp is not None:
             warm_gpu = [gpu_of_node[m[0]] for m in blocks.members]
             if mip.homogeneous:
-                warm_gpu, relabel = _by_first_use(warm_gpu)
+                warm_gpu, relabel = _canonical(warm_gpu, blocks)
                 sp = Plan(sp.strategy, sp.num_gpus, [Stage(st.id, relabel[st.gpu], st.nodes) for st in sp.stages],
                           sp.info)
             if max(warm_gpu) < P:
@@ -639,7 +655,9 @@ class _Mip:
     x: list[list]
     x_index: np.ndarray                      # column of x[b][g] at b * P + g
     limit: float                             # memory per GPU less the reserve
-    homogeneous: bool                        # GPUs interchangeable: numbered by first use
+    homogeneous: bool                        # GPUs interchangeable: numbered by _canonical
+    T: object = None                         # the objective's column
+    edge_pairs: list = None                  # (producer block, consumer block)
 
 
 def _build_mip(problem: Problem, seq: OpSequence, blocks: Blocks, P: int, space: str, comm: bool,
@@ -668,7 +686,7 @@ def _build_mip(problem: Problem, seq: OpSequence, blocks: Blocks, P: int, space:
     limit = _memory_rows(h, problem, seq, blocks, x, y, P, space, links)
     h.setObjective(T)
     h.setMinimize()
-    return _Mip(h, x, x_index, float(limit), homogeneous)
+    return _Mip(h, x, x_index, float(limit), homogeneous, T, links.edge_pairs)
 
 
 def _update_ms(seq: OpSequence) -> np.ndarray:
@@ -691,14 +709,18 @@ def _placement_rows(h, blocks: Blocks, x, P: int, space: str, homogeneous: bool,
                 for g in range(1, P):
                     h.addConstr(h.qsum([x[b][g] for b in range(B)]) - B * h.qsum([x[b][g - 1] for b in range(B)]) <= 0)
     elif homogeneous:
-        # Interchangeable GPUs: GPU g is used only if GPU g-1 holds an earlier block.
-        h.addConstr(x[0][0] == 1)
-        for b in range(1, B):
-            for g in range(1, P):
-                if g > b:
-                    h.addConstr(x[b][g] == 0)
-                else:
-                    h.addConstr(x[b][g] - h.qsum([x[a][g - 1] for a in range(b)]) <= 0)
+        # Interchangeable GPUs: the loss's GPU is GPU 0 and the others are numbered by their
+        # compute, largest first (:func:`_canonical`). (Numbering every GPU by first use along
+        # the block order, as before, took B x P rows of up to B terms: on BERT-12's operator
+        # graph on 6 GPUs HiGHS did not finish its root in 10 s; with these P - 1 rows it is
+        # within 0.6 % of the bound.)
+        first = 0
+        if blocks.loss is not None:
+            h.addConstr(x[blocks.loss][0] == 1)
+            first = 1
+        for g in range(first, P - 1):
+            h.addConstr(h.qsum([float(blocks.compute_ms[b]) * x[b][g] for b in range(B)])
+                        - h.qsum([float(blocks.compute_ms[b]) * x[b][g + 1] for b in range(B)]) >= 0)
 
 
 def _held_params(h, seq: OpSequence, blocks: Blocks, x, P: int, readers: dict[int, list[int]]) -> dict:
@@ -772,9 +794,12 @@ def _time_rows(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, T, P:
                             - h.qsum([float(rec[b]) * x[b][g] for b in range(B) if dead[b] and rec[b] > 0]) <= 0)
             if space == "mixed" and blocks.loss is not None:
                 # Only sink stages skip recomputation; the last one's own compute fits in its
-                # period: u[b] (the share of block b in a sink stage on g) is, over the blocks
-                # with a path to the loss, a fractional knapsack of size T.
-                u = [h.addVariable(lb=0.0, ub=1.0) for _b in range(B)]
+                # period: u[b] (block b in a sink stage on g) is, over the blocks with a path to
+                # the loss, a knapsack of size T closed under successors.
+                # (binary, though integer x make any optimum's u integer: branching on them
+                # finds plans the solver otherwise does not, 43.12 against 44.71 on BERT-6's
+                # operator graph on 6 GPUs at 1.2 x total / P in 30 s)
+                u = [h.addBinary() for _b in range(B)]
                 for b in range(B):
                     h.addConstr(u[b] - x[b][g] <= 0)
                     if not dead[b]:
@@ -869,12 +894,17 @@ def _memory_rows(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, P: 
             if terms:
                 h.addConstr(h.qsum(terms) <= float(limit))
         elif terms:
-            params = h.qsum(terms)
-            for b in range(B):
-                if act_ok[b] and blocks.activation_bytes[b] > 0:
-                    h.addConstr(params + float(act_coef * blocks.activation_bytes[b]) * x[b][g] <= float(limit))
-                else:
-                    h.addConstr(params <= float(limit))
+            # Any one block's activations on top of the GPU's parameters: one row with the
+            # largest of them (a variable at least each), the same polytope as a row per block
+            # (which, B rows as long as the parameter list, was most of the model's size).
+            acts = [(b, float(act_coef * blocks.activation_bytes[b])) for b in range(B)
+                    if act_ok[b] and blocks.activation_bytes[b] > 0]
+            if acts:
+                top = h.addVariable(lb=0.0)
+                for b, a in acts:
+                    h.addConstr(top - a * x[b][g] >= 0)
+                terms.append(top)
+            h.addConstr(h.qsum(terms) <= float(limit))
     if space == "mixed" and np.isfinite(limit):
         _held_memory(h, problem, blocks, x, y, own_max, own_top, P, float(limit), k_min, links,
                      depth=B == seq.n, recompute=rec_mid, param_names=seq.param_names)
@@ -958,7 +988,8 @@ def _held_memory(h, problem: Problem, blocks: Blocks, x, y, own_max, own_top: fl
         longest[b] = max((longest[c] + 1 for c in succ.get(b, ())), default=0)
     deepest = max(longest, default=0)
     slope, f_max = 0.0, max(k_min, k_1)
-    if depth and P > 1 and deepest > 0:
+    # (stages that recompute keep one micro-batch's inputs, not activations per depth: no slope)
+    if depth and P > 1 and deepest > 0 and not recompute:
         try:
             f = [min(mm.in_flight(d, g0) for g0 in (False, True)) for d in range(deepest + 1)]
             slope = max(0.0, min((f[d] - k_min) / d for d in range(1, deepest + 1)))
@@ -1251,10 +1282,98 @@ def _quiet_fd1():
     return quiet_native_stdout()
 
 
+def _fewer_cuts(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple], time_limit: float,
+                max_stages: int | None) -> list[tuple]:
+    """Plans as good as the best plan of ``found`` by the MIP's measure, with fewer stages.
+
+    Many assignments share the MIP's optimum: only the busiest GPU's load is tight, and the
+    solver's choice among the others scatters blocks over GPUs, so that the assignment makes
+    hundreds of stages (each run of blocks on one GPU in the order is one), which the simulator
+    shows waiting on one another (BERT-12's operator graph on 6 GPUs: 285 stages). This second
+    solve keeps the MIP's value at most that plan's (``T <= its value``, or its objective for a
+    plan from elsewhere, the warm start: the MIP is a relaxation of it) and minimises the
+    number of block edges between GPUs instead, from that plan; its solutions are priced and
+    staged as the first solve's are. Returns ``(plan, cost, mip value, "fewer cuts")`` for each
+    that fits (none when time is short or the solve finds nothing), and leaves the model changed.
+    """
+    if not found or time_limit < 0.5 or mip.T is None:
+        return []
+    plan, cost, value, _src = min(found, key=lambda f: (f[1].objective_ms, len(f[0].stages)))
+    # (the MIP's value of a plan is at most its objective: a warm start has no value of its own)
+    value = cost.objective_ms if value is None else min(value, cost.objective_ms)
+    h, x, B, P = mip.h, mip.x, blocks.n, len(mip.x[0])
+    gpu_of_node = {n: st.gpu for st in plan.stages for n in st.nodes}
+    gpu_of = [gpu_of_node[m[0]] for m in blocks.members]
+    if mip.homogeneous:
+        gpu_of, _ = _canonical(gpu_of, blocks)
+    if max(gpu_of) >= P:                    # (a plan from elsewhere on GPUs the MIP does not have)
+        return []
+    pairs = mip.edge_pairs or []
+    cuts = []
+    for p, c in pairs:
+        z = h.addVariable(lb=0.0, ub=1.0)
+        for g in range(P):
+            h.addConstr(z - x[p][g] + x[c][g] >= 0)
+        cuts.append(z)
+    t_col = mip.T.index
+    h.changeColBounds(t_col, 0.0, float(value) * (1 + 1e-9))
+    h.changeColCost(t_col, 0.0)
+    for z in cuts:
+        h.changeColCost(z.index, 1.0)
+    idx = np.array([x[b][gpu_of[b]].index for b in range(B)], dtype=np.int32)
+    h.setSolution(len(idx), idx, np.ones(len(idx)))
+    h.setOptionValue("time_limit", float(time_limit))
+    h.run()
+    if h.getInfo().primal_solution_status != 2:
+        return []
+    xv = np.array(h.vals([x[b][g] for b in range(B) for g in range(P)])).reshape(B, P)
+    gpu2 = [int(np.argmax(xv[b])) for b in range(B)]
+    return [(p2, c2, value, "fewer cuts") for p2, c2 in _priced_stagings(problem, blocks, gpu2, STAGINGS, max_stages)[0]]
+
+
+def _priced_stagings(problem: Problem, blocks: Blocks, gpu_of: list[int], stagings, max_stages: int | None
+                     ) -> tuple[list[tuple[Plan, object]], str | None]:
+    """``(plan, cost)`` of each of ``stagings`` (:data:`STAGINGS`' entries) of a block assignment
+    that fits, within ``max_stages`` stages and runnable by the schedule (2bw's pipeline no deeper
+    than its micro-batches); and why the last one that does not fit does not (None if all do)."""
+    from ..runtime.schedules import ScheduleError
+
+    out, why = [], None
+    for merge in stagings:
+        if merge == "all":
+            plan = _fewest_stages(problem, blocks.members, gpu_of)
+        elif merge == "components":
+            plan = _components(problem, blocks.members, gpu_of)
+            if plan is None:
+                continue
+        else:
+            plan = plan_from_assignment(problem, blocks.members, gpu_of, "exact", merge=merge)
+        if max_stages is not None and len(plan.stages) > max_stages:
+            why = f"{len(plan.stages)} stages, more than {max_stages}"
+            continue
+        try:
+            cost = evaluate(problem, plan)
+        except ScheduleError as exc:
+            why = str(exc)
+            continue
+        if cost.feasible:
+            out.append((plan, cost))
+        else:
+            why = cost.reason
+    return out, why
+
+
+def _rank(f: tuple) -> tuple[float, int]:
+    """How candidates ``(plan, cost, ...)`` are ordered: objective (equal to 9 significant digits,
+    float sums in another order being the same plan's objective), then fewer stages; the sort
+    is stable, so a tie goes to the one listed first."""
+    return float(f"{f[1].objective_ms:.9g}"), len(f[0].stages)
+
+
 def _best_few(found: list[tuple], n: int) -> list[tuple]:
     """The ``n`` best distinct plans of ``found`` in :func:`_pick`'s order."""
     seen, best = set(), []
-    for f in sorted(found, key=lambda f: (f[1].objective_ms, len(f[0].stages))):
+    for f in sorted(found, key=_rank):
         key = plan_key(f[0])
         if key not in seen:
             seen.add(key)
@@ -1270,7 +1389,7 @@ def _pick(problem: Problem, found: list[tuple], simulate_top: int,
     simulated run does not fit decided by simulation, as every strategy returns its plan
     (:func:`~ftcompile.partition.base.simulated_choice`), and the fastest plan in simulation
     (None without simulation), which the returned plan notes for compile's row ``exact-sim``."""
-    found = sorted(found, key=lambda f: (f[1].objective_ms, len(f[0].stages)))
+    found = sorted(found, key=_rank)
     if simulate_top <= 1 or len(found) == 1:
         return found[0], None
     by_plan = {id(f[0]): f for f in found}

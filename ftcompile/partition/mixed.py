@@ -32,9 +32,12 @@ EPS_MS = 1e-9
 #: Shares of Mixed-pipe's time budget (fractions of it, where each step ends): refinement by
 #: objective, seq's convex search, the mixed-space MIP, then refinement by simulation to the end.
 #: seq and the MIP get at least MIN_SHARE each, refinement by simulation at least SIM_SHARE.
-#: (The MIP's 35 % finds what the refinement misses on encoder-decoder graphs: T5-small's layer graph
-#: on 6 GPUs, 14.69 ms against 16.44 with 25 % at a 10 s budget.)
-REFINE_UNTIL, SEQ_UNTIL, MIP_UNTIL, MIN_SHARE, SIM_SHARE = 0.3, 0.5, 0.85, 0.2, 0.15
+#: (The MIP's 35 % found what the refinement misses on encoder-decoder graphs: T5-small's layer graph
+#: on 6 GPUs, 14.69 ms against 16.44 with 25 % at a 10 s budget. Since the MIP's symmetry rows and
+#: sink-stage variables were mended it beats the refinement on the operator graphs of BERT and
+#: ResNet-50 under tight memory, so it gets 55 %: BERT-3 on 6 GPUs at 1.2 x total / P, 27.83 ms
+#: against 28.53 with 35 %.)
+REFINE_UNTIL, SEQ_UNTIL, MIP_UNTIL, MIN_SHARE, SIM_SHARE = 0.15, 0.3, 0.85, 0.15, 0.15
 #: Refined plans over memory (the closest to fitting) that single-node moves try to relieve when none fits.
 RELIEVE_TOP = 3
 
@@ -544,7 +547,7 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
                     refine: bool = True, cap_ms: float | None = None, refine_top: int = 2,
                     simulate_top: int = 6,
                     time_budget_s: float = 10.0, max_stages: int | None = None,
-                    with_convex: bool = True, exact_max_nodes: int = 300, sim_refine: bool = True,
+                    with_convex: bool = True, exact_max_nodes: int = 1000, sim_refine: bool = True,
                     prefer: str = "objective") -> Plan:
     """Mixed-pipe partitioning of ``problem`` (FTPipe §4.1); see the module docstring.
 
@@ -562,7 +565,8 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
     a Seq-pipe being a Mixed-pipe too) joins the candidates, so a plan is found
     whenever a Seq-pipe fits; on graphs of at most ``exact_max_nodes`` op nodes, so
     does the best plan the mixed-space MIP (:func:`~ftcompile.partition.exact.partition_exact`)
-    finds, started from the best plan found before it.
+    finds, started from the best plan found before it (refused, at no cost, when its model would
+    pass 100,000 variables: transfers on many GPUs).
 
     Two plans come out of the candidates. The **lowest objective** (among plans within
     :data:`~ftcompile.partition.base.OBJECTIVE_TIE` of it, the fastest in simulation) is what
@@ -575,8 +579,8 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
     ``info["simulated_alternative"]`` when it is another plan that simulates faster
     (:func:`~ftcompile.compile.compile_plan` makes it a row of its own).
     ``time_budget_s`` is the whole search's, in shares (:data:`REFINE_UNTIL` and the
-    others): refinement by objective up to 30% of it, seq's search to 50%, the MIP to 85%,
-    refinement by simulation the rest; seq and the MIP get at least 20% each and the last
+    others): refinement by objective up to 15% of it, seq's search to 30%, the MIP to 85%,
+    refinement by simulation the rest; seq and the MIP get at least 15% each and the last
     step 15%, so none of them gets only what an earlier one left. Simulating the best few
     before that refinement may take up to ``time_budget_s`` again (the returned plan is always
     simulated; :func:`~ftcompile.partition.base.simulated_choice`). ``max_stages``: no plan with more
