@@ -12,7 +12,7 @@ Model (``B`` blocks, ``P`` GPUs)::
     saved_g <= sum_b r_b x[b,g],  saved_g <= R x[loss,g]    the last stage skips recomputation
     mixed: saved_g <= sum_b r_b u[b,g], u[b,g] <= x[b,g], x[loss,g];  sum_{b,g} c_b u[b,g] <= T
            u[b,g] in {0,1} (b in a sink stage on g),  u[p,g] <= u[c,g] (c reads p)
-           interchangeable GPUs: x[loss,0] = 1, the others by compute (sum_b c_b x[b,g] >= ... g+1)
+           interchangeable GPUs: x[loss,0] = 1, the others by block count (sum_b x[b,g] >= sum_b x[b,g+1])
     w[v,g,h] >= x[p(v),g] + x[c,h] - 1           value v crosses from GPU g to GPU h (c reads v)
     S_g = sum_{v,h} bytes_v / bw(g,h) w[v,g,h],  R_h = sum_{v,g} float_bytes_v / bw(g,h) w[v,g,h]
     y[q,g] >= x[b,g] (b reads q);  sum_q mem_q y[q,g] + A_g <= memory   parameters once per GPU
@@ -561,11 +561,11 @@ def _prepare(problem: Problem, space: str, max_nodes: int) -> tuple[OpSequence, 
 
 def _canonical(gpus: list[int], blocks: Blocks) -> tuple[list[int], dict[int, int]]:
     """GPUs of a block assignment renumbered as the MIP's symmetry rows ask of interchangeable
-    GPUs: the loss's GPU first, then the others by compute, largest first (ties by first use
-    along the block order); and the renumbering."""
+    GPUs: the loss's GPU first, then the others by how many blocks they hold, most first (ties by
+    first use along the block order); and the renumbering."""
     load: dict[int, float] = {}
     for b, g in enumerate(gpus):
-        load[g] = load.get(g, 0.0) + float(blocks.compute_ms[b])
+        load[g] = load.get(g, 0.0) + 1.0
     first = {g: b for b, g in reversed(list(enumerate(gpus)))}
     lead = gpus[blocks.loss] if blocks.loss is not None else None
     order = sorted(load, key=lambda g: (g != lead, -load[g], first[g]))
@@ -709,18 +709,19 @@ def _placement_rows(h, blocks: Blocks, x, P: int, space: str, homogeneous: bool,
                 for g in range(1, P):
                     h.addConstr(h.qsum([x[b][g] for b in range(B)]) - B * h.qsum([x[b][g - 1] for b in range(B)]) <= 0)
     elif homogeneous:
-        # Interchangeable GPUs: the loss's GPU is GPU 0 and the others are numbered by their
-        # compute, largest first (:func:`_canonical`). (Numbering every GPU by first use along
-        # the block order, as before, took B x P rows of up to B terms: on BERT-12's operator
-        # graph on 6 GPUs HiGHS did not finish its root in 10 s; with these P - 1 rows it is
-        # within 0.6 % of the bound.)
+        # Interchangeable GPUs: the loss's GPU is GPU 0 and the others are numbered by how many
+        # blocks they hold, most first (:func:`_canonical`). (Numbering every GPU by first use
+        # along the block order, as before, took B x P rows of up to B terms: on BERT-12's
+        # operator graph on 6 GPUs HiGHS did not finish its root in 10 s; with these P - 1 rows
+        # it is within 4 % of the bound. Rows weighted by compute did a little better there, but
+        # HiGHS's presolve of its heuristics' sub-MIPs, which does not watch the time limit,
+        # spent minutes strengthening them on ALBERT's graph.)
         first = 0
         if blocks.loss is not None:
             h.addConstr(x[blocks.loss][0] == 1)
             first = 1
         for g in range(first, P - 1):
-            h.addConstr(h.qsum([float(blocks.compute_ms[b]) * x[b][g] for b in range(B)])
-                        - h.qsum([float(blocks.compute_ms[b]) * x[b][g + 1] for b in range(B)]) >= 0)
+            h.addConstr(h.qsum([x[b][g] for b in range(B)]) - h.qsum([x[b][g + 1] for b in range(B)]) >= 0)
 
 
 def _held_params(h, seq: OpSequence, blocks: Blocks, x, P: int, readers: dict[int, list[int]]) -> dict:
