@@ -332,9 +332,10 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
             kept.append((Plan("exact", plan.num_gpus, plan.stages), cost, mip_value, "warm start"))
     space_bound = mip_obj = bound = first_obj = None
     fit_bound = best_bound = None
+    # (in mixed space the first solve leaves the second its share of the time)
+    phase1 = time_limit * (1.0 - FEWER_CUTS_SHARE) if space == "mixed" and fewer_cuts else time_limit
     while True:
         rounds += 1
-        phase1 = time_limit * (1.0 - FEWER_CUTS_SHARE) if space == "mixed" and fewer_cuts else time_limit
         h.setOptionValue("time_limit", max(1.0, phase1 - (time.perf_counter() - t0)))
         h.run()
         status = h.getModelStatus()
@@ -656,8 +657,8 @@ class _Mip:
     x_index: np.ndarray                      # column of x[b][g] at b * P + g
     limit: float                             # memory per GPU less the reserve
     homogeneous: bool                        # GPUs interchangeable: numbered by _canonical
-    T: object = None                         # the objective's column
-    edge_pairs: list = None                  # (producer block, consumer block)
+    T: object                                # the objective's column
+    edge_pairs: list[tuple[int, int]]        # (producer block, consumer block)
 
 
 def _build_mip(problem: Problem, seq: OpSequence, blocks: Blocks, P: int, space: str, comm: bool,
@@ -1297,9 +1298,9 @@ def _fewer_cuts(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple],
     staged as the first solve's are. Returns ``(plan, cost, mip value, "fewer cuts")`` for each
     that fits (none when time is short or the solve finds nothing), and leaves the model changed.
     """
-    if not found or time_limit < 0.5 or mip.T is None:
+    if not found or time_limit < 0.5:
         return []
-    plan, cost, value, _src = min(found, key=lambda f: (f[1].objective_ms, len(f[0].stages)))
+    plan, cost, value, _src = min(found, key=_rank)
     # (the MIP's value of a plan is at most its objective: a warm start has no value of its own)
     value = cost.objective_ms if value is None else min(value, cost.objective_ms)
     h, x, B, P = mip.h, mip.x, blocks.n, len(mip.x[0])
@@ -1309,9 +1310,8 @@ def _fewer_cuts(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple],
         gpu_of, _ = _canonical(gpu_of, blocks)
     if max(gpu_of) >= P:                    # (a plan from elsewhere on GPUs the MIP does not have)
         return []
-    pairs = mip.edge_pairs or []
     cuts = []
-    for p, c in pairs:
+    for p, c in mip.edge_pairs:
         z = h.addVariable(lb=0.0, ub=1.0)
         for g in range(P):
             h.addConstr(z - x[p][g] + x[c][g] >= 0)
