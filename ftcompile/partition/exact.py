@@ -49,7 +49,7 @@ until the time limit. The bound reported over every plan is the first solve's;
 a later one (``bound_uncut_ms``) leaves out the other stagings of the
 assignments cut off. In ``mixed`` space a second solve then keeps ``T`` at most
 the best plan's value and minimises the block edges between GPUs
-(:func:`_fewer_cuts`): the same objective in fewer stages.
+(:func:`_fewer_cuts`): the same MIP value in, usually, fewer stages.
 """
 
 from __future__ import annotations
@@ -270,8 +270,8 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     fewer_cuts:
         In ``mixed`` space, a second solve (the last :data:`FEWER_CUTS_SHARE` of ``time_limit``)
         keeps the MIP's value at most the best plan's and minimises the block edges between GPUs,
-        so that the plan returned has fewer stages (:func:`_fewer_cuts`; on a tie the plan with
-        fewer crossings wins).
+        which usually leaves fewer stages (:func:`_fewer_cuts`; not a stage count the MIP sees; on
+        a tie the plan with fewer crossings wins).
     max_variables:
         A model larger than this is refused (:class:`Infeasible`) before it is built.
 

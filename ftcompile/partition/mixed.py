@@ -36,7 +36,7 @@ EPS_MS = 1e-9
 #: on 6 GPUs, 14.69 ms against 16.44 with 25 % at a 10 s budget. Since the MIP's symmetry rows and
 #: sink-stage variables were mended it beats the refinement on the operator graphs of BERT and
 #: ResNet-50 under tight memory, so it gets 55 %: BERT-3 on 6 GPUs at 1.2 x total / P, 27.83 ms
-#: against 28.53 with 35 %.)
+#: against 28.53 with 35 %, measured with the MIP's symmetry rows then weighted by compute.)
 REFINE_UNTIL, SEQ_UNTIL, MIP_UNTIL, MIN_SHARE, SIM_SHARE = 0.15, 0.3, 0.85, 0.15, 0.15
 #: Refined plans over memory (the closest to fitting) that single-node moves try to relieve when none fits.
 RELIEVE_TOP = 3
