@@ -492,7 +492,7 @@ def relaxed_objective(problem: Problem, plan: Plan, *, space: str = "mixed", com
     did not return a plan a user knows of, and to test that the MIP's second statement of
     evaluate's time and memory rules stays below the first.
 
-    Interchangeable GPUs are renumbered as the MIP's symmetry rows ask (:func:`_canonical`;
+    Interchangeable GPUs are renumbered as the MIP's symmetry row asks (:func:`_canonical`;
     ``seq`` space: by the stage graph's order); on other clusters a ``seq``-space plan must have
     its ``k``-th stage on GPU ``k``.
 
@@ -561,15 +561,14 @@ def _prepare(problem: Problem, space: str, max_nodes: int) -> tuple[OpSequence, 
 
 
 def _canonical(gpus: list[int], blocks: Blocks) -> tuple[list[int], dict[int, int]]:
-    """GPUs of a block assignment renumbered as the MIP's symmetry rows ask of interchangeable
-    GPUs: the loss's GPU first, then the others by how many blocks they hold, most first (ties by
-    first use along the block order); and the renumbering."""
-    load: dict[int, float] = {}
-    for b, g in enumerate(gpus):
-        load[g] = load.get(g, 0.0) + 1.0
-    first = {g: b for b, g in reversed(list(enumerate(gpus)))}
+    """GPUs of a block assignment renumbered as the MIP's symmetry row asks of interchangeable
+    GPUs: the loss's GPU first, then the others by first use along the block order; and the
+    renumbering."""
     lead = gpus[blocks.loss] if blocks.loss is not None else None
-    order = sorted(load, key=lambda g: (g != lead, -load[g], first[g]))
+    order = [lead] if lead is not None else []
+    for g in gpus:
+        if g not in order:
+            order.append(g)
     relabel = {g: k for k, g in enumerate(order)}
     return [relabel[g] for g in gpus], relabel
 
@@ -709,20 +708,16 @@ def _placement_rows(h, blocks: Blocks, x, P: int, space: str, homogeneous: bool,
                 # interchangeable GPUs: the used ones are a prefix (shifting stages down costs nothing)
                 for g in range(1, P):
                     h.addConstr(h.qsum([x[b][g] for b in range(B)]) - B * h.qsum([x[b][g - 1] for b in range(B)]) <= 0)
-    elif homogeneous:
-        # Interchangeable GPUs: the loss's GPU is GPU 0 and the others are numbered by how many
-        # blocks they hold, most first (:func:`_canonical`). (Numbering every GPU by first use
-        # along the block order, as before, took B x P rows of up to B terms: on BERT-12's
-        # operator graph on 6 GPUs HiGHS did not finish its root in 10 s; with these P - 1 rows
-        # it is within 4 % of the bound. Rows weighted by compute did a little better there, but
-        # HiGHS's presolve of its heuristics' sub-MIPs, which does not watch the time limit,
-        # spent minutes strengthening them on ALBERT's graph.)
-        first = 0
-        if blocks.loss is not None:
-            h.addConstr(x[blocks.loss][0] == 1)
-            first = 1
-        for g in range(first, P - 1):
-            h.addConstr(h.qsum([x[b][g] for b in range(B)]) - h.qsum([x[b][g + 1] for b in range(B)]) >= 0)
+    elif homogeneous and blocks.loss is not None:
+        # Interchangeable GPUs: the loss's GPU is GPU 0; the others are left to HiGHS's own
+        # symmetry detection, which finds them as an orbitope and fixes by orbits. Rows of our
+        # own that order the others broke that symmetry in the formulation and did worse: by
+        # first use along the block order, B x P rows of up to B terms (BERT-12's operator
+        # graph on 6 GPUs: no root in 10 s); by blocks held, worse plans on 4 of the 22 held-out
+        # operator cases and better on 14 (10 s each, benchmarks/README); by compute, HiGHS's
+        # presolve of its heuristics' sub-MIPs, which does not watch the time limit, spent
+        # minutes strengthening them on ALBERT's graph.
+        h.addConstr(x[blocks.loss][0] == 1)
 
 
 def _held_params(h, seq: OpSequence, blocks: Blocks, x, P: int, readers: dict[int, list[int]]) -> dict:
