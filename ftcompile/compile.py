@@ -189,9 +189,9 @@ def _run_one(name: str, problem: Problem, simulate_plan: bool, options: dict | N
     try:
         with quiet_native_stdout():
             plan = run_strategy(name, search or problem, **(options or {}))
-        # The strategy's simulations hold for this problem only when it searched on it.
-        kept = plan.simulations if search is None or search is problem else {}
-        return _priced(name, problem, Plan(plan.strategy, problem.num_gpus, plan.stages, plan.info, kept),
+        # (replays on a smaller search cluster are keyed by it: none is read for this problem)
+        return _priced(name, problem, Plan(plan.strategy, problem.num_gpus, plan.stages, plan.info,
+                                           plan.simulations),
                        simulate_plan, t0)
     except Infeasible as exc:
         return StrategyResult(name, False, exc.reason, seconds=time.perf_counter() - t0,

@@ -76,9 +76,9 @@ class Plan:
     stages: list[Stage]
     info: dict = field(default_factory=dict)   # what the partitioner wants to say (L, seeds, bound...)
     # Simulations already run of this plan (and of the alternative a strategy notes), keyed by
-    # simulation_key, so that a strategy's choice, compile's row and the report's timeline share
-    # one replay (hundreds of stages take a minute). Never written to JSON; valid for the
-    # problem the plan was made for only (ftcompile.simulate.simulation_of).
+    # the problem's run settings and simulation_key, so that a strategy's choice, compile's row
+    # and the report's timeline share one replay (hundreds of stages take a minute). Never
+    # written to JSON; for the graph and costs the plan was made for (ftcompile.simulate.simulation_of).
     simulations: dict = field(default_factory=dict, compare=False, repr=False)
 
     def stage_of(self) -> dict[int, int]:
@@ -396,6 +396,15 @@ def simulation_key(plan: Plan) -> tuple:
     """What a simulation of ``plan`` depends on in the plan itself: the GPU count and every
     stage's id, GPU and nodes (the ids set the engine's stage order)."""
     return (plan.num_gpus, tuple((s.id, s.gpu, tuple(sorted(s.nodes))) for s in plan.stages))
+
+
+def run_settings_key(problem: Problem) -> tuple:
+    """What a simulation depends on in ``problem`` besides its graph and costs: the cluster (GPUs,
+    memory, links) and every run setting. By value, not identity: a problem copied into a worker
+    process keys its replays as the original does."""
+    return (repr(problem.cluster), problem.schedule, problem.micro_batches, problem.recompute,
+            problem.clip_grad_norm, problem.on_nonfinite, problem.tied_lag, problem.weight_prediction,
+            problem.replicas, problem.ring_bandwidth, problem.advance)
 
 
 # --------------------------------------------------------------------------- costs

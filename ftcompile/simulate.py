@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import networkx as nx
 
-from .plan import Plan, Problem, evaluate, plan_windows, simulation_key, stage_depths, stage_graph
+from .plan import Plan, Problem, evaluate, plan_windows, run_settings_key, simulation_key, stage_depths, stage_graph
 from .runtime.allreduce import BUCKET_BYTES as ALLREDUCE_BUCKET_BYTES
 
 FLUSHING = ("gpipe", "1f1b")
@@ -293,11 +293,11 @@ def simulation_of(problem: Problem, plan: Plan) -> SimResult:
     the report's timeline share one replay of a plan of hundreds of stages.
 
     The result is keyed by :func:`~ftcompile.plan.simulation_key` (the plan's stages as
-    numbered); the problem is not part of the key: a plan's simulations are of the problem it
-    was made for, and a caller that prices a plan on another problem (another cluster, batch or
-    schedule) calls :func:`simulate` itself.
+    numbered) and :func:`~ftcompile.plan.run_settings_key` (the cluster and run settings), so a
+    plan priced on another cluster, batch or schedule is replayed anew, never read from a replay
+    of another problem. The graph and its costs are not in the key: a plan is made for one graph.
     """
-    key = simulation_key(plan)
+    key = (run_settings_key(problem), simulation_key(plan))
     sim = plan.simulations.get(key)
     if sim is None:
         sim = plan.simulations[key] = simulate(problem, plan)

@@ -169,7 +169,7 @@ def test_compile_simulates_each_plan_once_and_its_rows_match_a_fresh_simulation(
     nothing again."""
     import ftcompile.simulate as simulate_module
     from ftcompile.compile import plan_document, write_report
-    from ftcompile.plan import simulation_key
+    from ftcompile.plan import run_settings_key, simulation_key
 
     problem = branchy_problem(4, blocks=2, gpus=3, schedule="1f1b")    # seq notes seq-sim here
     calls: list[tuple] = []
@@ -192,7 +192,7 @@ def test_compile_simulates_each_plan_once_and_its_rows_match_a_fresh_simulation(
         assert calls
     monkeypatch.setattr(simulate_module, "simulate", real)
     for r in rows.values():
-        assert simulation_key(r.plan) in r.plan.simulations
+        assert (run_settings_key(problem), simulation_key(r.plan)) in r.plan.simulations
         fresh = simulate(problem, r.plan)
         assert r.sim["period_ms"] == pytest.approx(fresh.period_ms, rel=1e-12)
         assert r.sim["gpu_peak_memory"] == fresh.gpu_peak_memory
@@ -204,14 +204,31 @@ def test_simulation_of_replays_a_plan_once_per_stage_numbering():
     """simulation_of keeps one replay per plan as numbered: the same plan again is the same
     result; a copy sharing the replays under another strategy's name gets its own label; the
     same stages numbered otherwise (the ids set the engine's order) are replayed anew, as a
-    fresh simulate() of that numbering gives."""
-    from ftcompile.plan import simulation_key
+    fresh simulate() of that numbering gives; so is the same plan on another cluster or with
+    other run settings, never read from the first problem's replay."""
+    from dataclasses import replace
+
+    from ftcompile.plan import run_settings_key, simulation_key
     from ftcompile.simulate import simulation_of
 
     problem = branchy_problem(0, gpus=3)
     plan = Plan("t", 3, [Stage(i, i, sorted(ns)) for i, ns in enumerate(next(iter(convex_splits(problem))))])
     first = simulation_of(problem, plan)
-    assert simulation_of(problem, plan) is first and list(plan.simulations) == [simulation_key(plan)]
+    assert simulation_of(problem, plan) is first
+    assert list(plan.simulations) == [(run_settings_key(problem), simulation_key(plan))]
+    # an equal problem (a copy, as a worker process holds) reads the same replay
+    assert simulation_of(replace(problem), plan) is first
+    for other_pb in (replace(problem, micro_batches=problem.micro_batches + 4),
+                     replace(problem, cluster=replace(problem.cluster, gpu_memory=problem.cluster.gpu_memory // 1000)),
+                     replace(problem, schedule="gpipe")):
+        got = simulation_of(other_pb, plan)
+        fresh = simulate(other_pb, plan)
+        assert got is not first
+        assert got.minibatch_ms == fresh.minibatch_ms and got.memory_feasible == fresh.memory_feasible
+    assert simulation_of(replace(problem, cluster=replace(problem.cluster, gpu_memory=1)), plan).memory_feasible is False
+    assert first.memory_feasible
+    plan.simulations.clear()
+    assert simulation_of(problem, plan).period_ms == first.period_ms
     other = simulation_of(problem, Plan("mixed", 3, plan.stages, {}, plan.simulations))
     assert other.strategy == "mixed" and other.period_ms == first.period_ms and first.strategy == "t"
     renumbered = Plan("t", 3, [Stage(2 - s.id, s.gpu, s.nodes) for s in plan.stages], {}, plan.simulations)
