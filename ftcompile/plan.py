@@ -35,7 +35,7 @@ import functools
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Iterable
 
 import networkx as nx
@@ -401,10 +401,9 @@ def simulation_key(plan: Plan) -> tuple:
 def run_settings_key(problem: Problem) -> tuple:
     """What a simulation depends on in ``problem`` besides its graph and costs: the cluster (GPUs,
     memory, links) and every run setting. By value, not identity: a problem copied into a worker
-    process keys its replays as the original does."""
-    return (repr(problem.cluster), problem.schedule, problem.micro_batches, problem.recompute,
-            problem.clip_grad_norm, problem.on_nonfinite, problem.tied_lag, problem.weight_prediction,
-            problem.replicas, problem.ring_bandwidth, problem.advance)
+    process keys its replays as the original does. Every field of :class:`Problem` but the graph
+    and its costs, so a setting added there is in the key without a change here."""
+    return tuple(repr(getattr(problem, f.name)) for f in fields(problem) if f.name not in ("graph", "profile"))
 
 
 # --------------------------------------------------------------------------- costs

@@ -12,7 +12,7 @@ Model (``B`` blocks, ``P`` GPUs)::
     saved_g <= sum_b r_b x[b,g],  saved_g <= R x[loss,g]    the last stage skips recomputation
     mixed: saved_g <= sum_b r_b u[b,g], u[b,g] <= x[b,g], x[loss,g];  sum_{b,g} c_b u[b,g] <= T
            u[b,g] in {0,1} (b in a sink stage on g),  u[p,g] <= u[c,g] (c reads p)
-           interchangeable GPUs: x[loss,0] = 1, the others by block count (sum_b x[b,g] >= sum_b x[b,g+1])
+           interchangeable GPUs: x[loss,0] = 1 (the others: HiGHS's own symmetry detection)
     w[v,g,h] >= x[p(v),g] + x[c,h] - 1           value v crosses from GPU g to GPU h (c reads v)
     S_g = sum_{v,h} bytes_v / bw(g,h) w[v,g,h],  R_h = sum_{v,g} float_bytes_v / bw(g,h) w[v,g,h]
     y[q,g] >= x[b,g] (b reads q);  sum_q mem_q y[q,g] + A_g <= memory   parameters once per GPU
@@ -713,8 +713,8 @@ def _placement_rows(h, blocks: Blocks, x, P: int, space: str, homogeneous: bool,
         # symmetry detection, which finds them as an orbitope and fixes by orbits. Rows of our
         # own that order the others broke that symmetry in the formulation and did worse: by
         # first use along the block order, B x P rows of up to B terms (BERT-12's operator
-        # graph on 6 GPUs: no root in 10 s); by blocks held, worse plans on 4 of the 22 held-out
-        # operator cases and better on 14 (10 s each, benchmarks/README); by compute, HiGHS's
+        # graph on 6 GPUs: no root in 10 s); by blocks held, worse plans on 4 of the 23 held-out
+        # operator cases and better on 15 (10 s each, benchmarks/README); by compute, HiGHS's
         # presolve of its heuristics' sub-MIPs, which does not watch the time limit, spent
         # minutes strengthening them on ALBERT's graph.
         h.addConstr(x[blocks.loss][0] == 1)
