@@ -312,8 +312,14 @@ def suite_row(label: str, problem: Problem, result) -> dict:
         row["chosen_simulated_ms"] = best.sim["period_ms"]
         row["chosen_sim_over_objective"] = best.sim["period_ms"] / best.cost.objective_ms
         row["chosen_stages"] = len(best.plan.stages)
+        # the in-flight scale the chosen plan was priced at, and its period at the scale tuning started from
+        row["chosen_in_flight_scale"] = best.in_flight_scale
+        tries = (best.in_flight or {}).get("tries") or []
+        if tries and tries[0]["period_ms"] is not None:
+            row["chosen_untuned_sim_over_objective"] = tries[0]["period_ms"] / best.cost.objective_ms
         if tied_across_stages(problem, best.plan):
-            row["chosen_untied_sim_over_objective"] = (simulate(untied_problem(problem, best.plan), best.plan).period_ms
+            at = dataclasses.replace(problem, in_flight_scale=best.in_flight_scale or 1)
+            row["chosen_untied_sim_over_objective"] = (simulate(untied_problem(at, best.plan), best.plan).period_ms
                                                        / best.cost.objective_ms)
     return row
 
@@ -331,8 +337,11 @@ def run_suite(time_limit: float, jobs: int, models=None, gpus=(3, 6), memory=(No
     *chosen* may name), *m best* the lowest objective it found, *m sim* its plan's simulated period; *bound* the best bound over every plan (total work / P with the last-stage
     knapsack, or exact's MIP bound when higher: "M"); *exact* exact's objective in the mixed
     space ("*" proven optimal); *chosen* compile's choice (best simulated throughput), its
-    objective (Eq. 1), simulated period, their ratio, and the ratio the same plan simulates at
-    with its tied tensors untied (no tied-weight exchange), when its stages share one. *chosen*
+    objective (Eq. 1), simulated period, their ratio, *K* the in-flight scale it runs at (K x depth
+    + 1 micro-batches in flight per stage, chosen by simulation where a GPU holds several stages;
+    ftcompile.inflight) and *K=1* its ratio at scale 1 where K was tuned, and the ratio the same
+    plan simulates at with its tied tensors untied (no tied-weight exchange), when its stages
+    share one. *chosen*
     "no fit!": no plan of any strategy fits, proven (an op node alone needs more than a GPU has);
     "none": no strategy found a plan, nothing proven.
     """
@@ -340,7 +349,7 @@ def run_suite(time_limit: float, jobs: int, models=None, gpus=(3, 6), memory=(No
     print(f"{'case':34}{'ops':>5}{'seq best':>10}{'cvx bound':>10}{'cvx opt':>8}{'mixed':>9}{'m best':>9}"
           f"{'m sim':>9}{'bound':>9}"
           f"{'m/bnd':>7}{'exact':>10}{'m/opt':>7}{'chosen':>10}{'ch obj':>9}{'ch sim':>9}{'sim/obj':>8}"
-          f"{'untied':>7}{'time s':>7}")
+          f"{'K':>3}{'K=1':>7}{'untied':>7}{'time s':>7}")
     for label, problem in (problems if problems is not None else suite_problems(gpus, memory, models)):
         t0 = time.perf_counter()
         result = compile_plan(problem, "auto", jobs=jobs, time_limit=time_limit)
@@ -367,7 +376,8 @@ def run_suite(time_limit: float, jobs: int, models=None, gpus=(3, 6), memory=(No
               f"{f(row['mixed_simulated_ms'], '.3f'):>9}{bound:>9}{f(row['mixed_over_bound'], '.3f'):>7}"
               f"{exact:>10}{f(row['mixed_over_optimum'], '.3f'):>7}{chosen:>10}"
               f"{f(row.get('chosen_objective_ms'), '.3f'):>9}{f(row.get('chosen_simulated_ms'), '.3f'):>9}"
-              f"{f(row.get('chosen_sim_over_objective'), '.3f'):>8}"
+              f"{f(row.get('chosen_sim_over_objective'), '.3f'):>8}{f(row.get('chosen_in_flight_scale'), 'd'):>3}"
+              f"{f(row.get('chosen_untuned_sim_over_objective'), '.3f'):>7}"
               f"{f(row.get('chosen_untied_sim_over_objective'), '.3f'):>7}{secs:>7.1f}", flush=True)
     return rows
 

@@ -150,6 +150,29 @@ def _add_run_settings(g, default: str | None = None) -> None:
                    help="schedules without a flush: tied tensors apply the previous step's summed gradient, "
                         "no update waits for it, each holder's GPU keeps two steps' parts; --no-tied-lag: "
                         f"less memory, a wait per update (default: {default or 'on'})")
+    g.add_argument("--in-flight-scale", type=_in_flight_value if default is None else _scale_value, default=None,
+                   metavar="K|auto" if default is None else "K",
+                   help="async/pipedream/2bw: every stage runs K x its depth + 1 forwards before its first backward "
+                        "(1: FTPipe's and PipeDream's depth + 1), so a plan whose GPUs hold many stages keeps them "
+                        "busy, at the cost of memory and, under async and pipedream, staler weights" +
+                        (f" (default: {default})" if default else "; auto: for each plan where a GPU holds several "
+                         "stages, the smallest scale past which simulation gains under 1%% (default auto)"))
+
+
+def _scale_value(text: str) -> int:
+    """``--in-flight-scale K``: a whole number of at least 1."""
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return k
+
+
+def _in_flight_value(text: str) -> int | str:
+    """``--in-flight-scale K|auto`` of compile."""
+    return "auto" if text.strip().lower() == "auto" else _scale_value(text)
 
 
 def _clip_value(text: str) -> float:
@@ -307,7 +330,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         problem = Problem(graph, prof, cluster, schedule=args.schedule, micro_batches=args.micro_batches,
                           recompute=args.recompute, advance=problem_advance(args),
                           weight_prediction=_predicts(args, ui), clip_grad_norm=args.clip_grad_norm or None,
-                          on_nonfinite=args.on_nonfinite or "stop", tied_lag=args.tied_lag is not False)
+                          on_nonfinite=args.on_nonfinite or "stop", tied_lag=args.tied_lag is not False,
+                          in_flight_scale=1 if args.in_flight_scale in (None, "auto") else args.in_flight_scale)
         t = lap("profile", t)
 
         from .compile import resolve_strategies
@@ -407,7 +431,8 @@ def _partition(args, problem, ui, steps: int, warnings: list[str]):
 
             return compile_replicated(problem, args.strategy, replicas=args.replicas, jobs=args.jobs,
                                       progress=option_done, strategy_progress=progress,
-                                      max_stages=args.max_stages, time_limit=args.time_limit)
+                                      max_stages=args.max_stages, time_limit=args.time_limit,
+                                      tune_in_flight=args.in_flight_scale in (None, "auto"))
 
     options, chosen = run(problem)
     if chosen is not None or args.tied_lag is not None or not lags_tied_tensors(problem) or not _searched(options):
@@ -532,7 +557,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     problem = replace(problem_from_doc(doc, graph, prof, schedule=schedule, micro_batches=args.micro_batches,
                                        recompute=args.recompute, weight_prediction=args.weight_prediction,
                                        clip_grad_norm=args.clip_grad_norm, on_nonfinite=args.on_nonfinite,
-                                       tied_lag=args.tied_lag),
+                                       tied_lag=args.tied_lag, in_flight_scale=args.in_flight_scale),
                       advance=problem_advance(args))
     result = simulate(problem, plan, steps=args.steps)
     par = None

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .partition import STRATEGIES, Infeasible, run_strategy
 from .partition.base import memory_floor, memory_floor_reason
@@ -67,6 +67,8 @@ class StrategyResult:
     figures: dict = field(default_factory=dict)     # plan_figures(): speed-ups, staleness
     bound: dict | None = None        # the best proven bound covering this plan: {"ms", "covers"}
     proven_infeasible: bool = False  # no plan: the strategy proved none of its space fits
+    in_flight_scale: int | None = None   # what the plan was priced with (ftcompile.inflight)
+    in_flight: dict | None = None        # the scales tried for it, where compile tuned it
 
     def row(self) -> dict:
         """The strategy's line in plan.json and the report."""
@@ -91,6 +93,8 @@ class StrategyResult:
             "staleness_updates": self.figures.get("staleness_updates"),
             "max_gpu_memory_bytes": c.max_memory_bytes if c else None,
             "seconds": round(self.seconds, 3),
+            "in_flight_scale": self.in_flight_scale,
+            **({"in_flight_tuning": self.in_flight} if self.in_flight else {}),
             **({"proven_infeasible": True} if self.proven_infeasible else {}),
             **({"info": self.plan.info} if self.plan and self.plan.info else {}),
         }
@@ -142,7 +146,8 @@ def plan_figures(problem: Problem, plan: Plan, cost: PlanCost) -> dict:
     return {
         "speedup_no_recompute": round(plain / cost.objective_ms, 4) if cost.objective_ms > 0 else None,
         "max_depth": d,
-        "staleness_updates": round(staleness_updates(problem.schedule, d, problem.micro_batches), 3),
+        "staleness_updates": round(staleness_updates(problem.schedule, d, problem.micro_batches,
+                                                     problem.in_flight_scale), 3),
     }
 
 
@@ -181,10 +186,11 @@ def search_problem(problem: Problem, max_stages: int | None = None) -> tuple[Pro
 
 
 def _run_one(name: str, problem: Problem, simulate_plan: bool, options: dict | None = None,
-             search: Problem | None = None) -> StrategyResult:
+             search: Problem | None = None, tune: bool = False, tune_seconds: float | None = None) -> StrategyResult:
     """Run strategy ``name`` on ``search`` (default: ``problem``; a smaller cluster when the
     real one has more GPUs than the graph has op nodes), then price and simulate its plan on
-    ``problem``."""
+    ``problem`` (``tune``: at the in-flight scale :func:`~ftcompile.inflight.tune_in_flight` chooses,
+    within the strategy's time limit)."""
     t0 = time.perf_counter()
     try:
         with quiet_native_stdout():
@@ -192,7 +198,7 @@ def _run_one(name: str, problem: Problem, simulate_plan: bool, options: dict | N
         # (replays on a smaller search cluster are keyed by it: none is read for this problem)
         return _priced(name, problem, Plan(plan.strategy, problem.num_gpus, plan.stages, plan.info,
                                            plan.simulations),
-                       simulate_plan, t0)
+                       simulate_plan, t0, tune, tune_seconds)
     except Infeasible as exc:
         return StrategyResult(name, False, exc.reason, seconds=time.perf_counter() - t0,
                               proven_infeasible=exc.proven)
@@ -204,8 +210,27 @@ def _run_one(name: str, problem: Problem, simulate_plan: bool, options: dict | N
                               seconds=time.perf_counter() - t0)
 
 
-def _priced(name: str, problem: Problem, plan: Plan, simulate_plan: bool, t0: float) -> StrategyResult:
-    """``plan`` priced (and simulated) on ``problem``: a feasible result, or why it does not fit."""
+def _priced(name: str, problem: Problem, plan: Plan, simulate_plan: bool, t0: float,
+            tune: bool = False, tune_seconds: float | None = None) -> StrategyResult:
+    """``plan`` priced (and simulated) on ``problem``: a feasible result, or why it does not fit.
+
+    ``tune`` (with ``simulate_plan``): at the in-flight scale chosen for the plan by simulation
+    (:func:`~ftcompile.inflight.tune_in_flight`, for at most ``tune_seconds``) instead of the
+    problem's, which it starts from."""
+    tuning = None
+    if tune and simulate_plan:
+        from .inflight import tune_in_flight
+
+        tuning = tune_in_flight(problem, plan, time_limit=tune_seconds)
+        if tuning.tries:
+            problem = replace(problem, in_flight_scale=tuning.chosen)
+    r = _priced_at(name, problem, plan, simulate_plan, t0)
+    r.in_flight_scale = problem.in_flight_scale
+    r.in_flight = tuning.to_json() if tuning is not None and tuning.tries else None
+    return r
+
+
+def _priced_at(name: str, problem: Problem, plan: Plan, simulate_plan: bool, t0: float) -> StrategyResult:
     cost = evaluate(problem, plan)
     if not cost.feasible:
         return StrategyResult(name, False, f"plan does not fit: {cost.reason}", plan, cost,
@@ -231,8 +256,8 @@ def _priced(name: str, problem: Problem, plan: Plan, simulate_plan: bool, t0: fl
 SIMULATED_SUFFIX = "-sim"
 
 
-def simulated_alternatives(problem: Problem, results: list[StrategyResult], simulate_plans: bool
-                           ) -> list[StrategyResult]:
+def simulated_alternatives(problem: Problem, results: list[StrategyResult], simulate_plans: bool,
+                           tune: bool = False, tune_seconds: float | None = None) -> list[StrategyResult]:
     """``results`` with, after each strategy that noted one, a row ``<name>-sim`` for its
     ``info["simulated_alternative"]``: the plan among its candidates that simulates fastest,
     where that is not the plan it returned (its lowest objective, which its bound speaks of).
@@ -259,7 +284,7 @@ def simulated_alternatives(problem: Problem, results: list[StrategyResult], simu
             plan = Plan(r.plan.strategy, problem.num_gpus,
                         [Stage(i, g, list(ns)) for i, (g, ns) in enumerate(stages)],
                         {"alternative_of": r.name, **alt}, r.plan.simulations)
-            alt_r = _priced(name, problem, ordered(plan, problem.graph), True, t0)
+            alt_r = _priced(name, problem, ordered(plan, problem.graph), True, t0, tune, tune_seconds)
         except (PlanError, ValueError) as exc:      # one row lost, never the compile
             alt["row_error"] = f"{type(exc).__name__}: {exc}"
             continue
@@ -271,11 +296,14 @@ def simulated_alternatives(problem: Problem, results: list[StrategyResult], simu
 
 def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs: int | None = None,
                  simulate_plans: bool = True, progress=None, max_stages: int | None = None,
-                 time_limit: float | None = None) -> CompileResult:
+                 time_limit: float | None = None, tune_in_flight: bool = True) -> CompileResult:
     """Run the strategies, price and simulate each plan, and choose the best feasible one.
 
     The best is the feasible plan with the highest simulated throughput (or the
     lowest objective when ``simulate_plans`` is off); ties go to the lower objective.
+    ``tune_in_flight``: a plan whose GPUs hold several stages is priced at the in-flight scale
+    chosen for it by simulation (:mod:`ftcompile.inflight`, for at most ``time_limit`` seconds
+    a plan), from ``problem.in_flight_scale`` up; the result's problem takes the chosen plan's.
     ``max_stages``: every strategy makes at most that many stages. ``time_limit``:
     seconds each searching strategy may spend (default :data:`DEFAULT_TIME_LIMIT`).
     Every result carries the best bound proven for its space (:func:`attach_bounds`).
@@ -289,6 +317,8 @@ def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs
     bound = lower_bound(problem)     # before the workers start: the problem carries it to them
     jobs = jobs if jobs is not None else min(len(names), os.cpu_count() or 1)
     options = {n: strategy_options(n, max_stages=max_stages, time_limit=time_limit) for n in names}
+    # tuning a plan's in-flight scale replays it at each scale tried: at most a search's time
+    tune_seconds = DEFAULT_TIME_LIMIT if time_limit is None else float(time_limit)
     search, searched = search_problem(problem, max_stages)
     results: dict[str, StrategyResult] = {}
     # Some op node's own weights, state and activations exceed a GPU: no strategy can fit, proven,
@@ -302,7 +332,8 @@ def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs
     elif jobs > 1 and len(names) > 1:
         ctx = multiprocessing.get_context("fork")
         with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futs = {pool.submit(_run_one, n, problem, simulate_plans, options[n], search): n for n in names}
+            futs = {pool.submit(_run_one, n, problem, simulate_plans, options[n], search, tune_in_flight,
+                                tune_seconds): n for n in names}
             for fut in cf.as_completed(futs):
                 r = fut.result()
                 results[r.name] = r
@@ -310,11 +341,12 @@ def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs
                     progress(r)
     else:
         for n in names:
-            r = _run_one(n, problem, simulate_plans, options[n], search)
+            r = _run_one(n, problem, simulate_plans, options[n], search, tune_in_flight, tune_seconds)
             results[n] = r
             if progress:
                 progress(r)
-    ordered_results = simulated_alternatives(problem, [results[n] for n in names], simulate_plans)
+    ordered_results = simulated_alternatives(problem, [results[n] for n in names], simulate_plans, tune_in_flight,
+                                             tune_seconds)
     attach_bounds(problem, ordered_results, bound)
     feasible = [r for r in ordered_results if r.feasible]
     chosen = None
@@ -325,6 +357,10 @@ def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs
         chosen = min(feasible, key=score).name
     info = {"max_stages": max_stages, "searched_gpus": searched, "proven_no_fit": floor_reason,
             "time_limit_s": options[names[0]].get("time_limit", DEFAULT_TIME_LIMIT) if names else None}
+    if chosen is not None:
+        scale = next(r for r in ordered_results if r.name == chosen).in_flight_scale
+        if scale is not None and scale != problem.in_flight_scale:
+            problem = replace(problem, in_flight_scale=scale)
     return CompileResult(problem, ordered_results, chosen, bound, time.perf_counter() - t0, info=info)
 
 
@@ -535,7 +571,7 @@ def plan_document(result: CompileResult, *, model: dict | None = None) -> dict:
         "cluster": p.cluster.to_json(),
         "schedule": p.schedule, "micro_batches": p.micro_batches, "recompute": p.recompute,
         "weight_prediction": p.weight_prediction, "clip_grad_norm": p.clip_grad_norm, "on_nonfinite": p.on_nonfinite,
-        "tied_lag": p.tied_lag,
+        "tied_lag": p.tied_lag, "in_flight_scale": p.in_flight_scale,
         "lower_bound": {"objective_ms": result.lower_bound_ms,
                         "note": "total compute / GPUs, less the most recomputation the last stage can skip "
                                 "within its period and one GPU's memory; no plan that fits can beat it"},
@@ -592,7 +628,7 @@ def replicas_section(options, chosen: int | None, whole_cluster) -> dict:
 def problem_from_doc(doc: dict, graph, prof, *, schedule: str | None = None, micro_batches: int | None = None,
                      recompute: bool | None = None, weight_prediction: bool | None = None,
                      clip_grad_norm: float | None = None, on_nonfinite: str | None = None,
-                     tied_lag: bool | None = None) -> Problem:
+                     tied_lag: bool | None = None, in_flight_scale: int | None = None) -> Problem:
     """The Problem a plan document was made for (its pipeline's GPUs, replicas and rings, and the
     run settings it was priced with); a setting given here replaces the document's."""
     from .cluster import ClusterSpec
@@ -607,6 +643,7 @@ def problem_from_doc(doc: dict, graph, prof, *, schedule: str | None = None, mic
                    clip_grad_norm=doc.get("clip_grad_norm") if clip_grad_norm is None else clip_grad_norm,
                    on_nonfinite=on_nonfinite or doc.get("on_nonfinite") or "stop",
                    tied_lag=bool(doc.get("tied_lag", True) if tied_lag is None else tied_lag),
+                   in_flight_scale=int(doc.get("in_flight_scale") or 1) if in_flight_scale is None else in_flight_scale,
                    replicas=int(lay.get("replicas") or 1), ring_bandwidth=tuple(ring) if ring else None)
 
 
@@ -653,13 +690,16 @@ def _settings_text(doc: dict) -> str:
     schedule, m = doc["schedule"], doc["micro_batches"]
     clip, skip = doc.get("clip_grad_norm"), doc.get("on_nonfinite") or "stop"
     planned = Settings.of(schedule, m, doc.get("recompute"), doc["profile"].get("optimizer") or "adam",
-                          doc.get("weight_prediction"), clip, skip, doc.get("tied_lag", True))
+                          doc.get("weight_prediction"), clip, skip, doc.get("tied_lag", True),
+                          in_flight_scale=int(doc.get("in_flight_scale") or 1))
     out = []
     for name, _, value in changes(Settings.of(schedule, m, False, "adam", False, None, "stop"), planned):
         if name == "exchanges_norms":
             out += ([f"clip-grad-norm {clip:g}"] if clip else []) + (["on-nonfinite skip"] if skip == "skip" else [])
         elif name == "optimizer":
             out.append(f"optimizer {value}")
+        elif name == "in_flight_scale":
+            out.append(f"in-flight scale {value} (x depth + 1 forwards before the first backward)")
         else:
             out.append(f"{LABELS.get(name, name)} {'on' if value else 'off'}")
     return ", ".join(out)
@@ -717,6 +757,10 @@ def report_text(doc: dict) -> str:
                  f"(forward + backward of every node) over the objective, of {P}; *speed-up (FTPipe)*: the plan's "
                  f"own work, recomputation included, over the objective; *staleness*: how many optimizer updates "
                  f"old the weights are that the deepest stage's gradients meet."
+                 + (" *in flight*: a plan whose GPUs hold several stages runs K x depth + 1 forwards per stage "
+                    "before its first backward, K chosen by simulation (`in_flight_tuning` in plan.json), so the "
+                    "round trip of a micro-batch through the stages on shared GPUs stays covered."
+                    if any((r.get("in_flight_tuning") or {}).get("chosen", 1) > 1 for r in doc["strategies"]) else "")
                  + (" *NAME-sim*: among that strategy's plans, the one that simulates fastest (each strategy "
                     "returns its lowest objective, which its bound speaks of; the choice is by simulated "
                     "throughput)." if any(r["name"].endswith(SIMULATED_SUFFIX) for r in doc["strategies"]) else ""))
@@ -727,8 +771,10 @@ def report_text(doc: dict) -> str:
         lines.append("")
         if best and best.get("staleness_updates"):
             lines.append(f"Under {doc['schedule']}, the first stage's gradients are about "
-                         f"{best['staleness_updates']:.1f} updates old ({best['max_depth']} stages deep, "
-                         f"{doc['micro_batches']} micro-batches per update); `--max-stages` bounds that.")
+                         f"{best['staleness_updates']:.1f} updates old ({best['max_depth']} stages deep"
+                         + (f" x in-flight scale {best['in_flight_scale']}" if (best.get("in_flight_scale") or 1) > 1
+                            else "") +
+                         f", {doc['micro_batches']} micro-batches per update); `--max-stages` bounds that.")
             lines.append("")
         lines.append("| GPU | stages | load ms | compute ms | comm ms | utilisation | memory | of limit |")
         lines.append("|---|---|---|---|---|---|---|---|")
@@ -782,7 +828,18 @@ def P_of(cluster_json: dict) -> int:
 
 
 def _row_note(r: dict) -> str:
-    """What a strategy proved about its own space (seq, exact), in a few words."""
+    """What a strategy proved about its own space (seq, exact), in a few words, and the in-flight
+    scale its plan was priced at where compile tuned it above 1."""
+    note = _proof_note(r)
+    tuned = r.get("in_flight_tuning") or {}
+    if tuned.get("chosen", 1) > 1:
+        first = tuned["tries"][0]
+        note += ("; " if note else "") + (f"{tuned['chosen']} x depth + 1 in flight (at {first['scale']}: "
+                                          f"{first['period_ms']:.3f} ms simulated)")
+    return note
+
+
+def _proof_note(r: dict) -> str:
     info = r.get("info") or {}
     if "alternative_of" in info:
         return f"the fastest of {info['alternative_of']}'s plans in simulation"

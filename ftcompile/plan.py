@@ -118,6 +118,9 @@ class Problem:
     replicas: int = 1
     ring_bandwidth: tuple[float, ...] | None = None
     advance: int = 0                    # avgpipe: micro-batches forwarded in advance of 1F1B's warm-up
+    # async, pipedream, 2bw: every stage runs in_flight_scale * depth + 1 forwards before its first
+    # backward (runtime.schedules.StageProgram.in_flight_scale; chosen by ftcompile.inflight)
+    in_flight_scale: int = 1
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -128,6 +131,8 @@ class Problem:
             raise PlanError(f"replicas must be at least 1, got {self.replicas}")
         if self.on_nonfinite not in ("stop", "skip"):
             raise PlanError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
+        if not isinstance(self.in_flight_scale, int) or self.in_flight_scale < 1:
+            raise PlanError(f"the in-flight scale must be a whole number of at least 1, got {self.in_flight_scale!r}")
 
     def allreduce_ms(self, gpu: int, nbytes: int) -> float:
         """Averaging ``nbytes`` of gradients over the replicas of pipeline GPU ``gpu``."""
@@ -164,12 +169,14 @@ class Problem:
     def program(self, depth: int, group: int = 0) -> StageProgram:
         """The runtime's program of a stage at ``depth`` (one step's worth; its figures are per step)."""
         return stage_program(self.schedule, -1, depth=depth, micro_batches=self.micro_batches, steps=1,
-                             recompute=self.recompute, group=group, advance=self.advance)
+                             recompute=self.recompute, group=group, advance=self.advance,
+                             in_flight_scale=self.in_flight_scale)
 
     def programs(self, depths: dict[int, int], steps: int = 1) -> dict[int, StageProgram]:
         """Every stage's runtime program (stage id -> depth), 2gw groups included."""
         return stage_programs(self.schedule, depths, micro_batches=self.micro_batches, steps=steps,
-                              recompute=self.recompute, advance=self.advance)
+                              recompute=self.recompute, advance=self.advance,
+                              in_flight_scale=self.in_flight_scale)
 
     @functools.cached_property
     def shared_lag(self) -> int:

@@ -20,13 +20,14 @@ import os
 from dataclasses import dataclass
 
 from .runtime.optim import PREDICTS
-from .runtime.schedules import OPTIONAL_RECOMPUTE, SYNCHRONOUS, exchanges_norms
+from .runtime.schedules import CONTINUOUS, OPTIONAL_RECOMPUTE, SYNCHRONOUS, exchanges_norms
 
 #: Run optimizers priced as one of the profile's (AdamW keeps Adam's two moments).
 PRICED_AS = {"adamw": "adam"}
 #: How a setting is named in what a run prints.
 LABELS = {"micro_batches": "micro-batches", "weight_prediction": "weight prediction",
           "exchanges_norms": "updates wait for all stages (clipping, --on-nonfinite skip)", "tied_lag": "tied-weight lag",
+          "in_flight_scale": "in-flight scale",
           "rank_order": "rank order", "pipeline_ranks": "ranks per pipeline"}
 #: The run options behind each setting.
 SOURCES = {"exchanges_norms": ("clip_grad_norm", "on_nonfinite"), "replicas": ("replicas", "nproc"),
@@ -47,18 +48,20 @@ class Settings:
     replicas: int = 1              # pipelines whose gradients each stage averages
     rank_order: str | None = None  # how replicas' ranks are numbered; None with one replica
     pipeline_ranks: int | None = None   # ranks (devices) running one pipeline; None: not known here
+    in_flight_scale: int | None = None  # warm-up forwards per stage downstream; None where the schedule ignores it
 
     @staticmethod
     def of(schedule: str, micro_batches: int, recompute, optimizer: str, weight_prediction, clip_grad_norm,
            on_nonfinite: str | None, tied_lag=True, *, replicas: int = 1, rank_order: str | None = None,
-           pipeline_ranks: int | None = None) -> "Settings":
+           pipeline_ranks: int | None = None, in_flight_scale: int | None = 1) -> "Settings":
         replicas = max(int(replicas or 1), 1)
         return Settings(schedule, int(micro_batches), bool(recompute) if schedule in OPTIONAL_RECOMPUTE else None,
                         PRICED_AS.get(optimizer, optimizer),
                         bool(weight_prediction) and schedule == "async" and optimizer in PREDICTS,
                         exchanges_norms(clip_grad_norm, on_nonfinite or "stop"),
                         None if schedule in SYNCHRONOUS else tied_lag is not False,
-                        replicas, (rank_order or "pipeline-major") if replicas > 1 else None, pipeline_ranks)
+                        replicas, (rank_order or "pipeline-major") if replicas > 1 else None, pipeline_ranks,
+                        int(in_flight_scale or 1) if schedule in CONTINUOUS else None)
 
 
 def planned(manifest) -> Settings:
@@ -66,7 +69,7 @@ def planned(manifest) -> Settings:
     return Settings.of(manifest.schedule, manifest.micro_batches, manifest.recompute, manifest.optimizer,
                        manifest.weight_prediction, manifest.clip_grad_norm, manifest.on_nonfinite, manifest.tied_lag,
                        replicas=manifest.replicas, rank_order=manifest.rank_order,
-                       pipeline_ranks=max(manifest.num_gpus, 1))
+                       pipeline_ranks=max(manifest.num_gpus, 1), in_flight_scale=manifest.in_flight_scale)
 
 
 def of_run(args, *, replicas: int = 1, rank_order: str | None = None, pipeline_ranks: int | None = None) -> Settings:
@@ -74,7 +77,8 @@ def of_run(args, *, replicas: int = 1, rank_order: str | None = None, pipeline_r
     ``replicas`` pipelines of ``pipeline_ranks`` ranks each (None: one rank per planned GPU)."""
     return Settings.of(args.schedule, args.micro_batches, args.recompute, args.optimizer, args.weight_prediction,
                        args.clip_grad_norm, args.on_nonfinite, getattr(args, "tied_lag", True),
-                       replicas=replicas, rank_order=rank_order, pipeline_ranks=pipeline_ranks)
+                       replicas=replicas, rank_order=rank_order, pipeline_ranks=pipeline_ranks,
+                       in_flight_scale=getattr(args, "in_flight_scale", 1))
 
 
 def changes(plan: Settings, run: Settings) -> list[tuple[str, object, object]]:
@@ -83,7 +87,7 @@ def changes(plan: Settings, run: Settings) -> list[tuple[str, object, object]]:
     out = []
     for f in dataclasses.fields(Settings):
         a, b = getattr(plan, f.name), getattr(run, f.name)
-        if a != b and not (f.name in ("recompute", "tied_lag", "rank_order", "pipeline_ranks") and None in (a, b)):
+        if a != b and not (f.name in ("recompute", "tied_lag", "rank_order", "pipeline_ranks", "in_flight_scale") and None in (a, b)):
             out.append((f.name, a, b))
     return out
 
@@ -137,6 +141,7 @@ def reprice(folder: str | os.PathLike, plan_settings: Settings, run: Settings, *
     problem = problem_from_doc(doc, graph, prof, schedule=run.schedule, micro_batches=run.micro_batches,
                                recompute=bool(run.recompute), weight_prediction=run.weight_prediction,
                                tied_lag=run.tied_lag is not False, on_nonfinite="stop",
+                               in_flight_scale=run.in_flight_scale or 1,
                                # what prices a plan is whether updates wait for all stages, not the norm
                                clip_grad_norm=1.0 if run.exchanges_norms else 0.0)
     plan = Plan.from_json(doc["plan"])

@@ -104,6 +104,7 @@ class TrainConfig:
     total_steps: int | None = None    # for LR schedules across checkpoints; default ``steps``
     nonfinite: str = "stop"           # a loss that is not finite: stop the run, or skip the step's update
     advance: int = 0                  # avgpipe: micro-batches forwarded in advance of 1F1B's warm-up
+    in_flight_scale: int = 1          # async, pipedream, 2bw: scale * depth + 1 warm-up forwards per stage
     measure_memory: bool = False      # count every tensor the rank holds (CPU); see runtime.memory
 
     def optim_config(self) -> _optim.OptimConfig:
@@ -121,7 +122,8 @@ def stage_ranks(manifest: Manifest, world_size: int) -> dict[int, int]:
 def programs(manifest: Manifest, cfg: TrainConfig, steps: int) -> dict[int, StageProgram]:
     """Every stage's program for ``steps`` steps under ``cfg``."""
     return stage_programs(cfg.schedule, {s.id: s.depth for s in manifest.stages}, micro_batches=cfg.micro_batches,
-                          steps=steps, recompute=cfg.recompute, advance=cfg.advance)
+                          steps=steps, recompute=cfg.recompute, advance=cfg.advance,
+                          in_flight_scale=cfg.in_flight_scale)
 
 
 def flow_windows(manifest: Manifest, progs: dict[int, StageProgram],

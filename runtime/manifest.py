@@ -305,6 +305,7 @@ class Manifest:
     clip_grad_norm: float | None = None
     on_nonfinite: str = "stop"
     tied_lag: bool = True
+    in_flight_scale: int = 1        # async, pipedream, 2bw: scale * depth + 1 warm-up forwards per stage
 
     # ----------------------------------------------------------------- queries
     @functools.cached_property
@@ -350,7 +351,7 @@ class Manifest:
             "imports": self.imports, "generator": self.generator,
             "replicas": self.replicas, "rank_order": self.rank_order,
             "weight_prediction": self.weight_prediction, "clip_grad_norm": self.clip_grad_norm,
-            "on_nonfinite": self.on_nonfinite, "tied_lag": self.tied_lag,
+            "on_nonfinite": self.on_nonfinite, "tied_lag": self.tied_lag, "in_flight_scale": self.in_flight_scale,
         }
 
     @staticmethod
@@ -378,6 +379,7 @@ class Manifest:
                 weight_prediction=bool(d.get("weight_prediction", False)),
                 clip_grad_norm=None if d.get("clip_grad_norm") is None else float(d["clip_grad_norm"]),
                 on_nonfinite=str(d.get("on_nonfinite") or "stop"), tied_lag=bool(d.get("tied_lag", True)),
+                in_flight_scale=int(d.get("in_flight_scale") or 1),
             )
             m.check(where)
         except ManifestError:
@@ -397,6 +399,9 @@ class Manifest:
                                                          not self.clip_grad_norm > 0):
             raise ManifestError(f"{where}: the planned run settings are corrupt (on_nonfinite "
                                 f"{self.on_nonfinite!r}, clip_grad_norm {self.clip_grad_norm!r})")
+        if not isinstance(self.in_flight_scale, int) or self.in_flight_scale < 1:
+            raise ManifestError(f"{where}: the planned in-flight scale {self.in_flight_scale!r} is not a whole "
+                                "number of at least 1; regenerate the package with `ftcompile compile`")
         graph_inputs = {i.value for i in self.inputs}
         for what, spec in [*self.values.items(), *self.params.items()]:
             if getattr(spec, "shape", None) is not None and torch_dtype(spec.dtype) is None:

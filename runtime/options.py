@@ -23,17 +23,19 @@ from .checkpoint import Checkpoint, CheckpointError, check_resumable, latest
 from .control import HEARTBEAT_TIMEOUT_S
 from .layout import ORDERS
 from .optim import LR_SCHEDULES, OPTIMIZERS, PREDICTS, resume_change
-from .schedules import SCHEDULES, SYNCHRONOUS
+from .schedules import CONTINUOUS, SCHEDULES, SYNCHRONOUS
 
 #: Defaults of the options a resumed run otherwise takes from its checkpoint.
 DEFAULTS = {"steps": 10, "optimizer": "adam", "lr": 1e-3, "momentum": 0.9, "weight_decay": 0.0,
             "lr_schedule": "constant", "warmup_steps": 0, "seed": 0, "data": "synthetic", "recompute": False,
             "weight_prediction": False, "no_dropout": False, "clip_grad_norm": None, "on_nonfinite": "stop",
-            "advance": 0, "tied_lag": True}
+            "advance": 0, "tied_lag": True, "in_flight_scale": 1}
 #: Recorded in every checkpoint's ``meta.json`` (``config``), and inherited by ``--resume``.
 RECORDED = ("schedule", "micro_batches", "steps", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
             "warmup_steps", "clip_grad_norm", "seed", "data", "recompute", "weight_prediction", "no_dropout",
             "on_nonfinite", "advance", "tied_lag", "checkpoint_every", "keep_checkpoints")
+# (Not the in-flight scale: it belongs to the plan's stages, so a resumed run, perhaps of a re-planned
+# package, takes its plan's unless given.)
 
 
 class OptionError(ValueError):
@@ -75,6 +77,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="async/pipedream/2bw/2gw: a tensor several stages share (tied embedding) applies the "
                         "previous step's summed gradient, so no update waits for it; --no-tied-lag: each step's "
                         "own, at a wait per update and less memory (default: the plan's, else on)")
+    g.add_argument("--in-flight-scale", type=int, default=None, metavar="K",
+                   help="async/pipedream/2bw: every stage runs K x its depth + 1 forwards before its first backward "
+                        "(1: FTPipe's and PipeDream's depth + 1; more keeps a plan whose GPUs hold many stages busy, "
+                        "at the cost of memory and, under async and pipedream, staler weights; default: the plan's)")
     g.add_argument("--on-nonfinite", choices=("stop", "skip"), default=None,
                    help="a loss that is NaN or infinite: stop the run naming the step and stage, or skip that "
                         "step's update on every stage and go on (default: the plan's, else stop)")
@@ -147,6 +153,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 _VALUED = ("schedule", "micro_batches", "steps", "optimizer", "lr", "momentum", "weight_decay", "lr_schedule",
            "warmup_steps", "clip_grad_norm", "data", "seed", "device", "transport", "timeout", "heartbeat_timeout",
            "log_dir", "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "progress", "advance", "on_nonfinite", "replicas",
+           "in_flight_scale",
            "rank_order", "parallel_pipelines", "elastic_alpha", "grad_norms_at", "grad_norms_layers", "grad_norms_file",
            "autocache")
 #: Flags whose default is the plan's, so that ``--no-FLAG`` means something.
@@ -245,6 +252,12 @@ def check(args) -> list[str]:
                         "run on weights older than their backward's")
     if args.recompute and args.schedule == "async":
         warnings.append("--recompute is implied by --schedule async (every stage but the last recomputes)")
+    k = getattr(args, "in_flight_scale", None)
+    if k is not None and k < 1:
+        raise OptionError(f"--in-flight-scale must be at least 1 (1: depth + 1 forwards before the first backward), got {k}")
+    if k is not None and k > 1 and args.schedule is not None and args.schedule not in CONTINUOUS:
+        warnings.append(f"--in-flight-scale does nothing under --schedule {args.schedule}: it stretches the warm-up "
+                        f"of {', '.join(CONTINUOUS)}")
     if getattr(args, "tied_lag", None) is False and args.schedule in SYNCHRONOUS:
         warnings.append(f"--no-tied-lag does nothing under --schedule {args.schedule}: a schedule with a flush "
                         "sums tied gradients within the step anyway")
@@ -438,7 +451,8 @@ def planned_settings(manifest) -> dict:
     """The run settings the package's plan was priced with, by option name (None: the default)."""
     return {"recompute": manifest.recompute, "optimizer": manifest.optimizer,
             "weight_prediction": manifest.weight_prediction, "clip_grad_norm": manifest.clip_grad_norm,
-            "on_nonfinite": manifest.on_nonfinite, "tied_lag": manifest.tied_lag}
+            "on_nonfinite": manifest.on_nonfinite, "tied_lag": manifest.tied_lag,
+            "in_flight_scale": manifest.in_flight_scale}
 
 
 def recorded_config(args) -> dict:

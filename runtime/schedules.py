@@ -44,7 +44,10 @@ are accumulated (the loss of each is scaled by ``1/M``). ``async`` with
 Orders: ``gpipe`` all forwards then all backwards per step; ``1f1b``
 PipeDream-flush (``depth`` warm-up forwards, then one forward one backward,
 a flush per step); ``async``, ``pipedream`` and ``2bw`` the same one-forward-
-one-backward order without flushes (FTPipe Fig. 5; PipeDream; PipeDream-2BW);
+one-backward order without flushes (FTPipe Fig. 5; PipeDream; PipeDream-2BW),
+whose ``depth + 1`` warm-up forwards an in-flight scale ``s`` stretches to
+``s * depth + 1`` (for plans whose GPUs hold many stages; more memory for
+inputs or stashes, and in ``async`` and ``pipedream`` staler weights);
 ``2gw`` (WPipe §3.2) runs G1 stages like ``1f1b`` and moves G0's forwards of
 step ``j+1`` ahead of its backwards of step ``j``.
 
@@ -73,6 +76,9 @@ from typing import Iterator
 SCHEDULES = ("gpipe", "1f1b", "async", "pipedream", "2bw", "2gw", "avgpipe")
 #: Schedules with a flush per step: every forward and backward of step j uses version j.
 SYNCHRONOUS = ("gpipe", "1f1b", "avgpipe")
+#: Schedules in the one-forward-one-backward order without flushes, whose warm-up the in-flight
+#: scale stretches (:attr:`StageProgram.in_flight_scale`).
+CONTINUOUS = ("async", "pipedream", "2bw")
 #: Schedules where recomputation is the user's choice (``--recompute``).
 OPTIONAL_RECOMPUTE = ("gpipe", "1f1b", "2bw", "2gw", "avgpipe")
 
@@ -128,16 +134,17 @@ def _order_flush(kind: str, depth: int, M: int, steps: int, advance=0) -> Iterat
         yield Task("U", j)
 
 
-def _warm(depth: int, M: int, steps: int) -> int:
-    """Forwards before the first backward in the continuous order."""
-    return min(depth + 1, M * steps)
+def _warm(depth: int, M: int, steps: int, scale: int = 1) -> int:
+    """Forwards before the first backward in the continuous order: ``scale * depth + 1`` (see
+    :attr:`StageProgram.in_flight_scale`), at most the segment's micro-batches."""
+    return min(scale * depth + 1, M * steps)
 
 
-def _order_continuous(depth: int, M: int, steps: int) -> Iterator[Task]:
-    # depth + 1 forwards fill the pipeline, then one backward and one forward
+def _order_continuous(depth: int, M: int, steps: int, scale: int = 1) -> Iterator[Task]:
+    # depth + 1 forwards (scale * depth + 1) fill the pipeline, then one backward and one forward
     # alternate; the update of step j follows the backward of its last micro-batch.
     n = M * steps
-    warm = _warm(depth, M, steps)
+    warm = _warm(depth, M, steps, scale)
     for k in range(warm):
         yield Task("F", k)
     for k in range(n):
@@ -197,6 +204,11 @@ class StageProgram:
     # memory figures then assume ``advance_max``.
     advance: int = 0
     advance_fn: object = field(default=None, compare=False, hash=False, repr=False)
+    # async, pipedream, 2bw: ``in_flight_scale * depth + 1`` forwards before the first backward (1:
+    # FTPipe's and PipeDream's depth + 1). A plan whose GPUs hold many stages each needs more: every
+    # hop of a micro-batch's round trip waits behind the other stages on its GPU, and the pipeline
+    # runs at its balance only when the micro-batches in flight cover that round trip (Little's law).
+    in_flight_scale: int = 1
 
     # ---- order
     def tasks(self) -> Iterator[Task]:
@@ -207,7 +219,7 @@ class StageProgram:
             return _order_flush(s, d, M, n)
         if s == "2gw":
             return _order_2gw_g0(M, n) if self.group == 0 else _order_flush("1f1b", d, M, n)
-        return _order_continuous(d, M, n)
+        return _order_continuous(d, M, n, self.in_flight_scale)
 
     def __iter__(self) -> Iterator[Task]:
         return self.tasks()
@@ -220,7 +232,7 @@ class StageProgram:
     def updates_before_forward(self, k: int) -> int:
         M, j = self.micro_batches, k // self.micro_batches
         if self._continuous:
-            return max(0, k - _warm(self.depth, M, self.steps) + 1) // M
+            return max(0, k - _warm(self.depth, M, self.steps, self.in_flight_scale) + 1) // M
         if self._g0:
             return max(0, j - 1)
         return j
@@ -252,7 +264,7 @@ class StageProgram:
 
     @property
     def _continuous(self) -> bool:
-        return self.schedule in ("async", "pipedream", "2bw")
+        return self.schedule in CONTINUOUS
 
     @property
     def _g0(self) -> bool:
@@ -262,7 +274,8 @@ class StageProgram:
     @property
     def adjacent(self) -> bool:
         """Every ``B(k)`` directly follows ``F(k)``: the end of a 1F1B pipeline."""
-        return _shape(self.schedule, self.depth, self.micro_batches, self.group, None, self.advance)[0]
+        return _shape(self.schedule, self.depth, self.micro_batches, self.group, None, self.advance,
+                      self.in_flight_scale)[0]
 
     @property
     def recompute(self) -> bool:
@@ -281,13 +294,15 @@ class StageProgram:
     @property
     def in_flight(self) -> int:
         """The most micro-batches whose forward has run and whose backward has not."""
-        return _shape(self.schedule, self.depth, self.micro_batches, self.group, None, self.advance)[1]
+        return _shape(self.schedule, self.depth, self.micro_batches, self.group, None, self.advance,
+                      self.in_flight_scale)[1]
 
     @property
     def extra_weight_versions(self) -> int:
         """The most weight copies the stage keeps beside its live weights (stashes, and the copies a
         forward kept across an update runs on); see :func:`needs_version`."""
-        return _shape(self.schedule, self.depth, self.micro_batches, self.group, self.recompute, self.advance)[2]
+        return _shape(self.schedule, self.depth, self.micro_batches, self.group, self.recompute, self.advance,
+                      self.in_flight_scale)[2]
 
 
 def needs_version(prog: StageProgram, version: int, next_forward: int | None, oldest_pending: int | None) -> bool:
@@ -306,12 +321,12 @@ def needs_version(prog: StageProgram, version: int, next_forward: int | None, ol
 
 @functools.lru_cache(maxsize=4096)
 def _shape(schedule: str, depth: int, M: int, group: int, recompute: bool | None = None,
-           advance: int = 0) -> tuple[bool, int, int]:
+           advance: int = 0, scale: int = 1) -> tuple[bool, int, int]:
     """``(adjacent, in_flight, extra weight versions)`` of a stage, by replaying its program over enough
     steps to pass the warm-up (the programs are periodic after it)."""
-    # Every micro-batch in flight can carry its own version once 2 (depth + 1) micro-batches ran.
-    steps = (2 * depth + 2) // M + 4
-    prog = StageProgram(-1, schedule, depth, M, steps, group, advance=advance)
+    # Every micro-batch in flight can carry its own version once 2 (scale * depth + 1) micro-batches ran.
+    steps = (2 * scale * depth + 2) // M + 4
+    prog = StageProgram(-1, schedule, depth, M, steps, group, advance=advance, in_flight_scale=scale)
     rc = recompute if recompute is not None else False
     adjacent, last_f = True, None
     pending: list[int] = []           # micro-batches between F and B, oldest first
@@ -352,7 +367,8 @@ def _shape(schedule: str, depth: int, M: int, group: int, recompute: bool | None
 
 def stage_program(schedule: str, stage: int, *, depth: int, micro_batches: int, steps: int,
                   recompute: bool | None = None, group: int = 0,
-                  pipeline_depth: int | None = None, advance: int = 0, advance_fn=None) -> StageProgram:
+                  pipeline_depth: int | None = None, advance: int = 0, advance_fn=None,
+                  in_flight_scale: int = 1) -> StageProgram:
     """The program of one stage.
 
     Args:
@@ -369,6 +385,9 @@ def stage_program(schedule: str, stage: int, *, depth: int, micro_batches: int, 
             can keep to two weight versions.
         advance: ``avgpipe``: forwards run in advance of 1F1B's warm-up (the most, when
             ``advance_fn(step)`` chooses it per step).
+        in_flight_scale: ``async``, ``pipedream``, ``2bw``: forwards before the first backward
+            are ``in_flight_scale * depth + 1`` (see :attr:`StageProgram.in_flight_scale`); the
+            other schedules ignore it.
 
     Raises:
         ScheduleError: unknown schedule, or ``M`` too small for ``2bw``/``2gw``.
@@ -377,25 +396,31 @@ def stage_program(schedule: str, stage: int, *, depth: int, micro_batches: int, 
         raise ScheduleError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if micro_batches < 1 or steps < 1:
         raise ScheduleError(f"need at least one micro-batch and one step (got M={micro_batches}, steps={steps})")
-    deepest = depth if pipeline_depth is None else pipeline_depth
+    if not isinstance(in_flight_scale, int) or in_flight_scale < 1:
+        raise ScheduleError(f"the in-flight scale must be a whole number of at least 1, got {in_flight_scale!r}")
+    scale = in_flight_scale if schedule in CONTINUOUS else 1
+    deepest = scale * (depth if pipeline_depth is None else pipeline_depth)
     if schedule in ("2bw", "2gw") and deepest > micro_batches:
+        more = f" times the in-flight scale {scale}" if scale > 1 else ""
         raise ScheduleError(f"{schedule} keeps two weight versions only when the micro-batches per step "
-                            f"(M={micro_batches}) are at least the pipeline depth ({deepest}); raise "
+                            f"(M={micro_batches}) are at least the pipeline depth{more} ({deepest}); raise "
                             f"--micro-batches to {deepest} or more")
     if advance < 0:
         raise ScheduleError(f"the micro-batches forwarded in advance must be at least 0, got {advance}")
     return StageProgram(stage, schedule, depth, micro_batches, steps, group if schedule == "2gw" else 0,
                         bool(recompute), advance if schedule == "avgpipe" else 0,
-                        advance_fn if schedule == "avgpipe" else None)
+                        advance_fn if schedule == "avgpipe" else None, scale)
 
 
 def stage_programs(schedule: str, depths: dict[int, int], *, micro_batches: int, steps: int,
-                   recompute: bool | None = None, advance: int = 0, advance_fn=None) -> dict[int, StageProgram]:
+                   recompute: bool | None = None, advance: int = 0, advance_fn=None,
+                   in_flight_scale: int = 1) -> dict[int, StageProgram]:
     """Every stage's program, from the stages' depths (stage id -> depth)."""
     groups = groups_2gw(depths)
     deepest = max(depths.values(), default=0)
     return {s: stage_program(schedule, s, depth=d, micro_batches=micro_batches, steps=steps, recompute=recompute,
-                             group=groups[s], pipeline_depth=deepest, advance=advance, advance_fn=advance_fn)
+                             group=groups[s], pipeline_depth=deepest, advance=advance, advance_fn=advance_fn,
+                             in_flight_scale=in_flight_scale)
             for s, d in depths.items()}
 
 
@@ -406,13 +431,19 @@ def flow_window(producer: StageProgram, reader_depth: int) -> int:
     ``d = depth(p) - depth(c)`` stages downstream takes micro-batch ``k - d`` right after its
     backward of ``k - depth(p) - 1``, which precedes the producer's backward of that micro-batch
     and so the producer's ``F(k)``: ``d + 1`` never holds the producer back in steady state.
+    With an in-flight scale ``s`` the reader takes ``k - s d`` by then, so the window is
+    ``s d + 1``. A narrower one would throttle the producer, and that can deadlock: a holder of
+    a tied tensor waits at its update for the producer's backwards, which wait behind the
+    throttled forward, which waits for a reader downstream of that holder (GPT-2's embedding
+    feeding every block; found in simulation).
     Orders that run a whole step's forwards ahead (gpipe, 2gw's G0) get the producer's own
     in-flight count, which its schedule keeps anyway.
     """
     if producer.schedule == "gpipe" or producer._g0:
         return producer.in_flight
     # avgpipe's forwards in advance run that much further ahead of the reader
-    return min(producer.in_flight, max(1, producer.depth - reader_depth + 1 + producer.advance))
+    scale = producer.in_flight_scale
+    return min(producer.in_flight, max(1, scale * (producer.depth - reader_depth) + 1 + producer.advance))
 
 
 def flow_control(edges: dict[tuple[int, int], bool], in_flight: dict[int, int],

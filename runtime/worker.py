@@ -73,7 +73,7 @@ def config_from_args(args, manifest) -> TrainConfig:
                        optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
                        lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
                        clip_grad_norm=args.clip_grad_norm or None, recompute=bool(args.recompute),
-                       tied_lag=bool(args.tied_lag),
+                       tied_lag=bool(args.tied_lag), in_flight_scale=int(getattr(args, "in_flight_scale", None) or 1),
                        weight_prediction=bool(args.weight_prediction), seed=args.seed,
                        dropout=not args.no_dropout, timeout_s=args.timeout, total_steps=args.steps,
                        nonfinite=args.on_nonfinite or "stop", advance=_avgpipe.resolved(args)[1] if args.schedule == "avgpipe" else 0,

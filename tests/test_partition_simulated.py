@@ -33,10 +33,12 @@ def test_compile_chooses_the_best_simulated_plan_and_reports_both_figures(seed, 
         row = r.row()
         assert row["objective_ms"] is not None and row["simulated_period_ms"] is not None
         assert row["objective_ms"] == pytest.approx(evaluate(problem, r.plan).objective_ms, rel=1e-6)
-    # an independent loop: simulate every plan afresh, keep the highest throughput (ties: lower objective)
+    # an independent loop: simulate every plan afresh (at the in-flight scale its row was priced at,
+    # tuned where a GPU holds several stages: tests/test_inflight.py), keep the highest throughput
+    # (ties: lower objective)
     scored = []
     for r in feasible:
-        sim = simulate(problem, r.plan)
+        sim = simulate(replace(problem, in_flight_scale=r.in_flight_scale), r.plan)
         assert sim.period_ms == pytest.approx(r.row()["simulated_period_ms"], rel=1e-6)
         scored.append((-sim.throughput_samples_per_s, evaluate(problem, r.plan).objective_ms, r.name))
     best = min(scored)

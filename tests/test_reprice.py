@@ -205,6 +205,30 @@ def test_no_tied_lag_is_recorded_taken_and_priced(tmp_path, capsys):
     assert sum(r.gpu_peak) > sum(doc["simulation"]["gpu_peak_memory"])
 
 
+def test_in_flight_scale_is_recorded_taken_and_priced(tmp_path):
+    """--in-flight-scale 2 (async): plan.json and the package record it, the run takes it, its report
+    names it, and a run at scale 1 is priced again with that change alone."""
+    from ftcompile.reprice import of_run, planned, reprice
+
+    out = tmp_path / "k2"
+    assert main(["compile", "gpt2-tiny", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "-q",
+                 "-o", str(out), "--schedule", "async", "--in-flight-scale", "2"]) == 0
+    doc = load_plan_file(out / "plan.json")
+    assert doc["in_flight_scale"] == 2 and doc["package"]["in_flight_scale"] == 2
+    assert doc["strategies"][0]["in_flight_scale"] == 2
+    assert "in-flight scale 2" in (out / "report.md").read_text()
+    args, _ = _resolved(out)
+    assert args.in_flight_scale == 2 and reprice(out, planned(_manifest(out)), of_run(args)) is None
+    args, _ = _resolved(out, "--in-flight-scale", "1")
+    r = reprice(out, planned(_manifest(out)), of_run(args))
+    assert [c[0] for c in r.changed] == ["in_flight_scale"]
+    # under a schedule with a flush the scale means nothing, so a run of 1f1b is not priced for it
+    args, _ = _resolved(out, "--schedule", "1f1b")
+    assert "in_flight_scale" not in [c[0] for c in reprice(out, planned(_manifest(out)), of_run(args)).changed]
+    assert main(["compile", "gpt2-tiny", "--gpus", "2", "-q", "-o", str(tmp_path / "bad"), "--in-flight-scale", "0"]) != 0
+    assert not (tmp_path / "bad").exists()
+
+
 def _uniform_need(out, *extra) -> int:
     """The most memory a GPU needs (evaluate's figure, which decides fitting) in gpt2-tiny's uniform
     split on 2 GPUs under async: the split does not depend on the memory, only whether it fits."""

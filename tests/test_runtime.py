@@ -168,6 +168,8 @@ def cli_args(cfg: TrainConfig, pkg: Path, tmp: Path, nproc: int = 2) -> list[str
         a.append("--weight-prediction")
     if not cfg.tied_lag:
         a.append("--no-tied-lag")
+    if cfg.in_flight_scale != 1:
+        a += ["--in-flight-scale", str(cfg.in_flight_scale)]
     if cfg.optimizer == "momentum":
         a += ["--momentum", repr(cfg.momentum)]
     return a
@@ -193,6 +195,19 @@ def assert_engine_matches_reference(pkg, cfg: TrainConfig, steps: int) -> None:
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_engine_in_one_process_matches_reference(packages, schedule):
     assert_engine_matches_reference(load_package(packages["interleaved"]), cfg_for(schedule), 3)
+
+
+@pytest.mark.parametrize("schedule", ["async", "pipedream"])
+def test_in_flight_scale_runs_as_its_reference_and_changes_the_versions(packages, schedule):
+    """Two stages per GPU at scale 2: the engine keeps up to 2 depth + 1 micro-batches in flight and
+    trains as the reference of those programs; the weights differ from scale 1's (staler forwards)."""
+    pkg = load_package(packages["interleaved"])
+    cfg = cfg_for(schedule, micro_batches=2, steps=4, in_flight_scale=2)
+    assert_engine_matches_reference(pkg, cfg, 4)
+    data = lambda: load_dataset("synthetic", pkg.manifest, micro_batches=2, seed=cfg.seed)  # noqa: E731
+    two = reference_train(pkg, data(), cfg, 4).weights
+    one = reference_train(pkg, data(), dataclasses.replace(cfg, in_flight_scale=1), 4).weights
+    assert any(rel_error(two[s][n], one[s][n]) > 1e-4 for s in two for n in two[s])
 
 
 # --------------------------------------------------------------------------- several processes
@@ -230,6 +245,14 @@ def assert_run_matches_reference(pkg: Path, cfg: TrainConfig, tmp: Path) -> None
 def test_asynchronous_schedules_match_their_reference(packages, tmp_path, schedule):
     pkg = packages["interleaved"]
     cfg = cfg_for(schedule, micro_batches=4, steps=4)
+    r = run_cli(*cli_args(cfg, pkg, tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert_run_matches_reference(pkg, cfg, tmp_path)
+
+
+def test_in_flight_scale_across_ranks_matches_its_reference(packages, tmp_path):
+    pkg = packages["interleaved"]
+    cfg = cfg_for("async", micro_batches=2, steps=4, in_flight_scale=3)
     r = run_cli(*cli_args(cfg, pkg, tmp_path))
     assert r.returncode == 0, r.stderr
     assert_run_matches_reference(pkg, cfg, tmp_path)

@@ -24,11 +24,12 @@ def _programs():
                 for steps in (1, 2, 5):
                     for group in (0, 1):
                         for rc in (False, True):
-                            try:
-                                yield stage_program(sched, 0, depth=depth, micro_batches=M, steps=steps,
-                                                    group=group, recompute=rc)
-                            except ScheduleError:
-                                pass
+                            for scale in (1, 2, 3):
+                                try:
+                                    yield stage_program(sched, 0, depth=depth, micro_batches=M, steps=steps,
+                                                        group=group, recompute=rc, in_flight_scale=scale)
+                                except ScheduleError:
+                                    pass
 
 
 def test_closed_form_versions_agree_with_the_orders():
@@ -118,13 +119,14 @@ def test_memory_figures_are_what_the_orders_hold(sched):
         for M in (1, 2, 4, 6):
             for rc in (False, True):
                 for group in (0, 1):
-                    try:
-                        p = stage_program(sched, 0, depth=depth, micro_batches=M, steps=(2 * depth + 2) // M + 6,
-                                          recompute=rc, group=group)
-                    except ScheduleError:
-                        continue
-                    assert p.in_flight == _replay_in_flight(p), (depth, M, rc, group)
-                    assert p.extra_weight_versions == _replay_versions_held(p), (depth, M, rc, group)
+                    for scale in (1, 3):
+                        try:
+                            p = stage_program(sched, 0, depth=depth, micro_batches=M, recompute=rc, group=group,
+                                              steps=(2 * scale * depth + 2) // M + 6, in_flight_scale=scale)
+                        except ScheduleError:
+                            continue
+                        assert p.in_flight == _replay_in_flight(p), (depth, M, rc, group, scale)
+                        assert p.extra_weight_versions == _replay_versions_held(p), (depth, M, rc, group, scale)
 
 
 def test_in_flight_of_the_classic_schedules():
@@ -140,6 +142,32 @@ def test_in_flight_of_the_classic_schedules():
     # 2bw: one shadow version; keeping activations also costs the copy the newest forwards run on
     assert stage_program("2bw", 0, depth=3, micro_batches=4, steps=4, recompute=True).extra_weight_versions == 1
     assert stage_program("2bw", 0, depth=3, micro_batches=4, steps=4).extra_weight_versions == 2
+
+
+def test_the_in_flight_scale_stretches_the_warm_up_of_the_continuous_schedules_only():
+    """``s * depth + 1`` forwards before the first backward, counted from the order itself; the
+    staleness grows with it; the flush schedules and the last stage are untouched."""
+    for sched in ("async", "pipedream", "2bw"):
+        for depth in range(4):
+            for s in (1, 2, 3):
+                M = 16 if sched == "2bw" else 2
+                p = stage_program(sched, 0, depth=depth, micro_batches=M, steps=8, in_flight_scale=s)
+                tasks = list(p.tasks())
+                warm = next(i for i, t in enumerate(tasks) if t.kind == "B")
+                assert warm == s * depth + 1 == p.in_flight
+                assert p.adjacent == (depth == 0)
+    # async: micro-batch k's forward sees the updates closed before it; with M = 2 a stage of depth
+    # 3 at scale 2 runs F(9) after B(2) only: one update, where scale 1 has run B(5) and three
+    assert stage_program("async", 0, depth=3, micro_batches=2, steps=8, in_flight_scale=2).forward_version(9) == 1
+    assert stage_program("async", 0, depth=3, micro_batches=2, steps=8).forward_version(9) == 3
+    for sched in ("gpipe", "1f1b", "2gw", "avgpipe"):
+        a = stage_program(sched, 0, depth=2, micro_batches=4, steps=3, in_flight_scale=3)
+        assert list(a.tasks()) == list(stage_program(sched, 0, depth=2, micro_batches=4, steps=3).tasks())
+    # 2bw keeps two versions only while M covers the stretched depth
+    with pytest.raises(ScheduleError, match="in-flight scale 2"):
+        stage_program("2bw", 0, depth=3, micro_batches=4, steps=2, in_flight_scale=2)
+    with pytest.raises(ScheduleError, match="in-flight scale"):
+        stage_program("async", 0, depth=3, micro_batches=4, steps=2, in_flight_scale=0)
 
 
 def test_the_last_stage_rule_is_one_rule():

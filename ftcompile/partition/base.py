@@ -520,10 +520,11 @@ def working_set_bounds(problem: Problem, ids: list[int]) -> tuple[np.ndarray, np
 
 # --------------------------------------------------------------------------- staleness
 
-def staleness_updates(schedule: str, depth: int, micro_batches: int) -> float:
+def staleness_updates(schedule: str, depth: int, micro_batches: int, in_flight_scale: int = 1) -> float:
     """How many optimizer updates old the weights are that a stage of ``depth`` computes with.
 
-    A stage of depth ``d`` runs its forward ``d`` micro-batches ahead of its backward.
+    A stage of depth ``d`` runs its forward ``d`` micro-batches ahead of its backward
+    (``s * d`` with an in-flight scale ``s``, :attr:`~ftcompile.plan.Problem.in_flight_scale`).
     Under ``async`` (FTPipe) and ``pipedream`` no flush holds the others back, so by
     the time its gradient is applied, ``d / M`` updates (``M`` micro-batches each)
     have happened since the weights its micro-batch saw: 29 stages deep at ``M = 4``
@@ -531,7 +532,7 @@ def staleness_updates(schedule: str, depth: int, micro_batches: int) -> float:
     the previous version (1); ``2gw`` one version behind for its group G0 (1).
     """
     if schedule in ("async", "pipedream"):
-        return depth / max(1, micro_batches)
+        return in_flight_scale * depth / max(1, micro_batches)
     if schedule in ("2bw", "2gw"):
         return 1.0
     return 0.0
