@@ -68,7 +68,7 @@ def test_tuning_stops_where_more_in_flight_does_not_fit(stacked):
 
 def test_no_tuning_where_the_scale_cannot_help(stacked):
     problem, plan = stacked
-    # one stage per GPU: depth + 1 covers the round trip
+    # one stage per GPU: depth + 1 covers the round trip (but for the transfers): not tuned
     single = _round_robin(problem, problem.num_gpus)
     assert not stacks_stages(single) and tune_in_flight(problem, single).tries == []
     # a schedule with a flush has no warm-up to stretch
