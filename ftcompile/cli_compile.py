@@ -327,6 +327,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
         from .avgpipe import format_tuning, problem_advance, tune_for_compile
 
+        from .runtime.schedules import CONTINUOUS
+
+        if isinstance(args.in_flight_scale, int) and args.in_flight_scale > 1 and args.schedule not in CONTINUOUS:
+            ui.note(f"warning: --in-flight-scale does nothing under --schedule {args.schedule} (it stretches the "
+                    f"warm-up of {', '.join(CONTINUOUS)}); the plan records 1")
+            args.in_flight_scale = 1
         problem = Problem(graph, prof, cluster, schedule=args.schedule, micro_batches=args.micro_batches,
                           recompute=args.recompute, advance=problem_advance(args),
                           weight_prediction=_predicts(args, ui), clip_grad_norm=args.clip_grad_norm or None,

@@ -855,7 +855,7 @@ def generate(graph: OpGraph, doc: dict, weights: WeightSource, *, name: str | No
         recompute=doc.get("recompute"), optimizer=(doc.get("profile") or {}).get("optimizer", "adam"),
         weight_prediction=bool(doc.get("weight_prediction")), clip_grad_norm=doc.get("clip_grad_norm"),
         on_nonfinite=doc.get("on_nonfinite") or "stop", tied_lag=bool(doc.get("tied_lag", True)),
-        in_flight_scale=int(doc.get("in_flight_scale") or 1),
+        in_flight_scale=doc.get("in_flight_scale", 1),
         stages=specs, values=values, params=params, inputs=inputs, outputs=list(graph.outputs),
         loss=graph.loss, loss_stage=loss_stage, random_ops=len(keys),
         dropout_ops=sum(1 for k in keys.values() if k < OTHER_RANDOM_KEYS),

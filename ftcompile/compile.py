@@ -643,7 +643,7 @@ def problem_from_doc(doc: dict, graph, prof, *, schedule: str | None = None, mic
                    clip_grad_norm=doc.get("clip_grad_norm") if clip_grad_norm is None else clip_grad_norm,
                    on_nonfinite=on_nonfinite or doc.get("on_nonfinite") or "stop",
                    tied_lag=bool(doc.get("tied_lag", True) if tied_lag is None else tied_lag),
-                   in_flight_scale=int(doc.get("in_flight_scale") or 1) if in_flight_scale is None else in_flight_scale,
+                   in_flight_scale=doc.get("in_flight_scale", 1) if in_flight_scale is None else in_flight_scale,
                    replicas=int(lay.get("replicas") or 1), ring_bandwidth=tuple(ring) if ring else None)
 
 

@@ -104,7 +104,7 @@ def tune_in_flight(problem: Problem, plan: Plan, *, scales: tuple[int, ...] = SC
     best: InFlightTry | None = None
     idle = 0
     t0 = time.perf_counter()
-    for s in [k for k in scales if k >= start] or [start]:
+    for s in [start] + [k for k in scales if k > start]:
         try:
             pb = replace(problem, in_flight_scale=s)
             cost = evaluate(pb, plan)

@@ -131,7 +131,7 @@ class Problem:
             raise PlanError(f"replicas must be at least 1, got {self.replicas}")
         if self.on_nonfinite not in ("stop", "skip"):
             raise PlanError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
-        if not isinstance(self.in_flight_scale, int) or self.in_flight_scale < 1:
+        if isinstance(self.in_flight_scale, bool) or not isinstance(self.in_flight_scale, int) or self.in_flight_scale < 1:
             raise PlanError(f"the in-flight scale must be a whole number of at least 1, got {self.in_flight_scale!r}")
 
     def allreduce_ms(self, gpu: int, nbytes: int) -> float:

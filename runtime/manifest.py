@@ -379,7 +379,7 @@ class Manifest:
                 weight_prediction=bool(d.get("weight_prediction", False)),
                 clip_grad_norm=None if d.get("clip_grad_norm") is None else float(d["clip_grad_norm"]),
                 on_nonfinite=str(d.get("on_nonfinite") or "stop"), tied_lag=bool(d.get("tied_lag", True)),
-                in_flight_scale=int(d.get("in_flight_scale") or 1),
+                in_flight_scale=d.get("in_flight_scale", 1),
             )
             m.check(where)
         except ManifestError:
@@ -399,7 +399,8 @@ class Manifest:
                                                          not self.clip_grad_norm > 0):
             raise ManifestError(f"{where}: the planned run settings are corrupt (on_nonfinite "
                                 f"{self.on_nonfinite!r}, clip_grad_norm {self.clip_grad_norm!r})")
-        if not isinstance(self.in_flight_scale, int) or self.in_flight_scale < 1:
+        if isinstance(self.in_flight_scale, bool) or not isinstance(self.in_flight_scale, int) or \
+                self.in_flight_scale < 1:
             raise ManifestError(f"{where}: the planned in-flight scale {self.in_flight_scale!r} is not a whole "
                                 "number of at least 1; regenerate the package with `ftcompile compile`")
         graph_inputs = {i.value for i in self.inputs}

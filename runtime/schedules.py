@@ -396,7 +396,7 @@ def stage_program(schedule: str, stage: int, *, depth: int, micro_batches: int, 
         raise ScheduleError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if micro_batches < 1 or steps < 1:
         raise ScheduleError(f"need at least one micro-batch and one step (got M={micro_batches}, steps={steps})")
-    if not isinstance(in_flight_scale, int) or in_flight_scale < 1:
+    if isinstance(in_flight_scale, bool) or not isinstance(in_flight_scale, int) or in_flight_scale < 1:
         raise ScheduleError(f"the in-flight scale must be a whole number of at least 1, got {in_flight_scale!r}")
     scale = in_flight_scale if schedule in CONTINUOUS else 1
     deepest = scale * (depth if pipeline_depth is None else pipeline_depth)
@@ -404,7 +404,7 @@ def stage_program(schedule: str, stage: int, *, depth: int, micro_batches: int, 
         more = f" times the in-flight scale {scale}" if scale > 1 else ""
         raise ScheduleError(f"{schedule} keeps two weight versions only when the micro-batches per step "
                             f"(M={micro_batches}) are at least the pipeline depth{more} ({deepest}); raise "
-                            f"--micro-batches to {deepest} or more")
+                            f"--micro-batches to {deepest} or more" + (" or lower --in-flight-scale" if scale > 1 else ""))
     if advance < 0:
         raise ScheduleError(f"the micro-batches forwarded in advance must be at least 0, got {advance}")
     return StageProgram(stage, schedule, depth, micro_batches, steps, group if schedule == "2gw" else 0,

@@ -96,3 +96,26 @@ def test_compile_prices_each_stacked_plan_at_its_scale_and_records_the_chosen_on
     # without tuning every row is priced at the problem's scale
     plain = compile_plan(problem, ["mixed"], jobs=1, time_limit=5, tune_in_flight=False)
     assert all(r.in_flight_scale == 1 and r.in_flight is None for r in plain.results if r.feasible)
+
+
+def test_2bw_plans_stay_within_the_depth_its_scale_allows():
+    """2bw keeps two weight versions only while M covers s x depth: the strategies are capped at
+    M // s + 1 stages, so they search shallower plans instead of failing at the schedule."""
+    from ftcompile.partition import run_strategy
+    from ftcompile.runtime.schedules import ScheduleError, stage_program
+
+    problem = replace(branchy_problem(0, blocks=4, gpus=4, schedule="2bw"), micro_batches=4, in_flight_scale=2)
+    plan = run_strategy("mixed", problem, time_budget_s=3)
+    assert len(plan.stages) <= 4 // 2 + 1
+    assert evaluate(problem, plan).feasible
+    with pytest.raises(ScheduleError, match="lower --in-flight-scale"):
+        stage_program("2bw", 0, depth=3, micro_batches=4, steps=1, in_flight_scale=2)
+
+
+def test_a_bad_scale_is_refused_by_name():
+    from ftcompile.plan import PlanError, Problem
+
+    problem = branchy_problem(0)
+    for bad in (0, 2.5, True, "2"):
+        with pytest.raises(PlanError, match="in-flight scale"):
+            Problem(problem.graph, problem.profile, problem.cluster, in_flight_scale=bad)

@@ -227,6 +227,13 @@ def test_in_flight_scale_is_recorded_taken_and_priced(tmp_path):
     assert "in_flight_scale" not in [c[0] for c in reprice(out, planned(_manifest(out)), of_run(args)).changed]
     assert main(["compile", "gpt2-tiny", "--gpus", "2", "-q", "-o", str(tmp_path / "bad"), "--in-flight-scale", "0"]) != 0
     assert not (tmp_path / "bad").exists()
+    # a package whose recorded scale is not a whole number of at least 1 is refused by name
+    from ftcompile.runtime.manifest import Manifest, ManifestError
+
+    for bad in (0, 1.5, False):
+        pkg = dict(doc["package"], in_flight_scale=bad)
+        with pytest.raises(ManifestError, match="in-flight scale"):
+            Manifest.from_json(pkg)
 
 
 def _uniform_need(out, *extra) -> int:

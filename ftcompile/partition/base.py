@@ -77,8 +77,10 @@ def run_strategy(name: str, problem: Problem, **options) -> Plan:
 
     fn = get_strategy(name)
     if problem.schedule in ("2bw", "2gw") and "max_stages" in inspect.signature(fn).parameters:
-        # two weight versions hold only for a pipeline no deeper than M: at most M + 1 stages
-        options["max_stages"] = min(options.get("max_stages") or (1 << 30), problem.micro_batches + 1)
+        # two weight versions hold only for a pipeline no deeper than M (M / s with 2bw's
+        # in-flight scale s): at most that + 1 stages
+        scale = problem.in_flight_scale if problem.schedule == "2bw" else 1
+        options["max_stages"] = min(options.get("max_stages") or (1 << 30), problem.micro_batches // scale + 1)
     try:
         plan = fn(problem, **options)
         plan = ordered(plan, problem.graph)

@@ -253,7 +253,8 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
         S = stages or min(problem.num_gpus, max_stages or problem.num_gpus, N)
         params = format_bytes(int(seq.param_total.sum()))
         acts = format_bytes(int(seq.activation_bytes.sum()))
-        k_in = MemoryModel.of(problem).in_flight_max(min(S - 1, problem.micro_batches))
+        k_in = MemoryModel.of(problem).in_flight_max(min(S - 1, problem.micro_batches // problem.in_flight_scale
+                                                         if problem.schedule == "2bw" else problem.micro_batches))
         # the DP on every node, or the MIP, proved it
         proven_none = dp_proved_none or any(x.get("method") == "MIP" and x.get("result") == "no split fits"
                                             for x in searches)
