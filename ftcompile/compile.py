@@ -81,6 +81,10 @@ class StrategyResult:
             "simulated_period_ms": round(period, 6) if period is not None else None,
             "throughput": round(self.sim["throughput_samples_per_s"], 6) if self.sim else None,
             "bubble_fraction": round(self.sim["bubble_fraction"], 6) if self.sim else None,
+            # False: no periodic state showed, and the period is the mean over the steps measured
+            "simulated_steady": self.sim["steady"] if self.sim else None,
+            **({"simulated_steps": [self.sim["warmup_steps"], self.sim["warmup_steps"] + self.sim["cyclicity"]]}
+               if self.sim and not self.sim["steady"] else {}),
             "efficiency": round(c.efficiency, 6) if c else None,
             "bound_ms": round(b["ms"], 6) if c and b else None,
             "bound_covers": b["covers"] if c and b else None,
@@ -831,6 +835,9 @@ def _row_note(r: dict) -> str:
     """What a strategy proved about its own space (seq, exact), in a few words, and the in-flight
     scale its plan was priced at where compile tuned it above 1."""
     note = _proof_note(r)
+    if r.get("simulated_steps"):
+        a, b = r["simulated_steps"]
+        note += ("; " if note else "") + f"simulated: no periodic state, the mean of steps {a} to {b - 1}"
     tuned = r.get("in_flight_tuning") or {}
     if tuned.get("chosen", 1) > 1:
         first = tuned["tries"][0]

@@ -761,6 +761,7 @@ class _Sim:
         self.L = max((ends[1] - ends[0]) / (J - a), work)
         self.window = (ends[1] - self.L * (J - a), ends[1])
         self.cyc = J - a
+        self.measured_steps = (a + 1, J + 1)
         self.steady = False
 
     # ---------------------------------------------------------------- result

@@ -47,11 +47,13 @@ def traced(name: str, **options):
 
 
 def package_for(tmp: Path, name: str, strategy: str, gpus: int = 3, schedule: str = "async",
-                gpu_memory: str | None = None, **options) -> Path:
-    """Compile ``name`` with ``strategy`` for ``gpus`` CPU workers and write its package into ``tmp``."""
+                gpu_memory: str | None = None, simulate: bool = True, **options) -> Path:
+    """Compile ``name`` with ``strategy`` for ``gpus`` CPU workers and write its package into ``tmp``
+    (``simulate=False``: the plan of lowest objective, not the fastest in simulation)."""
     built, graph, prof = traced(name, **options)
     cluster = load_cluster("2xcpu").with_overrides(gpus=gpus, gpu_memory=gpu_memory)
-    result = compile_plan(Problem(graph, prof, cluster, schedule=schedule, micro_batches=4), strategy, jobs=1)
+    result = compile_plan(Problem(graph, prof, cluster, schedule=schedule, micro_batches=4), strategy, jobs=1,
+                          simulate_plans=simulate)
     assert result.chosen is not None, [(r.name, r.reason) for r in result.results]
     doc = plan_document(result, model=graph.source)
     write_package(generate(graph, doc, weight_source(built.model, graph)), doc, tmp)
@@ -131,8 +133,9 @@ def test_non_adjacent_stages_per_gpu_and_tied_weights_across_gpus(tmp_path, name
 
 
 def test_mixed_strategy_gives_non_adjacent_stages_somewhere(tmp_path):
-    # eager attention: its heavier attention nodes are what makes Mixed-pipe pair stages here
-    path = package_for(tmp_path, "gpt2-tiny", "mixed", gpus=4, attention="eager")
+    # Mixed-pipe's plan of lowest objective on 3 GPUs: 4 stages, the first and the last (the tied
+    # embedding and lm_head) on one GPU. (On 4 GPUs its best is the convex split, one stage each.)
+    path = package_for(tmp_path, "gpt2-tiny", "mixed", gpus=3, attention="eager", simulate=False)
     m = load_package(path).manifest
     per_gpu = [sorted(s.id for s in m.stages_on(g)) for g in range(m.num_gpus)]
     assert any(len(ids) > 1 and any(b - a > 1 for a, b in zip(ids, ids[1:])) for ids in per_gpu), per_gpu

@@ -363,5 +363,23 @@ def test_busy_time_is_counted_when_no_steady_state_shows():
     res = simulate(pb, one_per_gpu(3), steps=3, max_steps=4, keep_events=1)
     assert not res.steady
     assert res.period_ms == pytest.approx(5.0, abs=1e-6)
+    assert (res.warmup_steps, res.cyclicity) == (2, 2)        # steps 2 and 3 measured, the second half
     assert res.gpu_utilisation == pytest.approx([2 / 5, 1.0, 2 / 5], abs=1e-6)
     assert res.bubble_fraction == pytest.approx(1 - (2 + 5 + 2) / 15, abs=1e-6)
+
+
+def test_a_period_without_a_periodic_state_says_so_in_the_plan_table():
+    """A row whose replay found no periodic state carries the steps its mean spans, and the
+    report's note says it; a steady row carries neither."""
+    from ftcompile.compile import StrategyResult, _row_note
+
+    costs = [(1.0, 1.0, 0.0), (2.0, 3.0, 0.0), (1.0, 1.0, 0.0)]
+    pb = problem(make_graph(3), costs, 3, "pipedream", 4)
+    plan = one_per_gpu(3)
+    short = simulate(pb, plan, steps=3, max_steps=4)
+    row = StrategyResult("seq", True, None, plan, evaluate(pb, plan), short.to_json(events=False)).row()
+    assert row["simulated_steady"] is False and row["simulated_steps"] == [2, 4]
+    assert "no periodic state, the mean of steps 2 to 3" in _row_note(row)
+    steady = StrategyResult("seq", True, None, plan, evaluate(pb, plan), simulate(pb, plan).to_json(events=False)).row()
+    assert steady["simulated_steady"] is True and "simulated_steps" not in steady
+    assert "periodic" not in _row_note(steady)
