@@ -102,9 +102,12 @@ def stage_cap(problem: Problem, max_stages: int | None) -> int:
 # --------------------------------------------------------------------------- choosing by simulation
 
 def simulated_choice(problem: Problem, finals: list[tuple[float, Plan]], top: int,
-                     tie: float | None = None, time_limit: float | None = None) -> tuple[Plan, Plan]:
+                     tie: float | None = None, time_limit: float | None = None,
+                     extra: list[tuple[float, Plan]] = ()) -> tuple[Plan, Plan]:
     """``(lowest, fastest)`` among ``finals`` (``(objective, plan)`` pairs), each of the ``top``
-    distinct plans of lowest objective simulated once.
+    distinct plans of lowest objective simulated once, and each of ``extra`` (plans a little
+    above the lowest objective in fewer stages, which may run faster: exact's relaxed
+    solves for fewer stages) whatever its rank.
 
     The objective (FTPipe Eq. 1, the largest GPU load) ignores the waits between stages that
     the schedule's dependencies impose, most of all when a GPU runs several stages; only the
@@ -144,6 +147,11 @@ def simulated_choice(problem: Problem, finals: list[tuple[float, Plan]], top: in
             picked.append((obj, plan))
         if len(picked) == top:
             break
+    for obj, plan in extra:
+        key = plan_key(plan)
+        if key not in seen:
+            seen.add(key)
+            picked.append((obj, plan))
     scored = []
     t0 = None
     skipped = 0
@@ -218,7 +226,8 @@ def with_alternative(plan: Plan, fastest: Plan) -> Plan:
     plan.info["simulated_alternative"] = {
         "stages": [[int(s.gpu), [int(n) for n in s.nodes]] for s in fastest.stages],
         "simulated_period_ms": round(float(period), 6),
-        **{k: fastest.info[k] for k in ("simulated_candidates", "simulated_refinement", "simulated_skipped")
+        **{k: fastest.info[k] for k in ("simulated_candidates", "simulated_refinement", "simulated_skipped",
+                                        "source", "plan_source")
            if k in fastest.info}}
     return plan
 

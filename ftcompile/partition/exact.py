@@ -49,7 +49,16 @@ until the time limit. The bound reported over every plan is the first solve's;
 a later one (``bound_uncut_ms``) leaves out the other stagings of the
 assignments cut off. In ``mixed`` space a second solve then keeps ``T`` at most
 the best plan's value and minimises the block edges between GPUs
-(:func:`_fewer_cuts`): the same MIP value in, usually, fewer stages.
+(:func:`_fewer_cuts`): the same MIP value in, usually, fewer stages. Further
+solves let ``T`` rise a little (:data:`RELAXED_SLACKS`) and minimise the runs
+of consecutive blocks on one GPU (the stages) instead: plans of a slightly
+higher objective and far fewer stages, which often run faster than the optimum,
+whose stages wait on one another (BERT-6's operator graph on 6 GPUs at 1.2 x
+memory: the optimum, 43.15 ms in 156 stages, simulates at 1.136 of it, 1.072
+with 3 x the micro-batches in flight; 5 % of slack gave 45.07 in 20 stages, 1.000
+in simulation). They are candidates
+for the fastest plan in simulation only (compile's row ``exact-sim``): what
+exact returns, its bound and "optimal" speak of its lowest objective.
 """
 
 from __future__ import annotations
@@ -70,8 +79,19 @@ SPACES = ("seq", "mixed")
 #: How a mixed-space assignment is staged for pricing (:func:`plan_from_assignment`'s ``merge``):
 #: runs of consecutive blocks merged, runs unmerged, Mixed-pipe's merging, and connected components.
 STAGINGS = (True, False, "all", "components")
-#: Share of exact's mixed-space time left to its second solve, for fewer stages (:func:`_fewer_cuts`).
-FEWER_CUTS_SHARE = 0.25
+#: Share of exact's mixed-space time left to its solves for fewer stages (:func:`_fewer_cuts`).
+FEWER_CUTS_SHARE = 0.4
+#: How far above the best plan's MIP value the relaxed solves for fewer stages let it rise (shares
+#: of it). A plan of many stages per GPU simulates 3 to 10 % above its objective
+#: (benchmarks/README.md), so one a few per cent above it in few stages can be the faster.
+RELAXED_SLACKS = (0.02, 0.05)
+#: Share of :data:`FEWER_CUTS_SHARE`'s time the solve at the best plan's own value takes; the
+#: relaxed solves split the rest.
+TIGHT_SHARE = 1 / 3
+#: Stagings of each relaxed solve's assignment kept as candidates (those of fewest stages).
+RELAXED_KEEP = 2
+#: Seconds below which a solve for fewer stages is not started.
+MIN_SOLVE_S = 0.25
 
 
 @dataclass
@@ -232,7 +252,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
                     comm: bool = True, mip_rel_gap: float = 1e-6, max_rounds: int = 20,
                     warm_start: bool = True, max_candidates: int = 20, max_stages: int | None = None,
                     simulate_top: int = 4, max_variables: int = 300_000, warm_plan: Plan | None = None,
-                    fewer_cuts: bool = True) -> Plan:
+                    fewer_cuts: bool = True, relaxed_slacks: tuple[float, ...] = RELAXED_SLACKS) -> Plan:
     """The plan minimising the largest GPU load, by MIP (HiGHS), with the solver's proven bound.
 
     Parameters
@@ -268,10 +288,17 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         The returned plan is always simulated; the others, by stage count, get
         :data:`~ftcompile.partition.base.SIMULATION_SHARE` of ``time_limit`` after it.
     fewer_cuts:
-        In ``mixed`` space, a second solve (the last :data:`FEWER_CUTS_SHARE` of ``time_limit``)
-        keeps the MIP's value at most the best plan's and minimises the block edges between GPUs,
-        which usually leaves fewer stages (:func:`_fewer_cuts`; not a stage count the MIP sees; on
-        a tie the plan with fewer crossings wins).
+        In ``mixed`` space, a second solve (a third of the last :data:`FEWER_CUTS_SHARE` of
+        ``time_limit``) keeps the MIP's value at most the best plan's and minimises the block
+        edges between GPUs, which usually leaves fewer stages (:func:`_fewer_cuts`; on a tie the
+        plan with fewer crossings wins). Then, with the value allowed to rise by each of
+        ``relaxed_slacks`` (shares of it), solves for fewest runs of blocks on one GPU (stages):
+        those plans are simulated beside the best
+        few (``simulate_top``) as candidates for the fastest only; with ``simulate_top=0`` the
+        returned plan lists them as ``info["relaxed_candidates"]`` (``stages``: ``[gpu, nodes]``
+        pairs, ``objective_ms``, ``source``) for the caller to simulate (Mixed-pipe does).
+    relaxed_slacks:
+        See ``fewer_cuts`` (:data:`RELAXED_SLACKS`; ``()``: none).
     max_variables:
         A model larger than this is refused (:class:`Infeasible`) before it is built.
 
@@ -326,6 +353,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     # that fits, while time lasts: its bound then covers every plan but the other stagings of
     # the assignments cut off (info["bound_space"] says so).
     kept: list[tuple] = []
+    relaxed: list[tuple] = []       # plans a little above the best, in fewer stages (_fewer_cuts)
     if warm is not None:
         plan, cost, mip_value = warm
         if cost.feasible:
@@ -404,10 +432,10 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
                     or not (lazy or misfit)):
                 if space == "mixed" and fewer_cuts and P > 1:
                     left = time_limit - (time.perf_counter() - t0)
+                    tight, relaxed = _fewer_cuts(problem, mip, blocks, found, left, max_stages, relaxed_slacks)
                     # (first: on a tie with the plan it started from, the one with fewer crossings)
-                    found = _best_few(_fewer_cuts(problem, mip, blocks, found, left, max_stages) + found,
-                                      max(simulate_top, 1))
-                best, fastest = _pick(problem, found, simulate_top, sim_limit)
+                    found = _best_few(tight + found, max(simulate_top, 1))
+                best, fastest = _pick(problem, found, simulate_top, sim_limit, extra=relaxed)
                 break
         # Cut these assignments off: in each, at least one block must move.
         for gpu_of in tried:
@@ -478,6 +506,11 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     plan.info.update(simulated)
     if fastest is not None:
         with_alternative(plan, fastest)
+    elif relaxed and simulate_top <= 0:
+        # not simulated here: the caller (Mixed-pipe) simulates them among its own candidates
+        plan.info["relaxed_candidates"] = [
+            {"stages": [[int(st.gpu), [int(n) for n in st.nodes]] for st in p.stages],
+             "objective_ms": round(c.objective_ms, 9), "source": src} for p, c, _v, src in _best_few(relaxed, len(relaxed))]
     return plan
 
 
@@ -1280,8 +1313,9 @@ def _quiet_fd1():
 
 
 def _fewer_cuts(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple], time_limit: float,
-                max_stages: int | None) -> list[tuple]:
-    """Plans as good as the best plan of ``found`` by the MIP's measure, with fewer stages.
+                max_stages: int | None, slacks: tuple[float, ...] = RELAXED_SLACKS) -> tuple[list, list]:
+    """Plans as good as the best plan of ``found`` by the MIP's measure, with fewer stages; and
+    plans at most ``slacks`` above it, with fewer still.
 
     Many assignments share the MIP's optimum: only the busiest GPU's load is tight, and the
     solver's choice among the others scatters blocks over GPUs, so that the assignment makes
@@ -1290,11 +1324,26 @@ def _fewer_cuts(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple],
     solve keeps the MIP's value at most that plan's (``T <= its value``, or its objective for a
     plan from elsewhere, the warm start: the MIP is a relaxation of it) and minimises the
     number of block edges between GPUs instead, from that plan; its solutions are priced and
-    staged as the first solve's are. Returns ``(plan, cost, mip value, "fewer cuts")`` for each
-    that fits (none when time is short or the solve finds nothing), and leaves the model changed.
+    staged as the first solve's are.
+
+    Even then the optimum may need many stages per GPU, and their waits cost more than a
+    slightly worse balance would. Each further solve lets ``T`` rise to ``(1 + slack)`` times
+    the value and minimises the runs of consecutive blocks on one GPU (``r[b] >= x[b][g] -
+    x[b-1][g]``: block ``b`` starts a run), which is the stage count of the merged staging,
+    from the previous solve's assignment (which meets the looser row). Runs, not edges: edges
+    cut are a proxy the solver lowers without merging stages (BERT-6's operator graph on 3
+    GPUs at 1.2 x memory, 3 % of slack: 70 stages minimising edges, 11 minimising runs).
+    :data:`TIGHT_SHARE` of ``time_limit`` goes to the first solve, the rest is split among the
+    slacks; a solve with less than :data:`MIN_SOLVE_S` is skipped.
+
+    Returns ``(tight, relaxed)``: ``(plan, cost, mip value, source)`` for each staging that fits
+    of the first solve's assignment, and for the :data:`RELAXED_KEEP` stagings of fewest stages
+    of each relaxed one's (source ``"fewer stages +2%"``...); both empty when time is short or a
+    solve finds nothing. Leaves the model changed.
     """
-    if not found or time_limit < 0.5:
-        return []
+    if not found or time_limit < MIN_SOLVE_S:
+        return [], []
+    t0 = time.perf_counter()
     plan, cost, value, _src = min(found, key=_rank)
     # (the MIP's value of a plan is at most its objective: a warm start has no value of its own)
     value = cost.objective_ms if value is None else min(value, cost.objective_ms)
@@ -1304,7 +1353,7 @@ def _fewer_cuts(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple],
     if mip.homogeneous:
         gpu_of, _ = _canonical(gpu_of, blocks)
     if max(gpu_of) >= P:                    # (a plan from elsewhere on GPUs the MIP does not have)
-        return []
+        return [], []
     cuts = []
     for p, c in mip.edge_pairs:
         z = h.addVariable(lb=0.0, ub=1.0)
@@ -1312,19 +1361,41 @@ def _fewer_cuts(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple],
             h.addConstr(z - x[p][g] + x[c][g] >= 0)
         cuts.append(z)
     t_col = mip.T.index
-    h.changeColBounds(t_col, 0.0, float(value) * (1 + 1e-9))
     h.changeColCost(t_col, 0.0)
     for z in cuts:
         h.changeColCost(z.index, 1.0)
-    idx = np.array([x[b][gpu_of[b]].index for b in range(B)], dtype=np.int32)
-    h.setSolution(len(idx), idx, np.ones(len(idx)))
-    h.setOptionValue("time_limit", float(time_limit))
-    h.run()
-    if h.getInfo().primal_solution_status != 2:
-        return []
-    xv = np.array(h.vals([x[b][g] for b in range(B) for g in range(P)])).reshape(B, P)
-    gpu2 = [int(np.argmax(xv[b])) for b in range(B)]
-    return [(p2, c2, value, "fewer cuts") for p2, c2 in _priced_stagings(problem, blocks, gpu2, STAGINGS, max_stages)[0]]
+    tight, relaxed = [], []
+    for i, slack in enumerate((0.0,) + tuple(slacks)):
+        left = time_limit - (time.perf_counter() - t0)
+        share = left * TIGHT_SHARE if i == 0 else left / (len(slacks) - i + 1)
+        if share < MIN_SOLVE_S:
+            break
+        if i == 1:                          # from edges to runs (stages)
+            for z in cuts:
+                h.changeColCost(z.index, 0.0)
+            for b in range(1, B):
+                r = h.addVariable(lb=0.0, ub=1.0)
+                for g in range(P):
+                    h.addConstr(r - x[b][g] + x[b - 1][g] >= 0)
+                h.changeColCost(r.index, 1.0)
+        h.changeColBounds(t_col, 0.0, float(value) * (1 + slack + 1e-9))
+        idx = np.array([x[b][gpu_of[b]].index for b in range(B)], dtype=np.int32)
+        h.setSolution(len(idx), idx, np.ones(len(idx)))
+        h.setOptionValue("time_limit", float(share))
+        h.run()
+        if h.getInfo().primal_solution_status != 2:
+            break
+        xv = np.array(h.vals([x[b][g] for b in range(B) for g in range(P)])).reshape(B, P)
+        gpu_of = [int(np.argmax(xv[b])) for b in range(B)]
+        priced = _priced_stagings(problem, blocks, gpu_of, STAGINGS, max_stages)[0]
+        if slack == 0:
+            tight += [(p2, c2, value, "fewer cuts") for p2, c2 in priced]
+            continue
+        source = f"fewer stages +{slack:.0%}"
+        for p2, c2 in sorted(priced, key=lambda pc: len(pc[0].stages))[:RELAXED_KEEP]:
+            p2.info["plan_source"] = source        # (said by compile's row if it is the fastest)
+            relaxed.append((p2, c2, value, source))
+    return tight, relaxed
 
 
 def _priced_stagings(problem: Problem, blocks: Blocks, gpu_of: list[int], stagings, max_stages: int | None
@@ -1380,15 +1451,17 @@ def _best_few(found: list[tuple], n: int) -> list[tuple]:
 
 
 def _pick(problem: Problem, found: list[tuple], simulate_top: int,
-          time_limit: float | None = None) -> tuple[tuple, Plan | None]:
+          time_limit: float | None = None, extra: list[tuple] = ()) -> tuple[tuple, Plan | None]:
     """The candidate (``(plan, cost, mip value, source)``) of lowest objective, ties and plans whose
     simulated run does not fit decided by simulation, as every strategy returns its plan
     (:func:`~ftcompile.partition.base.simulated_choice`), and the fastest plan in simulation
-    (None without simulation), which the returned plan notes for compile's row ``exact-sim``."""
+    (None without simulation), which the returned plan notes for compile's row ``exact-sim``.
+    ``extra`` (the relaxed fewer-cuts plans) are simulated too, for the fastest."""
     found = sorted(found, key=_rank)
-    if simulate_top <= 1 or len(found) == 1:
+    extra = _best_few(list(extra), len(extra))        # (distinct plans)
+    if simulate_top <= 0 or (len(found) == 1 and not extra) or (simulate_top == 1 and not extra):
         return found[0], None
-    by_plan = {id(f[0]): f for f in found}
+    by_plan = {id(f[0]): f for f in found + extra}
     lowest, fastest = simulated_choice(problem, [(f[1].objective_ms, f[0]) for f in found], simulate_top,
-                                       time_limit=time_limit)
+                                       time_limit=time_limit, extra=[(f[1].objective_ms, f[0]) for f in extra])
     return by_plan[id(lowest)], fastest

@@ -566,7 +566,8 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
     whenever a Seq-pipe fits; on graphs of at most ``exact_max_nodes`` op nodes, so
     does the best plan the mixed-space MIP (:func:`~ftcompile.partition.exact.partition_exact`)
     finds, started from the best plan found before it (refused, at no cost, when its model would
-    pass 100,000 variables: transfers on many GPUs).
+    pass 100,000 variables: transfers on many GPUs), and its plans a few per cent above that in
+    fewer stages (``info["relaxed_candidates"]``), which are simulated whatever their rank.
 
     Two plans come out of the candidates. The **lowest objective** (among plans within
     :data:`~ftcompile.partition.base.OBJECTIVE_TIE` of it, the fastest in simulation) is what
@@ -604,6 +605,8 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
     regions = _regions(problem, base)
     best: tuple[float, Plan] | None = None
     finals: list[tuple[float, Plan]] = []
+    # the MIP's plans a little above its best in fewer stages: simulated whatever their rank
+    relaxed: list[tuple[float, Plan]] = []
     worst_reason = None
     must: list[tuple] = []
     extra: list[tuple] = []
@@ -684,14 +687,14 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
     if with_convex:
         from .seq import partition_seq
 
-        def consider(found: Plan, source: str) -> None:
+        def consider(found: Plan, source: str, into: list | None = None) -> None:
             """Another partitioner's plan joins the candidates (re-made with Mixed-pipe's info)."""
             nonlocal best
             plan = _plan(problem, [(st.gpu, st.nodes) for st in found.stages], {"source": source, "refined": False})
             plan.simulations.update(found.simulations)      # (seq's replays: not run again)
             cost = evaluate(problem, plan)
             if cost.feasible:
-                finals.append((cost.objective_ms, plan))
+                (finals if into is None else into).append((cost.objective_ms, plan))
                 if best is None or cost.objective_ms < best[0]:
                     best = (cost.objective_ms, plan)
 
@@ -715,8 +718,12 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
                 # Started from the best plan found so far (refined candidates or the convex split),
                 # the MIP spends its time below it rather than rediscovering it.
                 warm = best[1] if best is not None else sp
-                consider(partition_exact(problem, time_limit=left, max_stages=max_stages,
-                                         simulate_top=0, warm_plan=warm, max_variables=100_000), "mixed-space MIP")
+                mp = partition_exact(problem, time_limit=left, max_stages=max_stages,
+                                     simulate_top=0, warm_plan=warm, max_variables=100_000)
+                for c in mp.info.pop("relaxed_candidates", ()):
+                    consider(Plan("exact", P, [Stage(i, g, ns) for i, (g, ns) in enumerate(c["stages"])]),
+                             f"mixed-space MIP ({c['source']})", relaxed)
+                consider(mp, "mixed-space MIP")
             except Infeasible as exc:
                 worst_reason = worst_reason or exc.reason
     if max_stages is not None:
@@ -734,7 +741,7 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
     # returned itself with prefer="simulated".
     # Simulating the best few may take as long as the search did (its fastest plan in simulation,
     # often one of few stages, is compile's best row in many cases), no longer.
-    lowest, fastest = simulated_choice(problem, finals, simulate_top, time_limit=time_budget_s)
+    lowest, fastest = simulated_choice(problem, finals, simulate_top, time_limit=time_budget_s, extra=relaxed)
     plan = lowest
     if simulate_top:
         if sim_refine:
