@@ -747,6 +747,24 @@ def working_sets(problem: Problem, nodes: Iterable[int]) -> tuple[int, int]:
     return fwd, bwd
 
 
+def gpu_graph_input_bytes(graph: OpGraph, plan: Plan) -> dict[int, int]:
+    """Bytes per micro-batch of the graph inputs each GPU's stages read, by GPU.
+
+    Each input value counts once per GPU however many nodes and stages there read it: the
+    runtime moves a step's batch of each input its rank reads to the device once
+    (``runtime/engine.py``, ``_local_inputs``). :func:`evaluate` keeps
+    ``(ceil(in flight / M) + 1) * M`` micro-batches of it, and the simulator the steps it has
+    begun and not finished; both take the bytes from here.
+    """
+    values: dict[int, dict[str, int]] = {}
+    for s in plan.stages:
+        for n in s.nodes:
+            for e in graph.in_edges(n):
+                if graph.node(e.src).kind == "input":
+                    values.setdefault(s.gpu, {})[e.value] = int(e.bytes)
+    return {g: sum(vs.values()) for g, vs in values.items()}
+
+
 def evaluate(problem: Problem, plan: Plan, *, windows: dict[tuple[int, int], int] | None = None) -> PlanCost:
     """Price ``plan``: stage periods (Eq. 1), GPU loads, memory per GPU, feasibility.
 
@@ -864,13 +882,7 @@ def evaluate(problem: Problem, plan: Plan, *, windows: dict[tuple[int, int], int
         if g_src != g_dst and (v, g_src) not in waiting:
             send[g_src] += graph.node(graph.producer(v)).outputs[v].bytes
     # Graph inputs: each step's batch of the inputs a GPU's stages read, for the steps in flight.
-    inputs_of: dict[int, set[str]] = {}
-    for s in plan.stages:
-        for n in s.nodes:
-            for e in graph.in_edges(n):
-                if graph.node(e.src).kind == "input":
-                    inputs_of.setdefault(s.gpu, {})
-                    inputs_of[s.gpu][e.value] = e.bytes
+    inputs_of = gpu_graph_input_bytes(graph, plan)
     gpu_costs: list[GpuCost] = []
     reserve = problem.memory_reserve
     for g in range(plan.num_gpus):
@@ -881,7 +893,7 @@ def evaluate(problem: Problem, plan: Plan, *, windows: dict[tuple[int, int], int
         wv = sum(sc.weight_versions * sc.trainable_bytes for sc in scs)
         held = sum(sc.memory_bytes for sc in scs)
         ahead = max((sc.in_flight for sc in scs), default=0)
-        data = (math.ceil(ahead / M) + 1) * M * sum(inputs_of.get(g, {}).values()) if scs else 0
+        data = (math.ceil(ahead / M) + 1) * M * inputs_of.get(g, 0) if scs else 0
         transient = max((sc.transient_bytes for sc in scs), default=0)
         act = held + receive[g] + send[g] + data + transient
         gpu_costs.append(GpuCost(

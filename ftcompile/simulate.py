@@ -60,7 +60,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import networkx as nx
 
-from .plan import Plan, Problem, evaluate, plan_windows, run_settings_key, simulation_key, stage_depths, stage_graph
+from .plan import (Plan, Problem, evaluate, gpu_graph_input_bytes, plan_windows, run_settings_key, simulation_key,
+                   stage_depths, stage_graph)
 from .runtime.allreduce import BUCKET_BYTES as ALLREDUCE_BUCKET_BYTES
 
 FLUSHING = ("gpipe", "1f1b")
@@ -177,7 +178,6 @@ class _Stage:
     shared: list = field(default_factory=list)       # [(other holder, bytes of shared gradients sent to it)]
     shared_wait: dict = field(default_factory=dict)  # other holder -> bytes of its gradients waiting here
     shared_own: int = 0                # lagging: bytes of its own shared gradients kept a step
-    input_bytes: int = 0               # graph inputs read per micro-batch
 
 
 def _build(problem: Problem, plan: Plan, cost, sg: nx.DiGraph, depth: dict[int, int], progs: dict,
@@ -196,9 +196,7 @@ def _build(problem: Problem, plan: Plan, cost, sg: nx.DiGraph, depth: dict[int, 
             else 0, held=sc.input_bytes if sc.recomputes else sc.activation_bytes,
             t_fwd=sc.trainable_bytes if (problem.weight_prediction and problem.schedule == "async"
                                          and sc.recomputes) else 0,
-            t_bwd=sc.transient_bytes, t_upd=sc.transient_bytes,
-            input_bytes=sum(e.bytes for n in s.nodes for e in graph.in_edges(n)
-                            if graph.node(e.src).kind == "input"))
+            t_bwd=sc.transient_bytes, t_upd=sc.transient_bytes)
     for u in out:
         per_gpu: dict[int, dict[str, int]] = {}
         readers: dict[int, list[int]] = {}
@@ -397,7 +395,9 @@ class _Sim:
         self.occ_peak: dict[tuple[int, int], int] = {}
         self.data_steps: dict[int, set] = {g: set() for g in self.stages_on}
         self.data_done: dict[tuple[int, int], int] = {}
-        self.input_bytes = {g: sum(stages[s].input_bytes for s in ss) for g, ss in self.stages_on.items()}
+        # graph inputs read per micro-batch, each value once per GPU (as the runtime moves them)
+        inputs = gpu_graph_input_bytes(problem.graph, plan)
+        self.input_bytes = {g: inputs.get(g, 0) for g in self.stages_on}
         self.window = (0.0, 0.0)
         self.cyc = 1
         self.steady = False

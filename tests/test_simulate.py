@@ -383,3 +383,36 @@ def test_a_period_without_a_periodic_state_says_so_in_the_plan_table():
     steady = StrategyResult("seq", True, None, plan, evaluate(pb, plan), simulate(pb, plan).to_json(events=False)).row()
     assert steady["simulated_steady"] is True and "simulated_steps" not in steady
     assert "periodic" not in _row_note(steady)
+
+
+@pytest.mark.parametrize("schedule", ["async", "1f1b", "gpipe"])
+def test_a_graph_input_read_by_many_stages_on_a_gpu_is_held_once(schedule):
+    """The runtime moves a step's batch of each graph input its rank reads to the device once
+    (engine ``_local_inputs``), however many of the rank's stages read it. Here the input
+    (1 MB a micro-batch) is read by the embedding and the mask, in two stages of GPU 0: the
+    simulated run holds whole steps of it, once each, and never more than evaluate's bound."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from dags import branchy_problem
+
+    pb = branchy_problem(0, blocks=2, gpus=2, schedule=schedule)
+    g = pb.graph
+    x_bytes = {e.value: e.bytes for e in g.edges if g.node(e.src).kind == "input"}
+    readers = sorted({e.dst for e in g.edges if g.node(e.src).kind == "input"})
+    assert len(x_bytes) == 1 and len(readers) == 2
+    ops = [n.id for n in g.nodes if n.kind == "op"]
+    plan = Plan("one-node stages", 2, [Stage(i, 0 if n in readers else i % 2, [n]) for i, n in enumerate(ops)])
+    M = pb.micro_batches
+    res = simulate(pb, plan)
+    cost = evaluate(pb, plan)
+    data = res.gpu_peak_breakdown[0]["data"]
+    per_step = M * next(iter(x_bytes.values()))
+    assert data > 0 and data % per_step == 0
+    # whole steps of the input once: at most the steps any stage there has in flight, plus one
+    ahead = max(res.stage_peak_in_flight[s.id] for s in plan.stages if s.gpu == 0)
+    assert data // per_step <= -(-ahead // M) + 1
+    assert data <= cost.gpus[0].data_bytes
+    for gpu, peak in enumerate(res.gpu_peak_memory):
+        assert peak <= cost.gpus[gpu].memory_bytes, (gpu, res.gpu_peak_breakdown[gpu], cost.gpus[gpu])
