@@ -421,6 +421,44 @@ def test_relaxed_solves_trade_a_little_balance_for_fewest_stages(seed):
     assert runs[load <= best * 1.25 + 1e-9].min() < runs[load <= best + 1e-9].min()
 
 
+@pytest.mark.parametrize("seed", [2, 4])
+def test_run_merging_ends_runs_within_the_cap_until_no_run_can_move(seed):
+    # The start of exact's relaxed solves (_merge_runs) moves whole runs of blocks onto a
+    # neighbour's GPU. On 2 GPUs with the whole-number problem's formula (the busiest GPU's
+    # forward + backward), from blocks alternating between the GPUs: it must end runs, keep the
+    # load within the cap, and stop only where flipping any run but the loss's breaks the cap.
+    import time
+
+    from ftcompile.partition.exact import _merge_runs, _prepare
+
+    problem = _whole_number_problem(seed, lambda rng: rng.choice((1, 2, 7)))
+    _seq, blocks, _P = _prepare(problem, "mixed", 1000)
+    ops = [n.id for n in problem.graph.op_nodes()]
+    assert blocks.members == [[n] for n in ops]          # one op node per block, in this order
+    work = [problem.profile.nodes[n].forward_ms + problem.profile.nodes[n].backward_ms for n in ops]
+
+    def load(on):
+        return max(sum(w for w, g in zip(work, on) if g == k) for k in (0, 1))
+
+    def runs(on):
+        return [(a, b) for a, b in zip([0] + [k for k in range(1, len(on)) if on[k] != on[k - 1]],
+                                       [k for k in range(1, len(on)) if on[k] != on[k - 1]] + [len(on)])]
+
+    start = [k % 2 for k in range(len(ops))]
+    if start[blocks.loss] != 0:
+        start = [1 - g for g in start]
+    cap = load(start)
+    on, priced = _merge_runs(problem, blocks, start, cap, time.perf_counter() + 60)
+    assert priced is not None and len(runs(on)) < len(runs(start))
+    plan, cost = priced
+    assert {n: st.gpu for st in plan.stages for n in st.nodes} == dict(zip(ops, on))
+    assert cost.objective_ms == pytest.approx(load(on), rel=1e-9) and load(on) <= cap
+    for a, b in runs(on):
+        if not a <= blocks.loss < b:
+            flipped = on[:a] + [1 - on[a]] * (b - a) + on[b:]
+            assert load(flipped) > cap, (a, b)
+
+
 def test_relaxed_plans_are_simulated_and_can_be_the_fastest():
     # simulated_choice simulates the extra plans whatever their objective's rank, and the
     # fastest is the shortest period among all it simulated (each checked by its own replay).
