@@ -398,18 +398,17 @@ def test_relaxed_solves_trade_a_little_balance_for_fewest_stages(seed):
     bits = bits[bits[:, loss] == 0]                 # the same rows, in the same order, as load
     runs = 1 + (bits[:, 1:] != bits[:, :-1]).sum(axis=1)
     best = load.min()
-    plan = partition_exact(problem, time_limit=60, simulate_top=0, relaxed_slacks=(0.1, 0.25))
+    got: list = []
+    plan = partition_exact(problem, time_limit=60, simulate_top=0, relaxed_slacks=(0.1, 0.25), relaxed_out=got)
     assert evaluate(problem, plan).objective_ms == pytest.approx(best, rel=1e-9)   # still the optimum
-    got = plan.info["relaxed_candidates"]
     slack_of = {"fewer stages +10%": 0.1, "fewer stages +25%": 0.25}
-    assert got and {c["source"] for c in got} <= set(slack_of)
+    assert got and {source for _p, source in got} <= set(slack_of)
     found = []                      # (slack, objective, runs) of each candidate
-    for c in got:
-        gpu_of = {n: g for g, ns in c["stages"] for n in ns}
-        relaxed = Plan("exact", 2, [Stage(i, g, ns) for i, (g, ns) in enumerate(c["stages"])])
+    for relaxed, source in got:
         check_plan(problem.graph, relaxed)
+        gpu_of = {n: st.gpu for st in relaxed.stages for n in st.nodes}
         on = [gpu_of[n] for n in ops]
-        found.append((slack_of[c["source"]], evaluate(problem, relaxed).objective_ms,
+        found.append((slack_of[source], evaluate(problem, relaxed).objective_ms,
                       1 + sum(a != b for a, b in zip(on, on[1:]))))
     for slack in slack_of.values():
         # the solve at this slack returned a plan within it of fewest runs (the same plan as a

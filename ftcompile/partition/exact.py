@@ -49,16 +49,17 @@ until the time limit. The bound reported over every plan is the first solve's;
 a later one (``bound_uncut_ms``) leaves out the other stagings of the
 assignments cut off. In ``mixed`` space a second solve then keeps ``T`` at most
 the best plan's value and minimises the block edges between GPUs
-(:func:`_fewer_cuts`): the same MIP value in, usually, fewer stages. Further
+(:func:`_fewer_stages`): the same MIP value in, usually, fewer stages. Further
 solves let ``T`` rise a little (:data:`RELAXED_SLACKS`) and minimise the runs
-of consecutive blocks on one GPU (the stages) instead: plans of a slightly
+of consecutive blocks on one GPU (the stages) instead, each from the runs a
+greedy pass merged within that value (:func:`_merge_runs`): plans of a slightly
 higher objective and far fewer stages, which often run faster than the optimum,
 whose stages wait on one another (BERT-6's operator graph on 6 GPUs at 1.2 x
 memory: the optimum, 43.15 ms in 156 stages, simulates at 1.136 of it, 1.072
-with 3 x the micro-batches in flight; 5 % of slack gave 45.07 in 20 stages, 1.000
-in simulation). They are candidates
-for the fastest plan in simulation only (compile's row ``exact-sim``): what
-exact returns, its bound and "optimal" speak of its lowest objective.
+with 3 x the micro-batches in flight; 5 % of slack gave 45.07 in 20 stages,
+1.000 in simulation). They are candidates for the fastest plan in simulation
+only (compile's row ``exact-sim``): what exact returns, its bound and
+"optimal" speak of its lowest objective.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ SPACES = ("seq", "mixed")
 #: How a mixed-space assignment is staged for pricing (:func:`plan_from_assignment`'s ``merge``):
 #: runs of consecutive blocks merged, runs unmerged, Mixed-pipe's merging, and connected components.
 STAGINGS = (True, False, "all", "components")
-#: Share of exact's mixed-space time left to its solves for fewer stages (:func:`_fewer_cuts`).
+#: Share of exact's mixed-space time left to its solves for fewer stages (:func:`_fewer_stages`).
 FEWER_CUTS_SHARE = 0.4
 #: How far above the best plan's MIP value the relaxed solves for fewer stages let it rise (shares
 #: of it). A plan of many stages per GPU simulates 3 to 10 % above its objective
@@ -255,7 +256,8 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
                     comm: bool = True, mip_rel_gap: float = 1e-6, max_rounds: int = 20,
                     warm_start: bool = True, max_candidates: int = 20, max_stages: int | None = None,
                     simulate_top: int = 4, max_variables: int = 300_000, warm_plan: Plan | None = None,
-                    fewer_cuts: bool = True, relaxed_slacks: tuple[float, ...] = RELAXED_SLACKS) -> Plan:
+                    fewer_cuts: bool = True, relaxed_slacks: tuple[float, ...] = RELAXED_SLACKS,
+                    relaxed_out: list | None = None) -> Plan:
     """The plan minimising the largest GPU load, by MIP (HiGHS), with the solver's proven bound.
 
     Parameters
@@ -293,15 +295,17 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     fewer_cuts:
         In ``mixed`` space, a second solve (a third of the last :data:`FEWER_CUTS_SHARE` of
         ``time_limit``) keeps the MIP's value at most the best plan's and minimises the block
-        edges between GPUs, which usually leaves fewer stages (:func:`_fewer_cuts`; on a tie the
+        edges between GPUs, which usually leaves fewer stages (:func:`_fewer_stages`; on a tie the
         plan with fewer crossings wins). Then, with the value allowed to rise by each of
-        ``relaxed_slacks`` (shares of it), solves for fewest runs of blocks on one GPU (stages):
-        those plans are simulated beside the best
-        few (``simulate_top``) as candidates for the fastest only; with ``simulate_top=0`` the
-        returned plan lists them as ``info["relaxed_candidates"]`` (``stages``: ``[gpu, nodes]``
-        pairs, ``objective_ms``, ``source``) for the caller to simulate (Mixed-pipe does).
+        ``relaxed_slacks`` (shares of it), solves for fewest runs of blocks on one GPU (stages),
+        each started from runs merged by :func:`_merge_runs`: those plans are simulated beside
+        the best few (``simulate_top``) as candidates for the fastest only.
     relaxed_slacks:
         See ``fewer_cuts`` (:data:`RELAXED_SLACKS`; ``()``: none).
+    relaxed_out:
+        When given, the relaxed plans are appended to it as ``(plan, source)`` (``source``:
+        ``"fewer stages +2%"``...) and not simulated here: the caller simulates them among its
+        own candidates (Mixed-pipe does).
     max_variables:
         A model larger than this is refused (:class:`Infeasible`) before it is built.
 
@@ -356,7 +360,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     # that fits, while time lasts: its bound then covers every plan but the other stagings of
     # the assignments cut off (info["bound_space"] says so).
     kept: list[tuple] = []
-    relaxed: list[tuple] = []       # plans a little above the best, in fewer stages (_fewer_cuts)
+    relaxed: list[tuple] = []       # plans a little above the best, in fewer stages (_fewer_stages)
     if warm is not None:
         plan, cost, mip_value = warm
         if cost.feasible:
@@ -435,10 +439,11 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
                     or not (lazy or misfit)):
                 if space == "mixed" and fewer_cuts and P > 1:
                     left = time_limit - (time.perf_counter() - t0)
-                    tight, relaxed = _fewer_cuts(problem, mip, blocks, found, left, max_stages, relaxed_slacks)
+                    tight, relaxed = _fewer_stages(problem, mip, blocks, found, left, max_stages, relaxed_slacks)
                     # (first: on a tie with the plan it started from, the one with fewer crossings)
                     found = _best_few(tight + found, max(simulate_top, 1))
-                best, fastest = _pick(problem, found, simulate_top, sim_limit, extra=relaxed)
+                best, fastest = _pick(problem, found, simulate_top, sim_limit,
+                                      extra=relaxed if relaxed_out is None else ())
                 break
         # Cut these assignments off: in each, at least one block must move.
         for gpu_of in tried:
@@ -509,11 +514,8 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     plan.info.update(simulated)
     if fastest is not None:
         with_alternative(plan, fastest)
-    elif relaxed and simulate_top <= 0:
-        # not simulated here: the caller (Mixed-pipe) simulates them among its own candidates
-        plan.info["relaxed_candidates"] = [
-            {"stages": [[int(st.gpu), [int(n) for n in st.nodes]] for st in p.stages],
-             "objective_ms": round(c.objective_ms, 9), "source": src} for p, c, _v, src in _best_few(relaxed, len(relaxed))]
+    if relaxed_out is not None:
+        relaxed_out.extend((p, src) for p, _c, _v, src in _best_few(relaxed, len(relaxed)))
     return plan
 
 
@@ -1315,7 +1317,7 @@ def _quiet_fd1():
     return quiet_native_stdout()
 
 
-def _fewer_cuts(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple], time_limit: float,
+def _fewer_stages(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple], time_limit: float,
                 max_stages: int | None, slacks: tuple[float, ...] = RELAXED_SLACKS) -> tuple[list, list]:
     """Plans as good as the best plan of ``found`` by the MIP's measure, with fewer stages; and
     plans at most ``slacks`` above it, with fewer still.
@@ -1333,11 +1335,13 @@ def _fewer_cuts(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple],
     slightly worse balance would. Each further solve lets ``T`` rise to ``(1 + slack)`` times
     the value and minimises the runs of consecutive blocks on one GPU (``r[b] >= x[b][g] -
     x[b-1][g]``: block ``b`` starts a run), which is the stage count of the merged staging,
-    from the previous solve's assignment (which meets the looser row). Runs, not edges: edges
-    cut are a proxy the solver lowers without merging stages (BERT-6's operator graph on 3
-    GPUs at 1.2 x memory, 3 % of slack: 70 stages minimising edges, 11 minimising runs).
-    :data:`TIGHT_SHARE` of ``time_limit`` goes to the first solve, the rest is split among the
-    slacks; a solve with less than :data:`MIN_SOLVE_S` is skipped.
+    from the previous solve's assignment (which meets the looser row) with runs merged within
+    it by :func:`_merge_runs` (at most :data:`MERGE_SHARE` of the solve's time; the merged
+    plan is a candidate too). Runs, not edges: edges cut are a proxy the solver lowers without
+    merging stages (BERT-6's operator graph on 3 GPUs at 1.2 x memory, 3 % of slack: 70 stages
+    minimising edges, 11 minimising runs). :data:`TIGHT_SHARE` of ``time_limit`` goes to the
+    first solve, the rest is split among the slacks; a solve with less than
+    :data:`MIN_SOLVE_S` is skipped.
 
     Returns ``(tight, relaxed)``: ``(plan, cost, mip value, source)`` for each staging that fits
     of the first solve's assignment, and for the :data:`RELAXED_KEEP` stagings of fewest stages
@@ -1357,30 +1361,16 @@ def _fewer_cuts(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple],
         gpu_of, _ = _canonical(gpu_of, blocks)
     if max(gpu_of) >= P:                    # (a plan from elsewhere on GPUs the MIP does not have)
         return [], []
-    cuts = []
-    for p, c in mip.edge_pairs:
-        z = h.addVariable(lb=0.0, ub=1.0)
-        for g in range(P):
-            h.addConstr(z - x[p][g] + x[c][g] >= 0)
-        cuts.append(z)
     t_col = mip.T.index
-    h.changeColCost(t_col, 0.0)
-    for z in cuts:
-        h.changeColCost(z.index, 1.0)
+    cuts = _minimise_edges(mip, B, P)
     tight, relaxed = [], []
     for i, slack in enumerate((0.0,) + tuple(slacks)):
         left = time_limit - (time.perf_counter() - t0)
         share = left * TIGHT_SHARE if i == 0 else left / (len(slacks) - i + 1)
         if share < MIN_SOLVE_S:
             break
-        if i == 1:                          # from edges to runs (stages)
-            for z in cuts:
-                h.changeColCost(z.index, 0.0)
-            for b in range(1, B):
-                r = h.addVariable(lb=0.0, ub=1.0)
-                for g in range(P):
-                    h.addConstr(r - x[b][g] + x[b - 1][g] >= 0)
-                h.changeColCost(r.index, 1.0)
+        if i == 1:
+            _minimise_runs(mip, B, P, cuts)
         cap = float(value) * (1 + slack)
         merged = None
         if slack > 0:
@@ -1410,13 +1400,43 @@ def _fewer_cuts(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple],
     return tight, relaxed
 
 
+def _minimise_edges(mip: _Mip, B: int, P: int) -> list:
+    """Set the MIP's objective to the block edges between GPUs (``T`` bounded by the caller):
+    ``z >= x[p][g] - x[c][g]`` for each edge ``p -> c``; returns the ``z`` columns."""
+    h, x = mip.h, mip.x
+    cuts = []
+    for p, c in mip.edge_pairs:
+        z = h.addVariable(lb=0.0, ub=1.0)
+        for g in range(P):
+            h.addConstr(z - x[p][g] + x[c][g] >= 0)
+        cuts.append(z)
+    h.changeColCost(mip.T.index, 0.0)
+    for z in cuts:
+        h.changeColCost(z.index, 1.0)
+    return cuts
+
+
+def _minimise_runs(mip: _Mip, B: int, P: int, cuts: list) -> None:
+    """Set the MIP's objective, from edges (``cuts``), to the runs of consecutive blocks on one
+    GPU, the stages of the merged staging: ``r[b] >= x[b][g] - x[b-1][g]`` (block ``b`` starts a
+    run)."""
+    h, x = mip.h, mip.x
+    for z in cuts:
+        h.changeColCost(z.index, 0.0)
+    for b in range(1, B):
+        r = h.addVariable(lb=0.0, ub=1.0)
+        for g in range(P):
+            h.addConstr(r - x[b][g] + x[b - 1][g] >= 0)
+        h.changeColCost(r.index, 1.0)
+
+
 def _merge_runs(problem: Problem, blocks: Blocks, gpu_of: list[int], cap: float, deadline: float
                 ) -> tuple[list[int], tuple[Plan, object] | None]:
     """``gpu_of`` with runs of consecutive blocks on one GPU moved onto the GPU of the run before
     or after them while the merged staging (:func:`plan_from_assignment`) still fits and its
     objective stays at most ``cap``; and that staging with its cost (None if no move was made).
 
-    A start for the relaxed solves of :func:`_fewer_cuts`, and a candidate of its own: on operator
+    A start for the relaxed solves of :func:`_fewer_stages`, and a candidate of its own: on operator
     graphs of 150 to 460 blocks the solver alone barely leaves the optimum's runs in its time.
     Each round proposes moves, smallest runs first, that keep every GPU's compute (recomputation
     included: the MIP's load but for the loss GPU's saving) within ``cap`` and its parameters
@@ -1599,7 +1619,7 @@ def _pick(problem: Problem, found: list[tuple], simulate_top: int,
     ``extra`` (the relaxed fewer-cuts plans) are simulated too, for the fastest."""
     found = sorted(found, key=_rank)
     extra = _best_few(list(extra), len(extra))        # (distinct plans)
-    if simulate_top <= 0 or (len(found) == 1 and not extra) or (simulate_top == 1 and not extra):
+    if simulate_top <= 0 or (not extra and (simulate_top == 1 or len(found) == 1)):
         return found[0], None
     by_plan = {id(f[0]): f for f in found + extra}
     lowest, fastest = simulated_choice(problem, [(f[1].objective_ms, f[0]) for f in found], simulate_top,

@@ -567,7 +567,7 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
     does the best plan the mixed-space MIP (:func:`~ftcompile.partition.exact.partition_exact`)
     finds, started from the best plan found before it (refused, at no cost, when its model would
     pass 100,000 variables: transfers on many GPUs), and its plans a few per cent above that in
-    fewer stages (``info["relaxed_candidates"]``), which are simulated whatever their rank.
+    fewer stages (its ``relaxed_out``), which are simulated whatever their rank.
 
     Two plans come out of the candidates. The **lowest objective** (among plans within
     :data:`~ftcompile.partition.base.OBJECTIVE_TIE` of it, the fastest in simulation) is what
@@ -718,11 +718,11 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
                 # Started from the best plan found so far (refined candidates or the convex split),
                 # the MIP spends its time below it rather than rediscovering it.
                 warm = best[1] if best is not None else sp
+                few: list[tuple[Plan, str]] = []
                 mp = partition_exact(problem, time_limit=left, max_stages=max_stages,
-                                     simulate_top=0, warm_plan=warm, max_variables=100_000)
-                for c in mp.info.pop("relaxed_candidates", ()):
-                    consider(Plan("exact", P, [Stage(i, g, ns) for i, (g, ns) in enumerate(c["stages"])]),
-                             f"mixed-space MIP ({c['source']})", relaxed)
+                                     simulate_top=0, warm_plan=warm, max_variables=100_000, relaxed_out=few)
+                for p, source in few:
+                    consider(p, f"mixed-space MIP ({source})", relaxed)
                 consider(mp, "mixed-space MIP")
             except Infeasible as exc:
                 worst_reason = worst_reason or exc.reason
