@@ -51,8 +51,8 @@ assignments cut off. In ``mixed`` space a second solve then keeps ``T`` at most
 the best plan's value and minimises the block edges between GPUs
 (:func:`_fewer_stages`): the same MIP value in, usually, fewer stages. Further
 solves let ``T`` rise a little (:data:`RELAXED_SLACKS`) and minimise the runs
-of consecutive blocks on one GPU (the stages) instead, each from the runs a
-greedy pass merged within that value (:func:`_merge_runs`): plans of a slightly
+of consecutive blocks on one GPU (the stages) instead, beside the runs a
+greedy pass merges within that value (:func:`_merge_runs`): plans of a slightly
 higher objective and far fewer stages, which often run faster than the optimum,
 whose stages wait on one another (BERT-6's operator graph on 6 GPUs at 1.2 x
 memory: the optimum, 43.15 ms in 156 stages, simulates at 1.136 of it, 1.072
@@ -93,8 +93,7 @@ TIGHT_SHARE = 1 / 3
 RELAXED_KEEP = 2
 #: Seconds below which a solve for fewer stages is not started.
 MIN_SOLVE_S = 0.25
-#: Share of each relaxed solve's time the run merging that gives it its start may take
-#: (:func:`_merge_runs`).
+#: Share of each relaxed solve's time the greedy run merging beside it may take (:func:`_merge_runs`).
 MERGE_SHARE = 0.5
 
 
@@ -298,8 +297,8 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         edges between GPUs, which usually leaves fewer stages (:func:`_fewer_stages`; on a tie the
         plan with fewer crossings wins). Then, with the value allowed to rise by each of
         ``relaxed_slacks`` (shares of it), solves for fewest runs of blocks on one GPU (stages),
-        each started from runs merged by :func:`_merge_runs`: those plans are simulated beside
-        the best few (``simulate_top``) as candidates for the fastest only.
+        and a greedy pass merges runs within each (:func:`_merge_runs`): those plans are simulated
+        beside the best few (``simulate_top``) as candidates for the fastest only.
     relaxed_slacks:
         See ``fewer_cuts`` (:data:`RELAXED_SLACKS`; ``()``: none).
     relaxed_out:
@@ -1335,9 +1334,9 @@ def _fewer_stages(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple
     slightly worse balance would. Each further solve lets ``T`` rise to ``(1 + slack)`` times
     the value and minimises the runs of consecutive blocks on one GPU (``r[b] >= x[b][g] -
     x[b-1][g]``: block ``b`` starts a run), which is the stage count of the merged staging,
-    from the previous solve's assignment (which meets the looser row) with runs merged within
-    it by :func:`_merge_runs` (at most :data:`MERGE_SHARE` of the solve's time; the merged
-    plan is a candidate too). Runs, not edges: edges cut are a proxy the solver lowers without
+    from the previous solve's assignment (which meets the looser row); from that assignment
+    too, :func:`_merge_runs` merges runs greedily within the cap (at most :data:`MERGE_SHARE` of
+    the solve's time), a candidate of its own. Runs, not edges: edges cut are a proxy the solver lowers without
     merging stages (BERT-6's operator graph on 3 GPUs at 1.2 x memory, 3 % of slack: 70 stages
     minimising edges, 11 minimising runs). :data:`TIGHT_SHARE` of ``time_limit`` goes to the
     first solve, the rest is split among the slacks; a solve with less than
@@ -1374,27 +1373,31 @@ def _fewer_stages(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple
         cap = float(value) * (1 + slack)
         merged = None
         if slack > 0:
-            # a start of few runs, by moving whole runs while the plan stays within the cap
+            # Runs merged greedily within the cap: a candidate beside the solver's. (Not its start:
+            # from there the solver settled in other plans than from the previous solution, and
+            # slower ones, on BERT-6's operator graph on 6 GPUs at 1.2 x: 24 stages simulated at
+            # 1.062 of their objective, against 20 at 1.000.)
             t_merge = time.perf_counter()
-            gpu_of, merged = _merge_runs(problem, blocks, gpu_of, cap, t_merge + share * MERGE_SHARE)
+            merged = _merge_runs(problem, blocks, gpu_of, cap, t_merge + share * MERGE_SHARE)[1]
             share -= time.perf_counter() - t_merge
         h.changeColBounds(t_col, 0.0, cap * (1 + 1e-9))
         idx = np.array([x[b][gpu_of[b]].index for b in range(B)], dtype=np.int32)
         h.setSolution(len(idx), idx, np.ones(len(idx)))
         h.setOptionValue("time_limit", float(max(share, MIN_SOLVE_S)))
         h.run()
-        solved = h.getInfo().primal_solution_status == 2
-        if solved:
-            xv = np.array(h.vals([x[b][g] for b in range(B) for g in range(P)])).reshape(B, P)
-            gpu_of = [int(np.argmax(xv[b])) for b in range(B)]
-        elif merged is None:
+        if h.getInfo().primal_solution_status != 2:
+            if merged is not None:
+                relaxed.append((*merged, value, f"fewer stages +{slack:.0%}"))
             break
+        xv = np.array(h.vals([x[b][g] for b in range(B) for g in range(P)])).reshape(B, P)
+        gpu_of = [int(np.argmax(xv[b])) for b in range(B)]
         priced = _priced_stagings(problem, blocks, gpu_of, STAGINGS, max_stages)[0]
         if slack == 0:
             tight += [(p2, c2, value, "fewer cuts") for p2, c2 in priced]
             continue
         source = f"fewer stages +{slack:.0%}"
-        for p2, c2 in sorted(priced + ([merged] if merged else []), key=lambda pc: len(pc[0].stages))[:RELAXED_KEEP]:
+        keep = sorted(priced, key=lambda pc: len(pc[0].stages))[:RELAXED_KEEP] + ([merged] if merged else [])
+        for p2, c2 in keep:
             p2.info["plan_source"] = source        # (said by compile's row if it is the fastest)
             relaxed.append((p2, c2, value, source))
     return tight, relaxed
@@ -1436,8 +1439,8 @@ def _merge_runs(problem: Problem, blocks: Blocks, gpu_of: list[int], cap: float,
     or after them while the merged staging (:func:`plan_from_assignment`) still fits and its
     objective stays at most ``cap``; and that staging with its cost (None if no move was made).
 
-    A start for the relaxed solves of :func:`_fewer_stages`, and a candidate of its own: on operator
-    graphs of 150 to 460 blocks the solver alone barely leaves the optimum's runs in its time.
+    A candidate beside the relaxed solves of :func:`_fewer_stages`: on operator graphs of 150 to
+    460 blocks the solver barely leaves the optimum's runs in its time.
     Each round proposes moves, smallest runs first, that keep every GPU's compute (recomputation
     included: the MIP's load but for the loss GPU's saving) within ``cap`` and its parameters
     (with gradients and optimizer state) within the memory the last priced plan left it, no two
