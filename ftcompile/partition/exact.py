@@ -1378,7 +1378,7 @@ def _fewer_stages(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple
             # slower ones, on BERT-6's operator graph on 6 GPUs at 1.2 x: 24 stages simulated at
             # 1.062 of their objective, against 20 at 1.000.)
             t_merge = time.perf_counter()
-            merged = _merge_runs(problem, blocks, gpu_of, cap, t_merge + share * MERGE_SHARE)[1]
+            merged = _merge_runs(problem, blocks, gpu_of, cap, t_merge + share * MERGE_SHARE, max_stages)[1]
             share -= time.perf_counter() - t_merge
         h.changeColBounds(t_col, 0.0, cap * (1 + 1e-9))
         idx = np.array([x[b][gpu_of[b]].index for b in range(B)], dtype=np.int32)
@@ -1433,8 +1433,8 @@ def _minimise_runs(mip: _Mip, B: int, P: int, cuts: list) -> None:
         h.changeColCost(r.index, 1.0)
 
 
-def _merge_runs(problem: Problem, blocks: Blocks, gpu_of: list[int], cap: float, deadline: float
-                ) -> tuple[list[int], tuple[Plan, object] | None]:
+def _merge_runs(problem: Problem, blocks: Blocks, gpu_of: list[int], cap: float, deadline: float,
+                max_stages: int | None = None) -> tuple[list[int], tuple[Plan, object] | None]:
     """``gpu_of`` with runs of consecutive blocks on one GPU moved onto the GPU of the run before
     or after them while the merged staging (:func:`plan_from_assignment`) still fits and its
     objective stays at most ``cap``; and that staging with its cost (None if no move was made).
@@ -1448,7 +1448,10 @@ def _merge_runs(problem: Problem, blocks: Blocks, gpu_of: list[int], cap: float,
     :func:`~ftcompile.plan.evaluate`, and on a misfit (activations, the loss GPU's recomputation)
     halved until they pass, a single move that does not pass being dropped for good. The MIP is
     a relaxation of every plan that fits, so a result of objective at most ``cap`` meets
-    ``T <= cap``. Stops at ``deadline`` (``time.perf_counter()``) or when no move is left: a local
+    ``T <= cap``. A plan the schedule cannot run (2bw deeper than its micro-batches allow) is a
+    misfit too, and one of more than ``max_stages`` stages is never returned (moves only end
+    stages, so the search goes on from it). Stops at ``deadline`` (``time.perf_counter()``) or
+    when no move is left: a local
     optimum, often still tens of stages (BERT-3's operator graph on 6 GPUs at 1.2 x memory: the
     optimum's 98 runs to 55 within 2 %, then 36 within 5 %, in 0.04 s and 0.02 s).
     """
@@ -1456,8 +1459,19 @@ def _merge_runs(problem: Problem, blocks: Blocks, gpu_of: list[int], cap: float,
     load_b = np.asarray(blocks.compute_ms + rec, dtype=float)
     gpu_of = list(gpu_of)
     P = max(gpu_of) + 1
+    from ..runtime.schedules import ScheduleError
+
+    def price(assignment: list[int]) -> tuple[Plan, object | None]:
+        plan = plan_from_assignment(problem, blocks.members, assignment, "exact")
+        try:
+            return plan, evaluate(problem, plan)
+        except ScheduleError:
+            return plan, None
+
     best = None
-    cost = evaluate(problem, plan_from_assignment(problem, blocks.members, gpu_of, "exact"))
+    cost = price(gpu_of)[1]
+    if cost is None:
+        return gpu_of, None
     refused: set[tuple] = set()                       # groups of (first block, last block + 1, GPU)
     while time.perf_counter() < deadline:
         load = np.zeros(P)
@@ -1550,10 +1564,11 @@ def _merge_runs(problem: Problem, blocks: Blocks, gpu_of: list[int], cap: float,
             for group in groups[:n]:
                 for a, e, t in group:
                     trial[a:e] = [t] * (e - a)
-            plan = plan_from_assignment(problem, blocks.members, trial, "exact")
-            priced = evaluate(problem, plan)
-            if priced.feasible and priced.objective_ms <= cap * (1 + 1e-9):
-                gpu_of, best, cost = trial, (plan, priced), priced
+            plan, priced = price(trial)
+            if priced is not None and priced.feasible and priced.objective_ms <= cap * (1 + 1e-9):
+                gpu_of, cost = trial, priced
+                if max_stages is None or len(plan.stages) <= max_stages:
+                    best = (plan, priced)
                 break
             if n == 1:
                 refused.add(groups[0])
