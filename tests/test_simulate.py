@@ -416,3 +416,43 @@ def test_a_graph_input_read_by_many_stages_on_a_gpu_is_held_once(schedule):
     assert data <= cost.gpus[0].data_bytes
     for gpu, peak in enumerate(res.gpu_peak_memory):
         assert peak <= cost.gpus[gpu].memory_bytes, (gpu, res.gpu_peak_breakdown[gpu], cost.gpus[gpu])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "async", "pipedream", "2bw"])
+@pytest.mark.parametrize("seed", range(4))
+def test_simulated_memory_stays_within_evaluate_on_branchy_dags(schedule, seed):
+    """What a plan is promised to fit in (evaluate's per-GPU figure) bounds what its simulated run
+    holds, GPU by GPU, on DAGs with what traced graphs have: an input read by several nodes (the
+    embedding, the mask, a label clamp), a mask read by every block, heads off the trunk, tied
+    weights, and plans of several stages per GPU cut from the topological order at random."""
+    import random
+    import sys
+    from dataclasses import replace
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from dags import branchy_problem
+
+    rng = random.Random(seed)
+    P = rng.choice([2, 3])
+    pb = branchy_problem(seed, blocks=3, gpus=P, schedule=schedule, side=True, tied=seed % 2 == 1,
+                         bandwidth=rng.choice([1e30, 1e9]))
+    ops = [n.id for n in pb.graph.nodes if n.kind == "op"]
+    lone = {n.id for n in pb.graph.nodes if n.name == "counter"}   # reads and feeds nothing
+    cuts = sorted(rng.sample(range(1, len(ops)), k=rng.randint(P, 2 * P)))
+    bounds = [0, *cuts, len(ops)]
+    parts = [[n for n in ops[a:b] if n not in lone] for a, b in zip(bounds, bounds[1:])]
+    parts = [p for p in parts if p]
+    parts[0] += sorted(lone)            # (a stage of its own would run ahead without bound)
+    stages = [Stage(i, rng.randrange(P) if i else 0, sorted(p)) for i, p in enumerate(parts)]
+    plan = Plan("random", P, stages)
+    if schedule == "2bw":
+        from ftcompile.plan import stage_depths, stage_graph
+
+        depth = max(stage_depths(stage_graph(pb.graph, plan)).values()) + 1
+        pb = replace(pb, micro_batches=max(pb.micro_batches, depth))
+    res = simulate(pb, plan)
+    cost = evaluate(pb, plan)
+    for g, peak in enumerate(res.gpu_peak_memory):
+        if cost.gpus[g].stages:
+            assert peak <= cost.gpus[g].memory_bytes, (g, res.gpu_peak_breakdown[g], cost.gpus[g])
