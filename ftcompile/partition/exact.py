@@ -1317,7 +1317,7 @@ def _quiet_fd1():
 
 
 def _fewer_stages(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple], time_limit: float,
-                max_stages: int | None, slacks: tuple[float, ...] = RELAXED_SLACKS) -> tuple[list, list]:
+                  max_stages: int | None, slacks: tuple[float, ...] = RELAXED_SLACKS) -> tuple[list, list]:
     """Plans as good as the best plan of ``found`` by the MIP's measure, with fewer stages; and
     plans at most ``slacks`` above it, with fewer still.
 
@@ -1336,9 +1336,9 @@ def _fewer_stages(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple
     x[b-1][g]``: block ``b`` starts a run), which is the stage count of the merged staging,
     from the previous solve's assignment (which meets the looser row); from that assignment
     too, :func:`_merge_runs` merges runs greedily within the cap (at most :data:`MERGE_SHARE` of
-    the solve's time), a candidate of its own. Runs, not edges: edges cut are a proxy the solver lowers without
-    merging stages (BERT-6's operator graph on 3 GPUs at 1.2 x memory, 3 % of slack: 70 stages
-    minimising edges, 11 minimising runs). :data:`TIGHT_SHARE` of ``time_limit`` goes to the
+    the solve's time), a candidate of its own. Runs, not edges: edges cut are a proxy the
+    solver lowers without merging stages (BERT-6's operator graph on 3 GPUs at 1.2 x memory,
+    3 % of slack: 70 stages minimising edges, 11 minimising runs). :data:`TIGHT_SHARE` of ``time_limit`` goes to the
     first solve, the rest is split among the slacks; a solve with less than
     :data:`MIN_SOLVE_S` is skipped.
 
@@ -1361,7 +1361,7 @@ def _fewer_stages(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple
     if max(gpu_of) >= P:                    # (a plan from elsewhere on GPUs the MIP does not have)
         return [], []
     t_col = mip.T.index
-    cuts = _minimise_edges(mip, B, P)
+    cuts = _minimise_edges(mip, P)
     tight, relaxed = [], []
     for i, slack in enumerate((0.0,) + tuple(slacks)):
         left = time_limit - (time.perf_counter() - t0)
@@ -1403,7 +1403,7 @@ def _fewer_stages(problem: Problem, mip: _Mip, blocks: Blocks, found: list[tuple
     return tight, relaxed
 
 
-def _minimise_edges(mip: _Mip, B: int, P: int) -> list:
+def _minimise_edges(mip: _Mip, P: int) -> list:
     """Set the MIP's objective to the block edges between GPUs (``T`` bounded by the caller):
     ``z >= x[p][g] - x[c][g]`` for each edge ``p -> c``; returns the ``z`` columns."""
     h, x = mip.h, mip.x
@@ -1451,15 +1451,16 @@ def _merge_runs(problem: Problem, blocks: Blocks, gpu_of: list[int], cap: float,
     ``T <= cap``. A plan the schedule cannot run (2bw deeper than its micro-batches allow) is a
     misfit too, and one of more than ``max_stages`` stages is never returned (moves only end
     stages, so the search goes on from it). Stops at ``deadline`` (``time.perf_counter()``) or
-    when no move is left: a local
-    optimum, often still tens of stages (BERT-3's operator graph on 6 GPUs at 1.2 x memory: the
-    optimum's 98 runs to 55 within 2 %, then 36 within 5 %, in 0.04 s and 0.02 s).
+    when no move is left: a local optimum, often still tens of stages (BERT-3's operator graph on
+    6 GPUs at 1.2 x memory, exact alone at 10 s: the optimum's 98 runs to 50 within 2 %, then 34
+    within 5 %, in 0.10 s and 0.04 s).
     """
+    from ..runtime.schedules import ScheduleError
+
     rec = blocks.recompute_ms if problem.recomputes(False) else 0.0
     load_b = np.asarray(blocks.compute_ms + rec, dtype=float)
     gpu_of = list(gpu_of)
     P = max(gpu_of) + 1
-    from ..runtime.schedules import ScheduleError
 
     def price(assignment: list[int]) -> tuple[Plan, object | None]:
         plan = plan_from_assignment(problem, blocks.members, assignment, "exact")
@@ -1489,6 +1490,7 @@ def _merge_runs(problem: Problem, blocks: Blocks, gpu_of: list[int], cap: float,
                 runs[-1] = (runs[-1][0], b + 1)
             else:
                 runs.append((b, b + 1))
+
         def params_of(i: int) -> dict[int, int]:
             used: dict[int, int] = {}
             for b in range(*runs[i]):
