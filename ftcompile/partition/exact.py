@@ -610,14 +610,21 @@ def _canonical(gpus: list[int], blocks: Blocks) -> tuple[list[int], dict[int, in
     return [relabel[g] for g in gpus], relabel
 
 
+def _splits_blocks(plan: Plan, blocks: Blocks) -> bool:
+    """Whether some block's nodes lie on two or more GPUs of ``plan``."""
+    gpu_of_node = {n: st.gpu for st in plan.stages for n in st.nodes}
+    return any(len({gpu_of_node[n] for n in m}) > 1 for m in blocks.members)
+
+
 def _warm_start(problem: Problem, mip: "_Mip", blocks: Blocks, P: int, space: str, warm_plan: Plan | None, *,
                 search: bool, max_stages: int | None, time_limit: float, max_nodes: int, comm: bool,
                 mip_rel_gap: float, max_rounds: int) -> tuple | None:
     """Give the solver a starting incumbent; returns (plan, its cost, its MIP value) or None.
 
     In ``seq`` space ``warm_plan`` (stage ``k`` on GPU ``k``) when given. In ``mixed`` space
-    (with ``search``) ``warm_plan`` or the best convex split, found by Seq-pipe and, where its
-    stages split a block, by exact in ``seq`` space, each in ``time_limit``.
+    (with ``search``) ``warm_plan`` where it keeps every block on one GPU, else the best convex
+    split, found by Seq-pipe and, where its stages split a block, by exact in ``seq`` space,
+    each in ``time_limit``.
     """
     h, x, B = mip.h, mip.x, blocks.n
     warm = None
@@ -632,8 +639,10 @@ def _warm_start(problem: Problem, mip: "_Mip", blocks: Blocks, P: int, space: st
             warm = (warm_plan, evaluate(problem, warm_plan), warm_plan.info.get("mip_objective_ms"))
     if space == "mixed" and search and P > 1:
         # A Seq-pipe is a Mixed-pipe: the best convex split is a good incumbent that fits memory.
+        # (a given plan that splits a block cannot be the MIP's start: Seq-pipe's split then)
         sp = warm_plan
-        if sp is None:
+        if sp is None or _splits_blocks(sp, blocks):
+            sp = None
             try:
                 from .seq import partition_seq
 
@@ -642,7 +651,7 @@ def _warm_start(problem: Problem, mip: "_Mip", blocks: Blocks, P: int, space: st
             except Infeasible:
                 pass
         gpu_of_node = {n: st.gpu for st in sp.stages for n in st.nodes} if sp is not None else {}
-        if sp is None or any(len({gpu_of_node[n] for n in m}) > 1 for m in blocks.members):
+        if sp is None or _splits_blocks(sp, blocks):
             try:
                 sp = partition_exact(problem, max_nodes=max_nodes, time_limit=time_limit, space="seq",
                                      comm=comm, mip_rel_gap=mip_rel_gap, max_rounds=max_rounds, warm_start=False,
