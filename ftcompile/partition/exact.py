@@ -1450,7 +1450,7 @@ def _merge_runs(problem: Problem, blocks: Blocks, gpu_of: list[int], cap: float,
 
     A candidate beside the relaxed solves of :func:`_fewer_stages`: on operator graphs of 150 to
     460 blocks the solver barely leaves the optimum's runs in its time.
-    Each round proposes moves, smallest runs first, that keep every GPU's compute (recomputation
+    Each round proposes moves (:meth:`_RunTally.propose`), smallest runs first, that keep every GPU's compute (recomputation
     included: the MIP's load but for the loss GPU's saving) within ``cap`` and its parameters
     (with gradients and optimizer state) within the memory the last priced plan left it, no two
     touching the same run, and never the loss's run; they are priced together by
@@ -1469,7 +1469,6 @@ def _merge_runs(problem: Problem, blocks: Blocks, gpu_of: list[int], cap: float,
     rec = blocks.recompute_ms if problem.recomputes(False) else 0.0
     load_b = np.asarray(blocks.compute_ms + rec, dtype=float)
     gpu_of = list(gpu_of)
-    P = max(gpu_of) + 1
 
     def price(assignment: list[int]) -> tuple[Plan, object | None]:
         plan = plan_from_assignment(problem, blocks.members, assignment, "exact")
@@ -1484,89 +1483,7 @@ def _merge_runs(problem: Problem, blocks: Blocks, gpu_of: list[int], cap: float,
         return gpu_of, None
     refused: set[tuple] = set()                       # groups of (first block, last block + 1, GPU)
     while time.perf_counter() < deadline:
-        load = np.zeros(P)
-        np.add.at(load, gpu_of, load_b)
-        # memory left per GPU, as last priced; a move changes it by the parameters (with their
-        # gradients and optimizer state) the GPU gains or loses, its activations being small
-        room = [gc.memory_limit - gc.memory_bytes for gc in cost.gpus[:P]]
-        readers = [dict() for _ in range(P)]          # GPU -> parameter -> blocks there reading it
-        for b, g in enumerate(gpu_of):
-            for q in blocks.params[b]:
-                readers[g][q] = readers[g].get(q, 0) + 1
-        runs: list[tuple[int, int]] = []             # [start, end) of each run
-        for b in range(len(gpu_of)):
-            if runs and gpu_of[runs[-1][0]] == gpu_of[b]:
-                runs[-1] = (runs[-1][0], b + 1)
-            else:
-                runs.append((b, b + 1))
-
-        def params_of(i: int) -> dict[int, int]:
-            used: dict[int, int] = {}
-            for b in range(*runs[i]):
-                for q in blocks.params[b]:
-                    used[q] = used.get(q, 0) + 1
-            return used
-
-        def shift(i: int, src: int, dst: int) -> None:
-            """Run ``i``'s compute and parameters from GPU ``src`` to ``dst`` in the tallies."""
-            here = load_b[runs[i][0]:runs[i][1]].sum()
-            load[dst] += here
-            load[src] -= here
-            for q, k in params_of(i).items():
-                if q not in readers[dst]:
-                    room[dst] -= int(blocks.param_total[q])
-                readers[dst][q] = readers[dst].get(q, 0) + k
-                readers[src][q] -= k
-                if not readers[src][q]:
-                    del readers[src][q]
-                    room[src] += int(blocks.param_total[q])
-
-        def ok(g: int) -> bool:
-            return load[g] <= cap * (1 + 1e-9) and room[g] >= 0
-
-        def near(i: int) -> list[int]:
-            """The GPUs of run ``i``'s neighbours: a GPU on both sides first (two runs end)."""
-            gs = [gpu_of[runs[j][0]] for j in (i - 1, i + 1) if 0 <= j < len(runs)]
-            return sorted(set(gs), key=lambda t: (-gs.count(t), load[t]))
-
-        groups: list[tuple[tuple[int, int, int], ...]] = []       # moves priced together
-        taken: set[int] = set()
-        loss_run = next((i for i, (a, e) in enumerate(runs) if blocks.loss is not None and a <= blocks.loss < e), None)
-        for i in sorted(range(len(runs)), key=lambda i: load_b[runs[i][0]:runs[i][1]].sum()):
-            if {i - 1, i, i + 1} & taken or i == loss_run:
-                continue
-            src = gpu_of[runs[i][0]]
-            for t in near(i):
-                shift(i, src, t)
-                group = ((*runs[i], t),)
-                if group not in refused and ok(t):
-                    break
-                # t is over: another run of t moves on to its own neighbour's GPU (two runs end)
-                for j in sorted(range(len(runs)), key=lambda j: load_b[runs[j][0]:runs[j][1]].sum()):
-                    if (gpu_of[runs[j][0]] != t or abs(j - i) <= 1 or {j - 1, j, j + 1} & taken
-                            or j == loss_run):
-                        continue
-                    for u in near(j):
-                        if u == t:
-                            continue
-                        shift(j, t, u)
-                        group = ((*runs[i], t), (*runs[j], u))
-                        if group not in refused and ok(t) and ok(u):
-                            break
-                        shift(j, u, t)
-                    else:
-                        continue
-                    break
-                else:
-                    shift(i, t, src)
-                    continue
-                break
-            else:
-                continue
-            groups.append(group)
-            for a, _e, _t in group:
-                k = next(k for k, r in enumerate(runs) if r[0] == a)
-                taken.add(k)
+        groups = _RunTally(blocks, load_b, gpu_of, cost, cap).propose(refused)
         if not groups:
             break
         n = len(groups)
@@ -1585,6 +1502,103 @@ def _merge_runs(problem: Problem, blocks: Blocks, gpu_of: list[int], cap: float,
                 refused.add(groups[0])
             n //= 2
     return gpu_of, best
+
+
+class _RunTally:
+    """One round of :func:`_merge_runs`: a block assignment's runs (maximal sequences of
+    consecutive blocks on one GPU) with each GPU's compute and the memory its parameters leave
+    it, kept up to date as runs are moved in trial; and the moves proposed from them."""
+
+    def __init__(self, blocks: Blocks, load_b: np.ndarray, gpu_of: list[int], cost, cap: float):
+        self.blocks, self.load_b, self.gpu_of, self.cap = blocks, load_b, gpu_of, cap
+        P = max(gpu_of) + 1
+        self.load = np.zeros(P)
+        np.add.at(self.load, gpu_of, load_b)
+        # memory left per GPU, as last priced; a move changes it by the parameters (with their
+        # gradients and optimizer state) the GPU gains or loses, its activations being small
+        self.room = [gc.memory_limit - gc.memory_bytes for gc in cost.gpus[:P]]
+        self.readers: list[dict[int, int]] = [dict() for _ in range(P)]   # GPU -> parameter -> blocks
+        for b, g in enumerate(gpu_of):
+            for q in blocks.params[b]:
+                self.readers[g][q] = self.readers[g].get(q, 0) + 1
+        self.runs: list[tuple[int, int]] = []            # [start, end) of each run
+        for b in range(len(gpu_of)):
+            if self.runs and gpu_of[self.runs[-1][0]] == gpu_of[b]:
+                self.runs[-1] = (self.runs[-1][0], b + 1)
+            else:
+                self.runs.append((b, b + 1))
+        self.run_of = {a: i for i, (a, _e) in enumerate(self.runs)}      # first block -> run
+        self.size = [float(load_b[a:e].sum()) for a, e in self.runs]
+        loss = blocks.loss
+        self.loss_run = next((i for i, (a, e) in enumerate(self.runs) if loss is not None and a <= loss < e), None)
+
+    def gpu(self, i: int) -> int:
+        return self.gpu_of[self.runs[i][0]]
+
+    def shift(self, i: int, src: int, dst: int) -> None:
+        """Run ``i``'s compute and parameters from GPU ``src`` to ``dst`` in the tallies."""
+        self.load[dst] += self.size[i]
+        self.load[src] -= self.size[i]
+        used: dict[int, int] = {}
+        for b in range(*self.runs[i]):
+            for q in self.blocks.params[b]:
+                used[q] = used.get(q, 0) + 1
+        for q, k in used.items():
+            if q not in self.readers[dst]:
+                self.room[dst] -= int(self.blocks.param_total[q])
+            self.readers[dst][q] = self.readers[dst].get(q, 0) + k
+            self.readers[src][q] -= k
+            if not self.readers[src][q]:
+                del self.readers[src][q]
+                self.room[src] += int(self.blocks.param_total[q])
+
+    def ok(self, g: int) -> bool:
+        return self.load[g] <= self.cap * (1 + 1e-9) and self.room[g] >= 0
+
+    def near(self, i: int) -> list[int]:
+        """The GPUs of run ``i``'s neighbours: a GPU on both sides first (two runs end)."""
+        gs = [self.gpu(j) for j in (i - 1, i + 1) if 0 <= j < len(self.runs)]
+        return sorted(set(gs), key=lambda t: (-gs.count(t), self.load[t]))
+
+    def propose(self, refused: set[tuple]) -> list[tuple[tuple[int, int, int], ...]]:
+        """Groups of moves ``((first block, end, GPU), ...)``, smallest runs first, each keeping
+        the GPUs it touches within the cap and their parameters within memory (the tallies keep
+        every group accepted so far), no two touching the same run or its neighbours, none the
+        loss's run or in ``refused``. A group is one run moved onto a neighbour's GPU, or, where
+        that GPU is over, with a run of that GPU moved on to its own neighbour's."""
+        groups: list[tuple[tuple[int, int, int], ...]] = []
+        taken: set[int] = set()
+        for i in sorted(range(len(self.runs)), key=self.size.__getitem__):
+            if {i - 1, i, i + 1} & taken or i == self.loss_run:
+                continue
+            group = self._move(i, taken, refused)
+            if group is not None:
+                groups.append(group)
+                taken.update(self.run_of[a] for a, _e, _t in group)
+        return groups
+
+    def _move(self, i: int, taken: set[int], refused: set[tuple]) -> tuple | None:
+        """Run ``i``'s move, alone or paired (see :meth:`propose`), left in the tallies; or None."""
+        src = self.gpu(i)
+        for t in self.near(i):
+            self.shift(i, src, t)
+            group = ((*self.runs[i], t),)
+            if group not in refused and self.ok(t):
+                return group
+            # t is over: another run of t moves on to its own neighbour's GPU (two runs end)
+            for j in sorted(range(len(self.runs)), key=self.size.__getitem__):
+                if (self.gpu(j) != t or abs(j - i) <= 1 or {j - 1, j, j + 1} & taken or j == self.loss_run):
+                    continue
+                for u in self.near(j):
+                    if u == t:
+                        continue
+                    self.shift(j, t, u)
+                    group = ((*self.runs[i], t), (*self.runs[j], u))
+                    if group not in refused and self.ok(t) and self.ok(u):
+                        return group
+                    self.shift(j, u, t)
+            self.shift(i, t, src)
+        return None
 
 
 def _priced_stagings(problem: Problem, blocks: Blocks, gpu_of: list[int], stagings, max_stages: int | None
