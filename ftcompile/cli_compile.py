@@ -363,7 +363,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
             ui.note(format_tuning(tuning))
             t = lap("avgpipe_tuning", t)
         if result.chosen is None:
-            doc["requirements"] = minimum_requirements(least) + (
+            doc["requirements"] = minimum_requirements(least, time_limit=args.time_limit) + (
                 " (without the tied-weight lag, which compile turns off by itself where only that fits)"
                 if least is not problem else "")
             t = lap("requirements", t)

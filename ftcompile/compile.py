@@ -432,7 +432,8 @@ def quiet_native_stdout():
         os.close(saved)
 
 
-def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: float = 0.02) -> str:
+def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: float = 0.02,
+                         time_limit: float | None = None) -> str:
     """What would make the model fit: the smallest per-GPU memory and the fewest GPUs.
 
     Both are found with the Seq-pipe DP, which is exact among contiguous plans under
@@ -442,6 +443,9 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
     weights alone need per GPU and ``need``, to ``precision``, and rounded up. GPUs:
     the fewest GPUs of the given memory on which the DP finds a plan, searched from
     the count the weights alone need (doubling, then bisection), up to ``max_gpus``.
+    Where a probe below the advised figure found no plan without proving that none fits (the
+    DP stopped at its time limit: a loaded machine), the advice says so: less may fit.
+    ``time_limit``: seconds per probe (Seq-pipe's default when None).
     """
     from dataclasses import replace
 
@@ -465,11 +469,23 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
     def with_memory(m: int) -> Problem:
         return replace(problem, cluster=replace(problem.cluster, gpu_memory=int(m)))
 
+    unsure: list[Problem] = []      # probes that found no plan without proving that none fits
+
     def seq_fits(pb: Problem) -> bool:
         # as compile judges a plan: priced, and its simulated run within the limit. The DP alone
         # (no MIP): a bisection probes many limits at which nothing fits, and the MIP would spend
         # its whole time limit on each.
-        return _run_one("seq", pb, True, {"mip": False}).feasible
+        r = _run_one("seq", pb, True, {"mip": False, **({} if time_limit is None else {"time_limit": time_limit})})
+        if not r.feasible and not r.proven_infeasible and r.cost is None:
+            unsure.append(pb)
+        return r.feasible
+
+    def unproven(below, what) -> str:
+        """Says where a probe below the advised figure (``below``: its figure, or None) found no
+        plan without proving that none fits (the DP's time limit, side nodes attached)."""
+        xs = {below(pb) for pb in unsure} - {None}
+        return (f" (not proven the least: at {what(max(xs))} the search found no plan but did not prove that "
+                "none fits)" if xs else "")
 
     if not limit_floor and seq_fits(problem):
         # The strategies asked for failed, but the cluster is big enough.
@@ -490,7 +506,9 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
             lo, hi = (lo, mid) if seq_fits(with_memory(mid)) else (mid, hi)
         parts.append(f"on {P} GPUs a Seq-pipe plan fits in {format_bytes(hi)} per GPU (have "
                      f"{format_bytes(limit)}, of which {format_bytes(reserve)} stay free as the hardware's "
-                     f"reserve): use --gpu-memory {format_bytes(hi + max(0.005 * (hi - reserve), 10_000))} or more")
+                     f"reserve): use --gpu-memory {format_bytes(hi + max(0.005 * (hi - reserve), 10_000))} or more"
+                     + unproven(lambda pb: pb.cluster.gpu_memory if pb.num_gpus == P and pb.cluster.gpu_memory < hi
+                                else None, lambda m: f"{format_bytes(m)} per GPU"))
 
     if limit_floor:
         return "; ".join(parts)         # more GPUs of this memory cannot help (the floor is per node)
@@ -512,7 +530,24 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-        parts.append(f"with {format_bytes(limit)} per GPU a Seq-pipe plan fits on {hi} GPUs (--gpus {hi})")
+        # Where the DP proved nothing one GPU fewer (its memory check is a relaxation of evaluate's,
+        # too many upsets to list on a large graph, its time limit), the whole Seq-pipe, MIP
+        # included (lazy memory cuts), finds a plan there or proves that none fits.
+        while hi > P and any(pb.num_gpus == hi - 1 and pb.cluster.gpu_memory == limit for pb in unsure):
+            fewer = replace(problem, cluster=problem.cluster.with_overrides(gpus=hi - 1))
+            r = _run_one("seq", fewer, True, {} if time_limit is None else {"time_limit": time_limit})
+            if not r.feasible and not r.proven_infeasible:
+                break
+            unsure[:] = [pb for pb in unsure if pb.num_gpus != hi - 1]
+            if not r.feasible:
+                break
+            hi -= 1
+        parts.append(f"with {format_bytes(limit)} per GPU a Seq-pipe plan fits on {hi} GPUs (--gpus {hi})"
+                     + unproven(lambda pb: pb.num_gpus if pb.cluster.gpu_memory == limit and pb.num_gpus < hi
+                                else None, lambda p: f"{p} GPUs"))
+    elif any(pb.cluster.gpu_memory == limit and pb.num_gpus > P for pb in unsure):
+        parts.append(f"the search found no Seq-pipe plan on up to {max_gpus} GPUs of {format_bytes(limit)} "
+                     f"without proving that none fits (--time-limit: give it more time)")
     else:
         parts.append(f"it does not fit on up to {max_gpus} GPUs of {format_bytes(limit)} (--gpus): some single "
                      "operator needs more memory than one GPU has")

@@ -166,11 +166,19 @@ def test_compile_that_cannot_fit_says_what_would(tmp_path, capsys):
 
     assert seq("--gpus", "2", "--gpu-memory", memory) == 0
     assert seq("--gpus", str(gpus), "--gpu-memory", "804MB") == 0
-    assert seq("--gpus", str(gpus - 1), "--gpu-memory", "804MB") == 2
+    # The advice is the least that fits unless it says it is not proven there: the DP cannot
+    # search every convex split of T5's 371 op nodes (too many upsets), nor the MIP finish in 3 s.
+    # Unlabelled, one GPU fewer must not fit.
+    gpus_unproven = re.search(rf"--gpus {gpus}\) \(not proven the least: at {gpus - 1} GPUs the search found no plan "
+                              r"but did not prove that none fits\)", err)
+    if not gpus_unproven:
+        assert seq("--gpus", str(gpus - 1), "--gpu-memory", "804MB") == 2
     reserve = 800.0         # MB: the 2080 Ti preset's reserve; the advice is the least to 2 % beyond it
     assert memory.endswith("MB")
     less = reserve + (float(memory[:-2]) - reserve) * 0.97
-    assert seq("--gpus", "2", "--gpu-memory", f"{less:.3f}{memory[-2:]}") == 2
+    memory_unproven = re.search(r"or more \(not proven the least: at ([0-9.]+) MB per GPU", err)
+    if not memory_unproven:
+        assert seq("--gpus", "2", "--gpu-memory", f"{less:.3f}{memory[-2:]}") == 2
     capsys.readouterr()
 
 

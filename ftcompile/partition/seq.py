@@ -260,7 +260,7 @@ def partition_seq(problem: Problem, *, max_stages: int | None = None, stages: in
                                             for x in searches)
         lead = "no" if proven_none else "found no"
         why = "" if proven_none else (
-            f"; the search over convex splits did not finish in {time_limit:g} s, so one may exist"
+            f"; {_unfinished(searches, time_limit, max_upsets)}, so one may exist"
             + (f" (the best contiguous split: {found[0][3].reason})" if found else ""))
         raise Infeasible(f"{lead} convex split of {N} op nodes into at most {S} stages fits {gb} "
                          f"per GPU under the {problem.schedule} schedule (weights, gradients and optimizer "
@@ -360,6 +360,24 @@ def _convex_mip(problem: Problem, warm: Plan | None, seconds: float, max_stages:
     plan = plan_from_stages("seq", problem, [st.nodes for st in sorted(plan.stages, key=lambda st: st.gpu)], {})
     cost = evaluate(problem, plan)
     return plan, (cost if cost.feasible else None), bound
+
+
+def _unfinished(searches: list[dict], time_limit: float, max_upsets: int) -> str:
+    """Why the searches over convex splits (``searches``, as :func:`partition_seq` records them)
+    proved nothing, in words."""
+    why = []
+    if any("stopped" in x for x in searches):
+        why.append(f"the search over convex splits stopped at the time limit ({time_limit:g} s)")
+    if any(str(x.get("result", "")).startswith("more than") for x in searches):
+        why.append(f"the DP could not search every convex split (more than {max_upsets} upsets to list)")
+    if any(x.get("attached") and x.get("result") == "no split fits" for x in searches):
+        why.append("the DP found none only with side nodes attached to their neighbours, which says nothing of "
+                   "the splits that move them")
+    if not any(x.get("method") == "MIP" for x in searches):
+        why.append("the convex-split MIP did not run")
+    elif not any(x.get("method") == "MIP" and x.get("result") == "no split fits" for x in searches):
+        why.append("the convex-split MIP did not finish")
+    return "; ".join(why) or "no search over convex splits finished"
 
 
 def _probe(problem: Problem, units, upper: float | None, deadline: float, **options):
