@@ -518,3 +518,79 @@ def test_a_warm_plan_that_splits_a_block_gives_way_to_seq_pipes_split(monkeypatc
     assert calls[0] == "seq-pipe"                       # Seq-pipe's split first
     seq_split = real_seq(problem, simulate_top=0)
     assert calls[1:] == (["exact seq"] if exact_mod._splits_blocks(seq_split, blocks) else [])
+
+
+def test_minimum_requirements_name_the_fewest_gpus_a_convex_split_fits():
+    """The advice's GPU count is the least on which some contiguous split fits, by brute force
+    over every split of the chain, and proven so: no caveat follows it."""
+    from dataclasses import replace
+
+    from ftcompile.compile import minimum_requirements
+
+    base = synthetic_problem(8, 2, seed=2, gpu_memory=10**13, value_bytes=100_000)
+    ids = [n.id for n in base.graph.op_nodes()]
+
+    def least_memory(P):
+        """The smallest most-loaded GPU memory over every contiguous split onto P GPUs."""
+        pb = replace(base, cluster=base.cluster.with_overrides(gpus=P))
+        best = float("inf")
+        for S in range(1, P + 1):
+            for cuts in itertools.combinations(range(1, len(ids)), S - 1):
+                b = [0, *cuts, len(ids)]
+                plan = Plan("bf", P, [Stage(k, k, ids[b[k]:b[k + 1]]) for k in range(S)])
+                best = min(best, evaluate(pb, plan).max_memory_bytes)
+        return best
+
+    need = {P: least_memory(P) for P in (2, 3)}
+    assert need[3] < need[2]                    # (48.2 MB and 30.8 MB beyond the 800 MB reserve)
+    limit = (need[3] + need[2]) // 2            # 3 GPUs hold a split, 2 do not
+    problem = replace(base, cluster=base.cluster.with_overrides(gpus=2, gpu_memory=limit))
+    advice = minimum_requirements(problem, max_gpus=8)
+    # The DP alone accepts a 2-GPU split by its relaxed memory check, which evaluate refuses; the
+    # whole Seq-pipe (MIP and lazy memory cuts) proves that none fits.
+    assert "a Seq-pipe plan fits on 3 GPUs (--gpus 3)" in advice
+    assert "not proven the least: at 2 GPUs" not in advice
+    assert advice.endswith("(--gpus 3)")
+    # The memory advised on 2 GPUs holds the best split and is the least that does, to 3 %.
+    advised = float(re.search(r"use --gpu-memory ([0-9.]+) MB or more", advice).group(1)) * 1e6
+    reserve = problem.memory_reserve                # (need: the reserve included)
+    assert need[2] <= advised <= reserve + 1.03 * (need[2] - reserve)
+    # Below it the bisection's DP (no MIP) found none without proving it: the advice says where.
+    from ftcompile.partition.seq import partition_seq
+
+    below = re.search(r"or more \(not proven the least: at ([0-9.]+) MB per GPU the search found no plan", advice)
+    assert below is not None and float(below.group(1)) * 1e6 < advised
+    with pytest.raises(Infeasible) as exc:
+        partition_seq(replace(problem, cluster=problem.cluster.with_overrides(
+            gpu_memory=int(float(below.group(1)) * 1e6))), mip=False)
+    assert not exc.value.proven
+
+
+def test_an_assignment_a_little_over_memory_is_repaired_by_moving_nodes_off_its_full_gpu():
+    """The MIP counts activations only as a relaxation, so its best assignments can miss a fit by
+    a little; _repaired moves single nodes off the over-full GPU until the plan fits (priced by
+    evaluate), and gives up where nothing can fit."""
+    from dataclasses import replace
+
+    from ftcompile.partition.exact import _repaired
+
+    base = synthetic_problem(12, 2, seed=3, gpu_memory=10**13, value_bytes=100_000)
+    ids = [n.id for n in base.graph.op_nodes()]
+    plan = Plan("exact", 2, [Stage(0, 0, ids[:8]), Stage(1, 1, ids[8:])])
+    cost = evaluate(base, plan)
+    gpu0, gpu1 = (g.memory_bytes for g in cost.gpus)
+    assert gpu0 > gpu1
+    tight = replace(base, cluster=base.cluster.with_overrides(gpu_memory=gpu0 - 1))
+    assert not evaluate(tight, plan).feasible                      # one byte over, on GPU 0
+    fixed = _repaired(tight, plan, seconds=5.0)
+    assert fixed is not None
+    repaired, rcost = fixed
+    check_plan(tight.graph, repaired)
+    assert rcost.feasible and evaluate(tight, repaired).feasible
+    assert sorted(n for s in repaired.stages for n in s.nodes) == ids
+    # Below what the best contiguous split needs, on either GPU, nothing a node move makes fits.
+    floor = min(evaluate(base, Plan("bf", 2, [Stage(0, 0, ids[:k]), Stage(1, 1, ids[k:])])).max_memory_bytes
+                for k in range(1, len(ids)))
+    hopeless = replace(base, cluster=base.cluster.with_overrides(gpu_memory=base.memory_reserve + 1))
+    assert floor > base.memory_reserve + 1
+    assert _repaired(hopeless, plan, seconds=5.0) is None

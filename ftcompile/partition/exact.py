@@ -95,6 +95,10 @@ RELAXED_KEEP = 2
 MIN_SOLVE_S = 0.25
 #: Share of each relaxed solve's time the greedy run merging beside it may take (:func:`_merge_runs`).
 MERGE_SHARE = 0.5
+#: Mixed space, per solve: the assignments that fit in none of their stagings, lowest MIP value
+#: first, that single-node moves off their over-full GPUs may repair (:func:`_repaired`), and the
+#: share of the time limit that may take.
+REPAIR_TOP, REPAIR_SHARE = 3, 0.05
 
 
 @dataclass
@@ -408,17 +412,26 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
         found = []
         misfit = False              # some assignment fits in none of its stagings
         misfit_reason = None        # why the last staging priced did not fit
+        over: list[tuple[float, int, Plan]] = []    # (MIP value, bytes over, a staging) of those
         for mip_value, xv in zip([mip_obj] + [s.objective for s in saved], candidates):
             gpu_of = tuple(int(np.argmax(xv.reshape(B, P)[b])) for b in range(B))
             if gpu_of in tried:
                 continue
             tried.add(gpu_of)
             fits = len(found)
+            misfits: list[tuple[int, Plan]] = []
             priced, why = _priced_stagings(problem, blocks, list(gpu_of),
-                                           STAGINGS if space == "mixed" else (True,), max_stages)
+                                           STAGINGS if space == "mixed" else (True,), max_stages, misfits)
             found += [(plan, cost, mip_value, "mip") for plan, cost in priced]
             misfit_reason = why or misfit_reason
-            misfit = misfit or len(found) == fits
+            if len(found) == fits:
+                misfit = True
+                if misfits:
+                    # (the staging of fewest stages: the simulation and the run like few)
+                    nbytes, plan = min(misfits, key=lambda m: (len(m[1].stages), m[0]))
+                    over.append((mip_value, nbytes, plan))
+        if space == "mixed" and over:
+            found += _repair_round(problem, over, kept + found, time_limit, max_stages)
         # only the best few can be returned (_pick simulates at most simulate_top), and tight
         # memory can take hundreds of rounds: the rest are dropped as they come
         kept = _best_few(kept + found, max(simulate_top, 1))
@@ -1601,11 +1614,12 @@ class _RunTally:
         return None
 
 
-def _priced_stagings(problem: Problem, blocks: Blocks, gpu_of: list[int], stagings, max_stages: int | None
-                     ) -> tuple[list[tuple[Plan, object]], str | None]:
+def _priced_stagings(problem: Problem, blocks: Blocks, gpu_of: list[int], stagings, max_stages: int | None,
+                     misfits: list | None = None) -> tuple[list[tuple[Plan, object]], str | None]:
     """``(plan, cost)`` of each of ``stagings`` (:data:`STAGINGS`' entries) of a block assignment
     that fits, within ``max_stages`` stages and runnable by the schedule (2bw's pipeline no deeper
-    than its micro-batches); and why the last one that does not fit does not (None if all do)."""
+    than its micro-batches); and why the last one that does not fit does not (None if all do).
+    ``misfits``, when given, gets ``(bytes over, plan)`` of each staging over memory."""
     from ..runtime.schedules import ScheduleError
 
     out, why = [], None
@@ -1630,7 +1644,54 @@ def _priced_stagings(problem: Problem, blocks: Blocks, gpu_of: list[int], stagin
             out.append((plan, cost))
         else:
             why = cost.reason
+            if misfits is not None and cost.overflow_bytes > 0:
+                misfits.append((cost.overflow_bytes, plan))
     return out, why
+
+
+def _repair_round(problem: Problem, over: list[tuple[float, int, Plan]], found: list[tuple], time_limit: float,
+                  max_stages: int | None) -> list[tuple]:
+    """Candidates (as the solve loop keeps them, source "mip, repaired") from the best
+    :data:`REPAIR_TOP` of ``over`` (MIP value, bytes over, its staging of fewest stages) whose MIP
+    value is below every plan in ``found``, repaired by :func:`_repaired` within
+    :data:`REPAIR_SHARE` of ``time_limit``."""
+    best = min((f[1].objective_ms for f in found), default=float("inf"))
+    deadline = time.perf_counter() + REPAIR_SHARE * time_limit
+    out = []
+    for mip_value, _nbytes, plan in sorted(over, key=lambda o: (o[0], o[1]))[:REPAIR_TOP]:
+        left = deadline - time.perf_counter()
+        if left <= 0 or mip_value >= best * (1 - 1e-9):
+            break
+        fixed = _repaired(problem, plan, left)
+        if fixed is not None and (max_stages is None or len(fixed[0].stages) <= max_stages):
+            out.append((*fixed, mip_value, "mip, repaired"))
+    return out
+
+
+def _repaired(problem: Problem, plan: Plan, seconds: float) -> tuple[Plan, object] | None:
+    """``plan`` (over memory) after Mixed-pipe's single-node moves off its over-full GPUs
+    (:meth:`~ftcompile.partition.mixed._Refiner.relieve`), with its cost, if it then fits; else None.
+
+    The MIP counts activations only as a relaxation, so under tight memory its best assignments
+    can miss a fit by kilobytes (BERT-6's operator graph on 6 GPUs at 1.1 x: 44 KB over on one
+    GPU at a MIP value of 45.04, against 50.72 for the best plan that fit) and be cut off, while
+    one node moved makes them fit at the same objective. Moves keep the stage graph acyclic and
+    no stage empty; evaluate decides the fit."""
+    from ..runtime.schedules import ScheduleError
+    from .mixed import _Refiner
+
+    stages = [(st.gpu, list(st.nodes)) for st in plan.stages]
+    r = _Refiner(problem, {n: k for k, (_g, ns) in enumerate(stages) for n in ns},
+                 {k: g for k, (g, _ns) in enumerate(stages)})
+    if not r.relieve(max_seconds=seconds):
+        return None
+    fixed = ordered(Plan("exact", plan.num_gpus, [Stage(k, g, sorted(ns)) for k, (g, ns) in enumerate(r.stages())
+                                                  if ns]), problem.graph)
+    try:
+        cost = evaluate(problem, fixed)
+    except ScheduleError:
+        return None
+    return (fixed, cost) if cost.feasible else None
 
 
 def _rank(f: tuple) -> tuple[float, int]:
