@@ -1683,7 +1683,10 @@ def _repaired(problem: Problem, plan: Plan, seconds: float) -> tuple[Plan, objec
     stages = [(st.gpu, list(st.nodes)) for st in plan.stages]
     r = _Refiner(problem, {n: k for k, (_g, ns) in enumerate(stages) for n in ns},
                  {k: g for k, (g, _ns) in enumerate(stages)})
-    if not r.relieve(max_seconds=seconds):
+    try:
+        if not r.relieve(max_seconds=seconds):
+            return None
+    except ScheduleError:           # a move deepened a 2bw pipeline past its micro-batches
         return None
     fixed = ordered(Plan("exact", plan.num_gpus, [Stage(k, g, sorted(ns)) for k, (g, ns) in enumerate(r.stages())
                                                   if ns]), problem.graph)
