@@ -95,9 +95,9 @@ RELAXED_KEEP = 2
 MIN_SOLVE_S = 0.25
 #: Share of each relaxed solve's time the greedy run merging beside it may take (:func:`_merge_runs`).
 MERGE_SHARE = 0.5
-#: Mixed space, per solve: the assignments that fit in none of their stagings, lowest MIP value
-#: first, that single-node moves off their over-full GPUs may repair (:func:`_repaired`), and the
-#: share of the time limit that may take.
+#: Mixed space: per solve, the assignments that fit in none of their stagings, lowest MIP value
+#: first, that single-node moves off their over-full GPUs may repair (:func:`_repaired`); and the
+#: share of the time limit that may take, all solves together.
 REPAIR_TOP, REPAIR_SHARE = 3, 0.05
 
 
@@ -364,6 +364,7 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
     # the assignments cut off (info["bound_space"] says so).
     kept: list[tuple] = []
     relaxed: list[tuple] = []       # plans a little above the best, in fewer stages (_fewer_stages)
+    repair_left = REPAIR_SHARE * time_limit     # seconds left to repair near misses, all solves together
     if warm is not None:
         plan, cost, mip_value = warm
         if cost.feasible:
@@ -430,8 +431,10 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
                     # (the staging of fewest stages: the simulation and the run like few)
                     nbytes, plan = min(misfits, key=lambda m: (len(m[1].stages), m[0]))
                     over.append((mip_value, nbytes, plan))
-        if space == "mixed" and over:
-            found += _repair_round(problem, over, kept + found, time_limit, max_stages)
+        if space == "mixed" and over and repair_left > 0:
+            t_repair = time.perf_counter()
+            found += _repair_round(problem, over, kept + found, repair_left, max_stages)
+            repair_left -= time.perf_counter() - t_repair
         # only the best few can be returned (_pick simulates at most simulate_top), and tight
         # memory can take hundreds of rounds: the rest are dropped as they come
         kept = _best_few(kept + found, max(simulate_top, 1))
@@ -1649,14 +1652,13 @@ def _priced_stagings(problem: Problem, blocks: Blocks, gpu_of: list[int], stagin
     return out, why
 
 
-def _repair_round(problem: Problem, over: list[tuple[float, int, Plan]], found: list[tuple], time_limit: float,
+def _repair_round(problem: Problem, over: list[tuple[float, int, Plan]], found: list[tuple], seconds: float,
                   max_stages: int | None) -> list[tuple]:
     """Candidates (as the solve loop keeps them, source "mip, repaired") from the best
     :data:`REPAIR_TOP` of ``over`` (MIP value, bytes over, its staging of fewest stages) whose MIP
-    value is below every plan in ``found``, repaired by :func:`_repaired` within
-    :data:`REPAIR_SHARE` of ``time_limit``."""
+    value is below every plan in ``found``, repaired by :func:`_repaired` within ``seconds``."""
     best = min((f[1].objective_ms for f in found), default=float("inf"))
-    deadline = time.perf_counter() + REPAIR_SHARE * time_limit
+    deadline = time.perf_counter() + seconds
     out = []
     for mip_value, _nbytes, plan in sorted(over, key=lambda o: (o[0], o[1]))[:REPAIR_TOP]:
         left = deadline - time.perf_counter()
