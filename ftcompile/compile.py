@@ -444,8 +444,10 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
     the fewest GPUs of the given memory on which the DP finds a plan, searched from
     the count the weights alone need (doubling, then bisection), up to ``max_gpus``.
     Where a probe below the advised figure found no plan without proving that none fits (the
-    DP stopped at its time limit: a loaded machine), the advice says so: less may fit.
-    ``time_limit``: seconds per probe (Seq-pipe's default when None).
+    DP's memory check is a relaxation of evaluate's, a large graph has too many upsets to list,
+    the time limit), the advice says so: less may fit. One GPU fewer than advised is then tried
+    with the whole Seq-pipe (its MIP, with lazy memory cuts), which finds a plan there or proves
+    that none fits. ``time_limit``: seconds per probe (Seq-pipe's default when None).
     """
     from dataclasses import replace
 
@@ -546,8 +548,8 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
                      + unproven(lambda pb: pb.num_gpus if pb.cluster.gpu_memory == limit and pb.num_gpus < hi
                                 else None, lambda p: f"{p} GPUs"))
     elif any(pb.cluster.gpu_memory == limit and pb.num_gpus > P for pb in unsure):
-        parts.append(f"the search found no Seq-pipe plan on up to {max_gpus} GPUs of {format_bytes(limit)} "
-                     f"without proving that none fits (--time-limit: give it more time)")
+        parts.append(f"the search found no Seq-pipe plan on up to {max_gpus} GPUs of {format_bytes(limit)}, "
+                     "without proving that none fits (try --strategy seq or exact with a longer --time-limit)")
     else:
         parts.append(f"it does not fit on up to {max_gpus} GPUs of {format_bytes(limit)} (--gpus): some single "
                      "operator needs more memory than one GPU has")
