@@ -594,3 +594,19 @@ def test_an_assignment_a_little_over_memory_is_repaired_by_moving_nodes_off_its_
     hopeless = replace(base, cluster=base.cluster.with_overrides(gpu_memory=base.memory_reserve + 1))
     assert floor > base.memory_reserve + 1
     assert _repaired(hopeless, plan, seconds=5.0) is None
+
+
+def test_exact_keeps_what_its_simulation_of_the_candidates_found():
+    """Where exact's lowest objective is also its fastest plan in simulation, its info still lists
+    every candidate simulated (as seq's and Mixed-pipe's do), each at its own simulated period."""
+    from ftcompile.plan import ordered
+    from ftcompile.simulate import simulate
+
+    problem = synthetic_problem(8, 3, seed=1)
+    plan = partition_exact(problem, space="mixed", time_limit=5, simulate_top=4)
+    info = plan.info.get("simulated_alternative") or plan.info
+    cands = info["simulated_candidates"]
+    assert cands and all(c["simulated_memory_fits"] for c in cands)
+    assert min(c["simulated_period_ms"] for c in cands) == pytest.approx(info["simulated_period_ms"])
+    own = simulate(problem, ordered(plan, problem.graph)).period_ms
+    assert plan.info["simulated_period_ms"] == pytest.approx(own)

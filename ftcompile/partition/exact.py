@@ -468,7 +468,10 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
             raise Infeasible(f"exact ({space}): the {cut_off} best assignments the solver found do not "
                              f"fit once all activations are counted ({misfit_reason or 'or have too many stages'})")
     plan, cost, plan_mip, source = best
-    simulated = {k: plan.info[k] for k in ("simulated_period_ms", "simulated_memory_fits") if k in plan.info}
+    # (what the simulation said of the plan returned; where it was the fastest, also every
+    # candidate simulated and how many were skipped, as the other strategies' plans carry it)
+    simulated = {k: plan.info[k] for k in ("simulated_period_ms", "simulated_memory_fits", "simulated_candidates",
+                                           "simulated_skipped") if k in plan.info}
     solved = status == highspy.HighsModelStatus.kOptimal
     what = {"seq": "convex splits with one stage per GPU", "mixed": "plans"}[space]
     if B < seq.n:
