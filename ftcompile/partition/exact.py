@@ -420,9 +420,10 @@ def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: floa
                 continue
             tried.add(gpu_of)
             fits = len(found)
-            misfits: list[tuple[int, Plan]] = []
+            misfits: list[tuple[int, Plan]] = []     # (only mixed space repairs them)
             priced, why = _priced_stagings(problem, blocks, list(gpu_of),
-                                           STAGINGS if space == "mixed" else (True,), max_stages, misfits)
+                                           STAGINGS if space == "mixed" else (True,), max_stages,
+                                           misfits if space == "mixed" else None)
             found += [(plan, cost, mip_value, "mip") for plan, cost in priced]
             misfit_reason = why or misfit_reason
             if len(found) == fits:
@@ -1469,8 +1470,9 @@ def _merge_runs(problem: Problem, blocks: Blocks, gpu_of: list[int], cap: float,
 
     A candidate beside the relaxed solves of :func:`_fewer_stages`: on operator graphs of 150 to
     460 blocks the solver barely leaves the optimum's runs in its time.
-    Each round proposes moves (:meth:`_RunTally.propose`), smallest runs first, that keep every GPU's compute (recomputation
-    included: the MIP's load but for the loss GPU's saving) within ``cap`` and its parameters
+    Each round proposes moves (:meth:`_RunTally.propose`), smallest runs first, that keep every
+    GPU's compute (recomputation included: the MIP's load but for the loss GPU's saving) within
+    ``cap`` and its parameters
     (with gradients and optimizer state) within the memory the last priced plan left it, no two
     touching the same run, and never the loss's run; they are priced together by
     :func:`~ftcompile.plan.evaluate`, and on a misfit (activations, the loss GPU's recomputation)
