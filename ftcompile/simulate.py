@@ -344,24 +344,30 @@ class _Sim:
         for s in sorted(stages, key=lambda s: stages[s].order):
             self.stages_on.setdefault(stages[s].gpu, []).append(s)
         self.gpu_free = {g: True for g in self.stages_on}
-        self.fwd_in: dict[tuple[int, int], set] = {}     # (u, t) -> micro-batches arrived
-        self.grad_in: dict[tuple[int, int], set] = {}    # (t, u) -> micro-batches arrived
+        self.fwd_got: dict[tuple[int, int], int] = {}    # (t, k) -> producers whose values of k arrived
+        self.grad_got: dict[tuple[int, int], int] = {}   # (u, k) -> readers whose gradients of k arrived
         self.shared_in: dict[tuple[int, int], set] = {}  # (h, s) -> steps arrived
         self.taken = {s: 0 for s in stages}               # forwards started
         self.u_begun: dict[int, int] = {}                 # step -> stages that reached U(step)
         self.links: dict[tuple[int, int], deque] = {}
         self.link_free: dict[tuple[int, int], bool] = {}
         self.dirty_gpus: set[int] = set(self.stages_on)
-        # Whether each stage's head task can start, kept between a GPU's scans: its inputs only
+        # Whether each stage's head task can start, kept between a GPU's looks: its inputs only
         # grow (arrivals, credits, steps begun), so an answer holds until one of them or the
-        # head changes, and those places mark the stage stale (a GPU with 30 stages otherwise
-        # asked every one again at each event: 8 M checks for 338 k tasks on a 94-stage plan).
-        self.can_start: dict[int, bool] = {}
-        self.stale: set[int] = set(stages)
-        self.credit_to: dict[int, list[int]] = {}        # reader c -> stages whose credits c's F frees
+        # head changes, and those places mark the stage stale on its GPU (a GPU with 30 stages
+        # otherwise asked every one again at each event: 8 M checks for 338 k tasks on a 94-stage
+        # plan). Per GPU: its stale stages, and the ranks (order on the GPU) of the stages whose
+        # head can start, backwards and updates apart from forwards.
+        self.gpu_of = {s: st.gpu for s, st in stages.items()}
+        self.stale_on: dict[int, set[int]] = {g: set(ss) for g, ss in self.stages_on.items()}
+        self.rank = {s: i for ss in self.stages_on.values() for i, s in enumerate(ss)}
+        self.ready_bu: dict[int, set[int]] = {g: set() for g in self.stages_on}
+        self.ready_f: dict[int, set[int]] = {g: set() for g in self.stages_on}
+        # reader c -> (u, W): the stages whose credits c's forwards free, and their windows
+        self.credit_to: dict[int, list[tuple[int, int]]] = {}
         for u, st in stages.items():
-            for c, _w in st.readers:
-                self.credit_to.setdefault(c, []).append(u)
+            for c, w in st.readers:
+                self.credit_to.setdefault(c, []).append((u, w))
         self.dirty_links: set[tuple[int, int]] = set()
         self.ar_queue: dict[int, deque] = {}            # GPU -> stages waiting for its all-reduce lane
         self.lane_free: dict[int, bool] = {}
@@ -385,6 +391,7 @@ class _Sim:
             self.static[gc.gpu] = gc.param_bytes + gc.weight_version_bytes + gc.grad_bytes + gc.optimizer_bytes \
                 + gc.reserve_bytes
         self.peak = {g: self.static.get(g, 0) for g in self.stages_on}
+        self.live_total = dict(self.peak)       # static + live, kept as it changes
         self.peak_parts: dict[int, dict] = {g: {} for g in self.stages_on}
         self.waiting: dict[tuple, int] = {}     # (u, gpu, k) -> readers there that have not taken it
         self.wait_bytes: dict[tuple, int] = {}
@@ -416,12 +423,12 @@ class _Sim:
         if live is None:
             live = self.live[g] = {k: 0 for k in self.kinds}
             self.peak.setdefault(g, self.static.get(g, 0))
+            self.live_total[g] = self.static.get(g, 0)
         live[kind] += delta
-        if delta > 0:
-            total = self.static.get(g, 0) + sum(live.values())
-            if total > self.peak[g]:
-                self.peak[g] = total
-                self.peak_parts[g] = dict(live)
+        total = self.live_total[g] = self.live_total[g] + delta
+        if delta > 0 and total > self.peak[g]:
+            self.peak[g] = total
+            self.peak_parts[g] = dict(live)
 
     # ---------------------------------------------------------------- events
     def push(self, t: float, what: tuple) -> None:
@@ -433,11 +440,11 @@ class _Sim:
         st = self.st[s]
         k = task.index
         if task.kind == "F":
-            if not all(k in self.fwd_in.get((u, s), ()) for u in st.producers):
+            if self.fwd_got.get((s, k), 0) != len(st.producers):
                 return False
             return all(self.taken[c] > k - w for c, w in st.readers)
         if task.kind == "B":
-            return all(k in self.grad_in.get((t, s), ()) for t in st.grad_from)
+            return self.grad_got.get((s, k), 0) == len(st.grad_from)
         # U(j)
         if st.ar > 0 and (s, k) not in self.ar_done:
             return False
@@ -465,8 +472,9 @@ class _Sim:
         if kind == "fwd":
             _, u, g, ts, k, nbytes = d
             for t in ts:
-                self.fwd_in.setdefault((u, t), set()).add(k)
-                self.stale.add(t)
+                n = self.fwd_got[(t, k)] = self.fwd_got.get((t, k), 0) + 1
+                if n == len(self.st[t].producers):      # (only the last arrival can make F(k) ready)
+                    self.stale_on[self.gpu_of[t]].add(t)
                 self.occ[(u, t)] = self.occ.get((u, t), 0) + 1
                 self.occ_peak[(u, t)] = max(self.occ_peak.get((u, t), 0), self.occ[(u, t)])
             self.waiting[(u, g, k)] = len(ts)
@@ -475,14 +483,15 @@ class _Sim:
             self.dirty_gpus.add(g)
         elif kind == "grad":
             _, t, u, k, nbytes = d
-            self.grad_in.setdefault((t, u), set()).add(k)
-            self.stale.add(u)
+            n = self.grad_got[(u, k)] = self.grad_got.get((u, k), 0) + 1
+            if n == len(self.st[u].grad_from):          # (only the last arrival can make B(k) ready)
+                self.stale_on[self.gpu_of[u]].add(u)
             self.grad_sum(t, u, k)
             self.dirty_gpus.add(self.st[u].gpu)
         else:   # shared gradients for U(j)
             _, h, s, j, nbytes = d
             self.shared_in.setdefault((h, s), set()).add(j)
-            self.stale.add(s)
+            self.stale_on[self.gpu_of[s]].add(s)
             self.mem(self.st[s].gpu, "receive", self.st[s].shared_wait[h])
             self.dirty_gpus.add(self.st[s].gpu)
 
@@ -513,7 +522,8 @@ class _Sim:
         self.u_begun[j] = self.u_begun.get(j, 0) + 1
         if self.problem.exchanges_norms and self.u_begun[j] == len(self.st):
             self.dirty_gpus.update(self.stages_on)
-            self.stale.update(self.st)
+            for g, ss in self.stages_on.items():
+                self.stale_on[g].update(ss)
         if st.ar > 0:
             self.ar_queue.setdefault(st.gpu, deque()).append((s, j))
             self.dirty_lanes.add(st.gpu)
@@ -527,7 +537,7 @@ class _Sim:
 
     def advance(self, s: int) -> None:
         self.head[s] = next(self.iters[s], None)
-        self.stale.add(s)
+        self.stale_on[self.gpu_of[s]].add(s)
         task = self.head[s]
         if task is not None and task.kind == "U":
             self.begin_update(s, task.index)
@@ -542,9 +552,14 @@ class _Sim:
         if kind == "F":
             dur = st.f
             self.taken[s] = k + 1
-            for u in self.credit_to.get(s, ()):         # credits: those producers may now run
-                self.stale.add(u)
-                self.dirty_gpus.add(self.st[u].gpu)
+            self.fwd_got.pop((s, k), None)
+            # credits: a producer whose head is the forward that waited for this one may now run
+            for u, w in self.credit_to.get(s, ()):
+                head = self.head[u]
+                if head is not None and head.kind == "F" and head.index - w == k:
+                    gu = self.gpu_of[u]
+                    self.stale_on[gu].add(u)
+                    self.dirty_gpus.add(gu)
             self.pending[s] += 1
             self.peak_pending[s] = max(self.peak_pending[s], self.pending[s])
             # the values it reads leave their receive buffers once every reader here took them
@@ -564,6 +579,7 @@ class _Sim:
             self.events.append(Event(g, s, "F", k, now, now + dur, step=step))
         elif kind == "B":
             dur = st.r + st.b
+            self.grad_got.pop((s, k), None)
             self.mem(g, "transient", st.t_bwd)
             if st.r > 0:
                 self.events.append(Event(g, s, "R", k, now, now + st.r, step=step))
@@ -619,51 +635,62 @@ class _Sim:
         self.advance(s)
 
     # ---------------------------------------------------------------- loop
+    def _start_sends(self) -> None:
+        """Each free link whose queue has a transfer starts the oldest."""
+        links, self.dirty_links = self.dirty_links, set()
+        for key in links:
+            q = self.links.get(key)
+            if q and self.link_free[key]:
+                t, src_stage, index, deliver, dst_stage, nbytes, step = q.popleft()
+                self.link_free[key] = False
+                self.events.append(Event(key[0], src_stage, "send", index, self.now, self.now + t, key[1],
+                                         dst_stage, nbytes, step))
+                self.push(self.now + t, ("link", key, deliver, nbytes))
+
+    def _start_allreduces(self) -> None:
+        """Each free all-reduce lane whose queue has a stage's update starts the oldest."""
+        lanes, self.dirty_lanes = self.dirty_lanes, set()
+        for g in lanes:
+            q = self.ar_queue.get(g)
+            if q and self.lane_free.get(g, True):
+                s, j = q.popleft()
+                self.lane_free[g] = False
+                dur = self.st[s].ar
+                self.mem(g, "transient", self.st[s].ar_bucket)
+                self.events.append(Event(g, s, "allreduce", j, self.now, self.now + dur, step=j))
+                self.push(self.now + dur, ("allreduce", g, s, j))
+
+    def _start_next(self, g: int) -> None:
+        """Free GPU ``g`` starts its first ready backward or update, else its first ready forward
+        (stages in the engine's order). Only the stages marked stale since its last look are asked
+        again; the others' answers hold."""
+        ready_bu, ready_f = self.ready_bu[g], self.ready_f[g]
+        stale = self.stale_on[g]
+        for s in stale:
+            r = self.rank[s]
+            ready_bu.discard(r)
+            ready_f.discard(r)
+            task = self.head[s]
+            if task is not None and self.ready(s):
+                (ready_f if task.kind == "F" else ready_bu).add(r)
+        stale.clear()
+        if ready_bu or ready_f:
+            self.start_task(g, self.stages_on[g][min(ready_bu or ready_f)])
+
     def run(self, *, min_steps: int, max_steps: int) -> None:
         for s in self.st:
             if self.head[s] is not None and self.head[s].kind == "U":
                 self.begin_update(s, self.head[s].index)
         next_check = max(FIRST_CHECK, min_steps)
         while True:
-            links, self.dirty_links = self.dirty_links, set()
-            for key in links:
-                q = self.links.get(key)
-                if q and self.link_free[key]:
-                    t, src_stage, index, deliver, dst_stage, nbytes, step = q.popleft()
-                    self.link_free[key] = False
-                    self.events.append(Event(key[0], src_stage, "send", index, self.now, self.now + t, key[1],
-                                             dst_stage, nbytes, step))
-                    self.push(self.now + t, ("link", key, deliver, nbytes))
-            lanes, self.dirty_lanes = self.dirty_lanes, set()
-            for g in lanes:
-                q = self.ar_queue.get(g)
-                if q and self.lane_free.get(g, True):
-                    s, j = q.popleft()
-                    self.lane_free[g] = False
-                    dur = self.st[s].ar
-                    self.mem(g, "transient", self.st[s].ar_bucket)
-                    self.events.append(Event(g, s, "allreduce", j, self.now, self.now + dur, step=j))
-                    self.push(self.now + dur, ("allreduce", g, s, j))
+            if self.dirty_links:
+                self._start_sends()
+            if self.dirty_lanes:
+                self._start_allreduces()
             gpus, self.dirty_gpus = self.dirty_gpus, set()
             for g in gpus:
-                if not self.gpu_free.get(g):
-                    continue
-                pick = None
-                for kinds in (("B", "U"), ("F",)):
-                    for s in self.stages_on[g]:
-                        task = self.head[s]
-                        if task is None or task.kind not in kinds:
-                            continue
-                        if s in self.stale:
-                            self.stale.discard(s)
-                            self.can_start[s] = self.ready(s)
-                        if self.can_start[s]:
-                            pick = s
-                            break
-                    if pick is not None:
-                        break
-                if pick is not None:
-                    self.start_task(g, pick)
+                if self.gpu_free[g]:
+                    self._start_next(g)
             if self.dirty_gpus or self.dirty_links or self.dirty_lanes:
                 continue            # a start made another GPU or link able to start now
             if not self.heap:
@@ -677,7 +704,7 @@ class _Sim:
                     self.dirty_lanes.add(g)
                     self.mem(g, "transient", -self.st[s].ar_bucket)
                     self.ar_done.add((s, j))
-                    self.stale.add(s)
+                    self.stale_on[g].add(s)
                     self.dirty_gpus.add(g)
                     if not self.problem.shared_lag:
                         self.send_shared(s, j)
