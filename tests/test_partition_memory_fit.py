@@ -19,7 +19,7 @@ import pytest
 from ftcompile.compile import compile_plan
 from ftcompile.partition.base import memory_floor
 from ftcompile.partition.metis import _metis_parts, partition_metis
-from ftcompile.partition.mixed import _Refiner
+from ftcompile.partition.refine import Refiner
 from ftcompile.plan import Plan, PlanError, Stage, check_plan, evaluate, stage_graph
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -174,7 +174,7 @@ def test_relieve_lowers_overflow_to_a_local_optimum(seed):
         tight = with_memory(problem, problem.memory_reserve + int(0.9 * (peak - problem.memory_reserve)))
         before = _overflow(tight, plan)
         assert before > 0
-        r = _Refiner(tight, {n: s.id for s in plan.stages for n in s.nodes}, {s.id: s.gpu for s in plan.stages})
+        r = Refiner(tight, {n: s.id for s in plan.stages for n in s.nodes}, {s.id: s.gpu for s in plan.stages})
         moves = r.relieve(max_seconds=60)
         out = Plan("relieved", plan.num_gpus, [Stage(i, g, ns) for i, (g, ns) in enumerate(r.stages())])
         check_plan(tight.graph, out)

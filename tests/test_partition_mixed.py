@@ -14,7 +14,8 @@ from ftcompile.cluster import PRESETS
 from ftcompile.hardware import load_hardware
 from ftcompile.partition.base import Infeasible
 from ftcompile.partition.coarsen import Quotient, coarsen, coarsen_blocks, grow_around_centers, is_acyclic_partition
-from ftcompile.partition.mixed import _Refiner, partition_mixed
+from ftcompile.partition.mixed import partition_mixed
+from ftcompile.partition.refine import Refiner
 from ftcompile.plan import Plan, Problem, Stage, check_plan, evaluate, stage_graph
 from ftcompile.profile import analytic_profile
 from ftcompile.trace import trace
@@ -168,7 +169,7 @@ def test_refiner_memory_matches_evaluate():
     pr = _problem("t5-tiny", 3)
     plan = partition_mixed(pr, refine=False)
     stage_of = {n: s.id for s in plan.stages for n in s.nodes}
-    r = _Refiner(pr, stage_of, {s.id: s.gpu for s in plan.stages})
+    r = Refiner(pr, stage_of, {s.id: s.gpu for s in plan.stages})
     cost = evaluate(pr, plan)
     for g in cost.gpus:
         assert r.gpu_memory(g.gpu) == g.memory_bytes

@@ -1677,7 +1677,7 @@ def _repair_round(problem: Problem, over: list[tuple[float, int, Plan]], found: 
 
 def _repaired(problem: Problem, plan: Plan, seconds: float) -> tuple[Plan, object] | None:
     """``plan`` (over memory) after Mixed-pipe's single-node moves off its over-full GPUs
-    (:meth:`~ftcompile.partition.mixed._Refiner.relieve`), with its cost, if it then fits; else None.
+    (:meth:`~ftcompile.partition.refine.Refiner.relieve`), with its cost, if it then fits; else None.
 
     The MIP counts activations only as a relaxation, so under tight memory its best assignments
     can miss a fit by kilobytes (BERT-6's operator graph on 6 GPUs at 1.1 x: 44 KB over on one
@@ -1685,10 +1685,10 @@ def _repaired(problem: Problem, plan: Plan, seconds: float) -> tuple[Plan, objec
     one node moved makes them fit at the same objective. Moves keep the stage graph acyclic and
     no stage empty; evaluate decides the fit."""
     from ..runtime.schedules import ScheduleError
-    from .mixed import _Refiner
+    from .refine import Refiner
 
     stages = [(st.gpu, list(st.nodes)) for st in plan.stages]
-    r = _Refiner(problem, {n: k for k, (_g, ns) in enumerate(stages) for n in ns},
+    r = Refiner(problem, {n: k for k, (_g, ns) in enumerate(stages) for n in ns},
                  {k: g for k, (g, _ns) in enumerate(stages)})
     try:
         if not r.relieve(max_seconds=seconds):

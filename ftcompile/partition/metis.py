@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from ..plan import Plan, PlanCost, Problem, Stage, evaluate
 from .base import Infeasible
-from .mixed import _Refiner
+from .refine import Refiner
 
 __all__ = ["partition_metis", "acyclic_stages"]
 
@@ -180,7 +180,7 @@ def partition_metis(problem: Problem, *, seeds: int = 3, max_stages: int | None 
         runs balancing each node's share of compute plus its share of memory. A
         plan that does not fit is repaired by moving whole stages between GPUs
         (:func:`repair_memory`), then single nodes off over-full GPUs
-        (:meth:`ftcompile.partition.mixed._Refiner.relieve`). The best feasible
+        (:meth:`ftcompile.partition.refine.Refiner.relieve`). The best feasible
         plan wins.
     max_stages : int, optional
         Plans with more stages are dropped.
@@ -244,13 +244,13 @@ def partition_metis(problem: Problem, *, seeds: int = 3, max_stages: int | None 
 
 
 def _repair(problem: Problem, plan: Plan) -> tuple[Plan, PlanCost]:
-    """Whole-stage moves, then single-node moves (:meth:`_Refiner.relieve`) while memory overflows."""
+    """Whole-stage moves, then single-node moves (:meth:`Refiner.relieve`) while memory overflows."""
     plan, moved = repair_memory(problem, plan)
     plan.info["memory_repair_moves"] = moved
     cost = evaluate(problem, plan)
     if cost.feasible:
         return plan, cost
-    r = _Refiner(problem, {n: st.id for st in plan.stages for n in st.nodes}, {st.id: st.gpu for st in plan.stages})
+    r = Refiner(problem, {n: st.id for st in plan.stages for n in st.nodes}, {st.id: st.gpu for st in plan.stages})
     node_moves = r.relieve()
     if node_moves:
         plan = Plan(plan.strategy, plan.num_gpus, [Stage(i, g, nodes) for i, (g, nodes) in enumerate(r.stages())],
