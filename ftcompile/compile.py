@@ -471,7 +471,8 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
     def with_memory(m: int) -> Problem:
         return replace(problem, cluster=replace(problem.cluster, gpu_memory=int(m)))
 
-    unsure: list[Problem] = []      # probes that found no plan without proving that none fits
+    # (GPUs, memory per GPU) of the probes that found no plan without proving that none fits
+    unsure: set[tuple[int, int]] = set()
 
     def seq_fits(pb: Problem) -> bool:
         # as compile judges a plan: priced, and its simulated run within the limit. The DP alone
@@ -479,15 +480,14 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
         # its whole time limit on each.
         r = _run_one("seq", pb, True, {"mip": False, **({} if time_limit is None else {"time_limit": time_limit})})
         if not r.feasible and not r.proven_infeasible and r.cost is None:
-            unsure.append(pb)
+            unsure.add((pb.num_gpus, pb.cluster.gpu_memory))
         return r.feasible
 
-    def unproven(below, what) -> str:
-        """Says where a probe below the advised figure (``below``: its figure, or None) found no
-        plan without proving that none fits (the DP's time limit, side nodes attached)."""
-        xs = {below(pb) for pb in unsure} - {None}
-        return (f" (not proven the least: at {what(max(xs))} the search found no plan but did not prove that "
-                "none fits)" if xs else "")
+    def unproven(below: list, what) -> str:
+        """Says where a probe below the advised figure (``below``: the figures of those probes)
+        found no plan without proving that none fits (the DP's time limit, side nodes attached)."""
+        return (f" (not proven the least: at {what(max(below))} the search found no plan but did not prove "
+                "that none fits)" if below else "")
 
     if not limit_floor and seq_fits(problem):
         # The strategies asked for failed, but the cluster is big enough.
@@ -509,8 +509,7 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
         parts.append(f"on {P} GPUs a Seq-pipe plan fits in {format_bytes(hi)} per GPU (have "
                      f"{format_bytes(limit)}, of which {format_bytes(reserve)} stay free as the hardware's "
                      f"reserve): use --gpu-memory {format_bytes(hi + max(0.005 * (hi - reserve), 10_000))} or more"
-                     + unproven(lambda pb: pb.cluster.gpu_memory if pb.num_gpus == P and pb.cluster.gpu_memory < hi
-                                else None, lambda m: f"{format_bytes(m)} per GPU"))
+                     + unproven([m for p, m in unsure if p == P and m < hi], lambda m: f"{format_bytes(m)} per GPU"))
 
     if limit_floor:
         return "; ".join(parts)         # more GPUs of this memory cannot help (the floor is per node)
@@ -535,19 +534,18 @@ def minimum_requirements(problem: Problem, max_gpus: int = 64, *, precision: flo
         # Where the DP proved nothing one GPU fewer (its memory check is a relaxation of evaluate's,
         # too many upsets to list on a large graph, its time limit), the whole Seq-pipe, MIP
         # included (lazy memory cuts), finds a plan there or proves that none fits.
-        while hi > P and any(pb.num_gpus == hi - 1 and pb.cluster.gpu_memory == limit for pb in unsure):
+        while hi > P and (hi - 1, limit) in unsure:
             fewer = replace(problem, cluster=problem.cluster.with_overrides(gpus=hi - 1))
             r = _run_one("seq", fewer, True, {} if time_limit is None else {"time_limit": time_limit})
             if not r.feasible and not r.proven_infeasible:
                 break
-            unsure[:] = [pb for pb in unsure if pb.num_gpus != hi - 1]
+            unsure.discard((hi - 1, limit))
             if not r.feasible:
                 break
             hi -= 1
         parts.append(f"with {format_bytes(limit)} per GPU a Seq-pipe plan fits on {hi} GPUs (--gpus {hi})"
-                     + unproven(lambda pb: pb.num_gpus if pb.cluster.gpu_memory == limit and pb.num_gpus < hi
-                                else None, lambda p: f"{p} GPUs"))
-    elif any(pb.cluster.gpu_memory == limit and pb.num_gpus > P for pb in unsure):
+                     + unproven([p for p, m in unsure if m == limit and p < hi], lambda p: f"{p} GPUs"))
+    elif any(m == limit and p > P for p, m in unsure):
         parts.append(f"the search found no Seq-pipe plan on up to {max_gpus} GPUs of {format_bytes(limit)}, "
                      "without proving that none fits (try --strategy seq or exact with a longer --time-limit)")
     else:
