@@ -106,3 +106,28 @@ def test_operator_graph_classes_hold_several_nodes_and_classless_nodes_stand_alo
                       pb.profile.nodes[n.id].activation_bytes) for n in ops)
     # class 3: both forward nodes' times and sizes (weight 5 MB + op 1 MB), its backward 4 ms
     assert by_time == [(1.0, 0.0, 2_000_000), (2.0, 4.0, 6_000_000), (3.0, 6.0, 1_000_000)]
+
+
+def test_simulate_benchmark_replays_the_plan_it_saved(diamond, tmp_path, capsys):
+    # benchmarks/simulate.py: a plan saved by one run is replayed as the same stages by the next
+    # (so that two checkouts time one plan), and its period is what simulate() gives that plan.
+    import simulate as bench
+
+    from ftcompile.plan import Plan
+    from ftcompile.simulate import simulate
+
+    saved = tmp_path / "plans.json"
+    assert bench.main(["--graph-file", diamond, "--gpus", "2", "--memory", "0", "--time-limit", "1",
+                       "--save-plans", str(saved)]) == 0
+    first = capsys.readouterr().out.splitlines()
+    (label, doc), = json.loads(saved.read_text()).items()
+    plan = Plan.from_json(doc)
+    period = simulate(load_problem(diamond, 2, weights=1, optimizer="sgd", values=False), plan).period_ms
+    row = next(line for line in first if line.startswith(label))
+    assert f"{period:10.3f}" in row and f"{len(plan.stages):6d}" in row
+    assert bench.main(["--graph-file", diamond, "--gpus", "2", "--memory", "0", "--plans", str(saved)]) == 0
+    again = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(label))
+    assert again.split()[:-2] == row.split()[:-2]       # all but the seconds and us per task
+    with pytest.raises(SystemExit):
+        bench.main(["--graph-file", diamond, "--plans", str(tmp_path / "missing.json")])
+    assert "cannot read it" in capsys.readouterr().err
