@@ -90,7 +90,8 @@ def tune_in_flight(problem: Problem, plan: Plan, *, scales: tuple[int, ...] = SC
     the first scale that does not fit (more in flight only holds more), once the period is
     the plan's objective (the most any GPU works per micro-batch: no scale does better), or
     after :data:`PATIENCE` tries in a row without that gain. ``time_limit``: no scale is tried
-    once this many seconds have passed (a replay of a plan of hundreds of stages takes seconds).
+    whose replay would end past this many seconds at the longest replay so far (the first's
+    own, also where it was kept from before: a plan of 255 stages takes half a minute).
     Schedules the scale does not touch, and plans with one stage per GPU, keep the
     problem's scale untried.
     """
@@ -105,8 +106,13 @@ def tune_in_flight(problem: Problem, plan: Plan, *, scales: tuple[int, ...] = SC
     tries: list[InFlightTry] = []
     best: InFlightTry | None = None
     idle = 0
+    longest = 0.0
+    cut = None          # the scale not tried for the time limit
     t0 = time.perf_counter()
     for s in [start] + [k for k in scales if k > start]:
+        if tries and time_limit is not None and time.perf_counter() - t0 + longest > time_limit:
+            cut = s
+            break
         try:
             pb = replace(problem, in_flight_scale=s)
             cost = evaluate(pb, plan)
@@ -114,6 +120,7 @@ def tune_in_flight(problem: Problem, plan: Plan, *, scales: tuple[int, ...] = SC
                 tries.append(InFlightTry(s, None, False, cost.reason))
                 break
             sim = simulation_of(pb, plan)
+            longest = max(longest, sim.seconds)
         except (ScheduleError, PlanError) as exc:     # 2bw: M below the stretched depth
             tries.append(InFlightTry(s, None, False, str(exc)))
             break
@@ -128,12 +135,17 @@ def tune_in_flight(problem: Problem, plan: Plan, *, scales: tuple[int, ...] = SC
             idle += 1
         if idle >= PATIENCE or best.period_ms <= cost.objective_ms * (1 + 1e-9):
             break
-        if time_limit is not None and time.perf_counter() - t0 >= time_limit:
-            break
     if best is None:
         return InFlightTuning(start, tries, why=f"the plan does not fit at scale {start}")
     first = tries[0]
-    why = (f"{best.scale} x depth + 1 in flight simulates at {best.period_ms:.4g} ms per micro-batch against "
-           f"{first.period_ms:.4g} at {first.scale}" if best.scale != first.scale else
-           f"no larger scale tried shortens the simulated period by {gain:.0%} and fits")
+    unasked = (f"scale {cut} and above not tried: a replay of this plan takes {longest:.3g} s, past the "
+               f"{time_limit:g} s limit (--time-limit)" if cut is not None else "")
+    if best.scale != first.scale:
+        why = (f"{best.scale} x depth + 1 in flight simulates at {best.period_ms:.4g} ms per micro-batch against "
+               f"{first.period_ms:.4g} at {first.scale}" + (f"; {unasked}" if unasked else ""))
+    elif len(tries) == 1 and unasked:
+        why = unasked
+    else:
+        why = f"no larger scale tried shortens the simulated period by {gain:.0%} and fits" + \
+            (f"; {unasked}" if unasked else "")
     return InFlightTuning(best.scale, tries, why)

@@ -55,6 +55,7 @@ steady state runs, so the programs run that many steps past ``max_steps``.
 from __future__ import annotations
 
 import heapq
+import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields, replace
 
@@ -123,6 +124,10 @@ class SimResult:
     occupancy: dict[str, int] = field(default_factory=dict)       # "p->c": most values waiting on the edge
     memory_feasible: bool = True        # every GPU's peak fits its memory
     events: list[Event] = field(default_factory=list)
+    # Wall seconds the replay took: what a caller under a time limit predicts the next replay of
+    # a plan of as many stages from, also when it reads this one from plan.simulations. Not in
+    # to_json (a report says what was simulated, not how long this machine took).
+    seconds: float = field(default=0.0, compare=False)
 
     def to_json(self, *, events: bool = True) -> dict:
         """The result as JSON-ready data (``events=False``: without the timeline's events, which
@@ -131,6 +136,8 @@ class SimResult:
         d = {}
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name == "seconds":
+                continue
             if f.name == "events":
                 if events:
                     d["events"] = [asdict(e) for e in v]
@@ -273,6 +280,7 @@ def simulate(problem: Problem, plan: Plan, *, micro_batches: int | None = None, 
     """
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
+    t0 = time.perf_counter()
     if micro_batches is not None:
         problem = replace(problem, micro_batches=micro_batches)
     M = problem.micro_batches
@@ -290,7 +298,7 @@ def simulate(problem: Problem, plan: Plan, *, micro_batches: int | None = None, 
     st = _build(problem, plan, cost, sg, depth, progs, windows)
     sim = _Sim(problem, plan, cost, st, progs, M, cluster, keep_events)
     sim.run(min_steps=steps or 0, max_steps=total_steps + drain)
-    return sim.result(plan, cost, micro_batch_size(problem))
+    return replace(sim.result(plan, cost, micro_batch_size(problem)), seconds=time.perf_counter() - t0)
 
 
 def fed_steps(progs: dict) -> int:

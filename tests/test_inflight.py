@@ -119,3 +119,17 @@ def test_a_bad_scale_is_refused_by_name():
     for bad in (0, 2.5, True, "2"):
         with pytest.raises(PlanError, match="in-flight scale"):
             Problem(problem.graph, problem.profile, problem.cluster, in_flight_scale=bad)
+
+
+def test_no_scale_is_tried_whose_replay_would_end_past_the_time_limit(stacked):
+    """The tuning predicts a replay's seconds from the longest so far, the first one's included
+    where it was kept on the plan from before: a limit shorter than that tries no second scale,
+    and the reason says so. (Without a limit the same plan tries several, the tests above.)"""
+    from ftcompile.simulate import simulation_of
+
+    problem, plan = stacked
+    kept = simulation_of(problem, plan)
+    tuning = tune_in_flight(problem, plan, time_limit=kept.seconds / 2)
+    assert [t.scale for t in tuning.tries] == [1] and tuning.chosen == 1
+    assert "scale 2 and above not tried" in tuning.why and "--time-limit" in tuning.why
+    assert len(tune_in_flight(problem, plan).tries) > 1

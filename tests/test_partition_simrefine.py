@@ -109,3 +109,24 @@ def test_no_time_or_one_stage_leaves_the_plan_alone():
     assert refine_simulated(problem, start, time_limit=0) is start
     one = Plan("t", 2, [Stage(0, 0, sorted(n.id for n in problem.graph.op_nodes()))])
     assert refine_simulated(problem, one, time_limit=5) is one
+
+
+def test_a_start_replayed_before_still_sets_what_a_move_costs():
+    """No move is simulated that would end past the time limit, predicted from the start plan's
+    replay also where that replay was kept on the plan from before (simulated_choice runs it
+    first): its cached result costs nothing now, but a move's replay will take as long. The old
+    code counted the cached replay as no time and began a move's with too little left."""
+    from ftcompile.plan import ordered
+    from ftcompile.simulate import simulation_of
+
+    problem = branchy_problem(3, blocks=1, gpus=2, schedule="1f1b")
+    splits = [s for s in convex_splits(problem) if len(s) == 2 and all(s)]
+    start = _plan(max(splits, key=lambda s: len(s[0])))
+    kept = simulation_of(problem, ordered(start, problem.graph))
+    assert kept.seconds > 0 and "seconds" not in kept.to_json(events=False)
+    assert simulation_of(problem, ordered(start, problem.graph)) is kept          # read back, not re-run
+    out = refine_simulated(problem, start, time_limit=kept.seconds / 2)
+    assert out is start and out.info["simulated_refinement"]["simulations"] == 0
+    # with time enough, the same start is refined (the test above: it is far from the best split)
+    assert refine_simulated(problem, _plan(max(splits, key=lambda s: len(s[0]))), time_limit=120) \
+        .info["simulated_refinement"]["moves"] > 0

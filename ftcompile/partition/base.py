@@ -172,9 +172,10 @@ def simulated_choice(problem: Problem, finals: list[tuple[float, Plan]], top: in
                 continue
         # Simulated as run_strategy will number its stages (the ids set the engine's order), and
         # kept on the plan: compile's row reuses it (ordered() keeps the same simulations).
-        t = time.perf_counter()
         sim = simulation_of(problem, ordered(plan, problem.graph))
-        rate = max(rate, (time.perf_counter() - t) / max(1, len(plan.stages)))
+        # (the replay's own seconds: one kept from before, on plan.simulations, costs nothing now
+        # but says what the next plan of as many stages will cost)
+        rate = max(rate, sim.seconds / max(1, len(plan.stages)))
         fits = bool(getattr(sim, "memory_feasible", True))
         plan.info["simulated_period_ms"] = round(sim.period_ms, 6)
         plan.info["simulated_memory_fits"] = fits

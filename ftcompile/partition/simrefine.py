@@ -59,14 +59,18 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
     # Every plan is scored as it will run, stages numbered by ordered() (the ids set the
     # engine's stage order), and keeps its simulation: compile's row reuses the winner's.
     # (ordered() shares the plan's simulations dict: ``plan`` keeps the one run here.)
-    t = time.perf_counter()
-    start = simulated_score(problem, ordered(plan, graph))
-    # A move's plan has the stages of this one, so its simulation takes about as long as this
-    # one's did (when not kept from before): none is started that would not end in time
-    # (BERT-6's operator graph under tight memory: 17 s each for 159 stages, against 1.5 s left).
-    sim_s = time.perf_counter() - t
+    first = ordered(plan, graph)
+    start = simulated_score(problem, first)
     if start is None or time_limit <= 0 or len(plan.stages) < 2:
         return plan
+    # A move's plan has the stages of this one, so its simulation takes about as long as this
+    # one's did: none is started that would not end in time (BERT-6's operator graph under tight
+    # memory: 17 s each for 159 stages, against 1.5 s left). The replay's own seconds, also where
+    # it was kept from before (simulated_choice's: BERT-12's 255 stages, a move of 30 s began
+    # with 5 s left when its cached start counted as no time).
+    from ..simulate import simulation_of
+
+    sim_s = simulation_of(problem, first).seconds
     neighbours: dict[int, set[int]] = {}
     for e in graph.edges:
         neighbours.setdefault(e.src, set()).add(e.dst)
