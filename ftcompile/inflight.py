@@ -94,8 +94,8 @@ def tune_in_flight(problem: Problem, plan: Plan, *, scales: tuple[int, ...] = SC
     (half a minute for a plan of 255 stages). That is deliberate: the plans that need a larger
     scale are the ones of many stages, whose replays are the long ones, and the scale is worth
     more than the seconds (the held-out BERT-3 operator graph on 6 GPUs at 1.2 x: its 75-stage
-    plan simulates at 1.212 of its objective at scale 1 and at 1.097 at scale 3, a replay of a
-    75-stage plan takes about 7 s here, against a 10 s limit).
+    plan, about 7 s a replay here, simulates at 1.212 of its objective at scale 1 and at 1.097 at
+    scale 3; under a 10 s limit that no replay may cross, the tuning would stop at scale 2).
     Schedules the scale does not touch, and plans with one stage per GPU, keep the
     problem's scale untried.
     """
