@@ -1687,9 +1687,7 @@ def _repaired(problem: Problem, plan: Plan, seconds: float) -> tuple[Plan, objec
     from ..runtime.schedules import ScheduleError
     from .refine import Refiner
 
-    stages = [(st.gpu, list(st.nodes)) for st in plan.stages]
-    r = Refiner(problem, {n: k for k, (_g, ns) in enumerate(stages) for n in ns},
-                 {k: g for k, (g, _ns) in enumerate(stages)})
+    r = Refiner.of_stages(problem, [(st.gpu, st.nodes) for st in plan.stages])
     try:
         if not r.relieve(max_seconds=seconds):
             return None

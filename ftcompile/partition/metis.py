@@ -250,7 +250,7 @@ def _repair(problem: Problem, plan: Plan) -> tuple[Plan, PlanCost]:
     cost = evaluate(problem, plan)
     if cost.feasible:
         return plan, cost
-    r = Refiner(problem, {n: st.id for st in plan.stages for n in st.nodes}, {st.id: st.gpu for st in plan.stages})
+    r = Refiner.of_stages(problem, [(st.gpu, st.nodes) for st in plan.stages])
     node_moves = r.relieve()
     if node_moves:
         plan = Plan(plan.strategy, plan.num_gpus, [Stage(i, g, nodes) for i, (g, nodes) in enumerate(r.stages())],

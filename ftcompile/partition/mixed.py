@@ -309,8 +309,7 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
         # Nothing fits yet: single-node moves off the over-full GPUs of the plans closest to
         # fitting (coarse blocks and LPT's memory estimate can miss a fit by a few nodes).
         for _, i, stages in sorted(misses)[:RELIEVE_TOP]:
-            r = Refiner(problem, {n: k for k, (_, ns) in enumerate(stages) for n in ns},
-                         {k: g for k, (g, _) in enumerate(stages)})
+            r = Refiner.of_stages(problem, stages)
             if not r.relieve(max_seconds=max(1.0, 0.1 * time_budget_s)):
                 continue
             rstages = refine_stages(problem, r.stages(), max_seconds=1.0)

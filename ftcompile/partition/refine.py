@@ -357,6 +357,14 @@ class Refiner:
         cands.sort()
         return cands
 
+    @classmethod
+    def of_stages(cls, problem: Problem, stages) -> "Refiner":
+        """The state of ``stages``, ``(gpu, nodes)`` pairs (as :meth:`stages` returns them), the
+        i-th numbered i."""
+        stages = list(stages)
+        return cls(problem, {n: i for i, (_g, nodes) in enumerate(stages) for n in nodes},
+                   {i: g for i, (g, _nodes) in enumerate(stages)})
+
     def stages(self) -> list[tuple[int, list[int]]]:
         return [(self.gpu_of[s], sorted(m)) for s, m in self.members.items() if m]
 
@@ -381,7 +389,6 @@ def _topo(succ: dict[int, set[int]]) -> list[int] | None:
 def refine_stages(problem: Problem, stages: list[tuple[int, list[int]]], max_moves: int = 20000,
                   max_seconds: float = 5.0) -> list[tuple[int, list[int]]]:
     """Step 3 of FTPipe §4.1: op-level greedy moves between neighbouring stages on different GPUs."""
-    stage_of = {n: i for i, (_, nodes) in enumerate(stages) for n in nodes}
-    r = Refiner(problem, stage_of, {i: g for i, (g, _) in enumerate(stages)})
+    r = Refiner.of_stages(problem, stages)
     r.run(max_moves, max_seconds)
     return r.stages()
