@@ -62,13 +62,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.graph_file and not args.model:
         args.model = ["gpt2-tiny"]
+    if args.gpus < 1 or args.repeat < 1 or args.time_limit <= 0 or args.memory < 0:
+        ap.error("--gpus, --repeat and --time-limit must be positive, --memory at least 0")
     args.memory = args.memory or None
-    if args.gpus < 1 or args.repeat < 1 or args.time_limit <= 0:
-        ap.error("--gpus, --repeat and --time-limit must be positive")
+    if args.save_plans and not os.path.isdir(os.path.dirname(os.path.abspath(args.save_plans))):
+        ap.error(f"--save-plans {args.save_plans}: its folder does not exist")
 
     from ftcompile.partition.base import Infeasible
     from ftcompile.partition.mixed import partition_mixed
-    from ftcompile.plan import Plan, evaluate
+    from ftcompile.plan import Plan, PlanError, check_plan, evaluate
     from ftcompile.simulate import simulate
 
     saved = {}
@@ -78,12 +80,18 @@ def main(argv=None) -> int:
                 saved = json.load(f)
         except (OSError, json.JSONDecodeError) as exc:
             ap.error(f"--plans {args.plans}: cannot read it ({exc})")
+        if not isinstance(saved, dict):
+            ap.error(f"--plans {args.plans}: expected a JSON object of plans by case, as --save-plans writes")
     out = {}
     print(f"{'case':44} {'stages':>6} {'steps':>5} {'tasks':>8} {'periodic':>8} {'period':>10} "
           f"{'objective':>10} {'seconds':>8} {'us/task':>7}")
     for label, pb in problems(args):
         if label in saved:
-            plan = Plan.from_json(saved[label])
+            try:
+                plan = Plan.from_json(saved[label])
+                check_plan(pb.graph, plan)
+            except (KeyError, TypeError, ValueError, PlanError) as exc:
+                ap.error(f"--plans {args.plans}: the plan of {label!r} is not a plan of this graph ({exc})")
         elif args.plans:
             print(f"{label}: not in {args.plans}; skipped")
             continue
@@ -106,8 +114,11 @@ def main(argv=None) -> int:
               f"{sim.period_ms:10.3f} {evaluate(pb, plan).objective_ms:10.3f} {best:8.2f} {1e6 * best / tasks:7.1f}",
               flush=True)
     if args.save_plans:
-        with open(args.save_plans, "w") as f:
+        # whole or not at all: written beside, then moved over the name
+        tmp = f"{args.save_plans}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
             json.dump(out, f)
+        os.replace(tmp, args.save_plans)
     return 0
 
 

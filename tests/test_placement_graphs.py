@@ -131,3 +131,13 @@ def test_simulate_benchmark_replays_the_plan_it_saved(diamond, tmp_path, capsys)
     with pytest.raises(SystemExit):
         bench.main(["--graph-file", diamond, "--plans", str(tmp_path / "missing.json")])
     assert "cannot read it" in capsys.readouterr().err
+    # a plan that does not cover this graph's op nodes is refused by name, before any replay
+    doc["stages"][0]["nodes"] = doc["stages"][0]["nodes"][1:]
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({label: doc}))
+    with pytest.raises(SystemExit):
+        bench.main(["--graph-file", diamond, "--gpus", "2", "--memory", "0", "--plans", str(wrong)])
+    assert "is not a plan of this graph" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--graph-file", diamond, "--save-plans", str(tmp_path / "no" / "such" / "plans.json")])
+    assert "its folder does not exist" in capsys.readouterr().err
