@@ -240,6 +240,33 @@ def test_too_little_memory_is_infeasible(space):
     assert re.search(r"\d (?:[kMGT]?B)\b", err.value.reason)
 
 
+def test_the_solver_runs_with_the_options_set_and_an_unknown_one_is_an_error(monkeypatch):
+    import highspy
+
+    from ftcompile.partition import exact
+
+    built = []
+    real = exact._build_mip
+    monkeypatch.setattr(exact, "_build_mip", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    partition_exact(synthetic_problem(8, 2, seed=0), space="mixed", mip_rel_gap=1e-3)
+    assert built
+
+    def read(h, name):      # highspy answers (status, value) or, in older releases, the value
+        got = h.getOptionValue(name)
+        return got[1] if isinstance(got, tuple) else got
+
+    for mip in built:       # a name HiGHS ignored would read as its default
+        assert read(mip.h, "mip_heuristic_effort") == exact.HEURISTIC_EFFORT != 0.05
+        assert read(mip.h, "mip_rel_gap") == 1e-3
+        assert read(mip.h, "threads") == 1
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    with pytest.raises(RuntimeError, match="mip_heuristic_efort"):
+        exact._option(h, "mip_heuristic_efort", 0.5)
+    with pytest.raises(RuntimeError, match="mip_heuristic_effort"):
+        exact._option(h, "mip_heuristic_effort", 7.0)     # outside HiGHS's range 0..1
+
+
 def test_unknown_space_is_refused():
     with pytest.raises(ValueError):
         partition_exact(synthetic_problem(4, 2), space="diagonal")
