@@ -103,7 +103,7 @@ REPAIR_TOP, REPAIR_SHARE = 3, 0.05
 #: primal heuristics (RINS, RENS, feasibility jump) may take. Under tight memory the MIP's best
 #: assignments are hard to find and the tree rarely proves them, so more of the time goes to
 #: finding them. Measured on the held-out graphs (benchmarks/README, 10 s each): the same bounds
-#: and proofs on all 45 cases, the same wall time, and better plans where memory binds:
+#: and proofs on all 45 cases, wall time within 2 s, and better plans where memory binds:
 #: BERT-6's operator graph on 6 GPUs at 1.1 x 43.355 -> 43.158 (exact), 45.010 -> 43.383
 #: (Mixed-pipe, whose MIP starts from its own plan), GNMT's layer graph on 6 GPUs 119.028 ->
 #: 118.697; at most 0.05 % worse elsewhere. The zoo's traced graphs in test_archs take as long.
