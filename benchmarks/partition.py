@@ -382,6 +382,29 @@ def run_suite(time_limit: float, jobs: int, models=None, gpus=(3, 6), memory=(No
     return rows
 
 
+def _gpu_counts(text: str) -> tuple[int, ...]:
+    """--suite-gpus: comma-separated GPU counts, each at least 1."""
+    try:
+        got = tuple(int(g) for g in text.split(","))
+    except ValueError:
+        got = ()
+    if not got or min(got) < 1:
+        raise argparse.ArgumentTypeError(f"expected GPU counts of at least 1, comma-separated (e.g. 3,6); got {text!r}")
+    return got
+
+
+def _memory_shares(text: str) -> tuple[float | None, ...]:
+    """--suite-memory: comma-separated shares of total/P above 0, or 'free' for unlimited."""
+    try:
+        got = tuple(None if m == "free" else float(m) for m in text.split(","))
+    except ValueError:
+        got = ()
+    if not got or any(m is not None and not m > 0 for m in got):
+        raise argparse.ArgumentTypeError(f"expected memory shares of total/P above 0 or 'free', comma-separated "
+                                         f"(e.g. free,1.2,1.1); got {text!r}")
+    return got
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", action="append", choices=sorted(CASES), help="run only these cases (repeatable)")
@@ -393,8 +416,8 @@ def main(argv=None) -> int:
     ap.add_argument("--suite", action="store_true", help="the balance-under-memory suite instead of the paper cases")
     ap.add_argument("--suite-graph", action="append", help="--suite: only this graph (e.g. bert-large-layer, "
                     "skipnet; repeatable)")
-    ap.add_argument("--suite-gpus", default="3,6", help="--suite: GPU counts (default 3,6)")
-    ap.add_argument("--suite-memory", default="free,1.2,1.1",
+    ap.add_argument("--suite-gpus", default=(3, 6), type=_gpu_counts, help="--suite: GPU counts (default 3,6)")
+    ap.add_argument("--suite-memory", default=(None, 1.2, 1.1), type=_memory_shares,
                     help="--suite: memory shares of total/P, 'free' for unlimited (default free,1.2,1.1)")
     ap.add_argument("--graph-file", action="append", metavar="FILE.json",
                     help="--suite on a profiled graph in the device-placement JSON format of Tarnawski et al. "
@@ -419,8 +442,7 @@ def main(argv=None) -> int:
             except ValueError as exc:
                 ap.error(str(exc))
     if args.suite or args.graph_file:
-        gpus = tuple(int(g) for g in args.suite_gpus.split(","))
-        memory = tuple(None if m == "free" else float(m) for m in args.suite_memory.split(","))
+        gpus, memory = args.suite_gpus, args.suite_memory
         problems = (file_problems(args.graph_file, gpus, memory, args.graph_weights, args.graph_optimizer,
                                   not args.graph_no_values)
                     if args.graph_file else None)

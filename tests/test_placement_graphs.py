@@ -141,3 +141,22 @@ def test_simulate_benchmark_replays_the_plan_it_saved(diamond, tmp_path, capsys)
     with pytest.raises(SystemExit):
         bench.main(["--graph-file", diamond, "--save-plans", str(tmp_path / "no" / "such" / "plans.json")])
     assert "its folder does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--suite-memory", "unlimited,1.2", "expected memory shares of total/P above 0 or 'free'"),
+    ("--suite-memory", "free,0", "expected memory shares of total/P above 0 or 'free'"),
+    ("--suite-gpus", "3,six", "expected GPU counts of at least 1"),
+    ("--suite-gpus", "0", "expected GPU counts of at least 1"),
+])
+def test_partition_benchmark_refuses_bad_suite_options_by_name(diamond, option, value, says, capsys):
+    # benchmarks/partition.py: a bad list is one line naming the option and the value, before any case runs
+    import importlib
+
+    bench = importlib.import_module("partition")
+    assert bench.__file__.endswith(os.path.join("benchmarks", "partition.py"))
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--graph-file", diamond, option, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: {says}" in err and repr(value) in err and "Traceback" not in err
