@@ -13,11 +13,24 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))     # their sibling imports
 from placement_graphs import GraphFileError, load_problem, total_over_gpus, with_share  # noqa: E402
 
 from ftcompile.partition.base import run_strategy  # noqa: E402
 from ftcompile.plan import evaluate  # noqa: E402
+
+BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+
+
+def _script(name: str):
+    """benchmarks/<name>.py loaded as module ``benchmarks_<name>``: not as a top-level ``simulate`` or
+    ``partition`` beside ``ftcompile.simulate`` and ``ftcompile.partition``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", os.path.join(BENCHMARKS, f"{name}.py"))
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)     # (dataclasses look it up there)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _node(i, cls, latency, size, backward=False):
@@ -111,8 +124,7 @@ def test_operator_graph_classes_hold_several_nodes_and_classless_nodes_stand_alo
 def test_simulate_benchmark_replays_the_plan_it_saved(diamond, tmp_path, capsys):
     # benchmarks/simulate.py: a plan saved by one run is replayed as the same stages by the next
     # (so that two checkouts time one plan), and its period is what simulate() gives that plan.
-    import simulate as bench
-
+    bench = _script("simulate")
     from ftcompile.plan import Plan
     from ftcompile.simulate import simulate
 
@@ -151,10 +163,7 @@ def test_simulate_benchmark_replays_the_plan_it_saved(diamond, tmp_path, capsys)
 ])
 def test_partition_benchmark_refuses_bad_suite_options_by_name(diamond, option, value, says, capsys):
     # benchmarks/partition.py: a bad list is one line naming the option and the value, before any case runs
-    import importlib
-
-    bench = importlib.import_module("partition")
-    assert bench.__file__.endswith(os.path.join("benchmarks", "partition.py"))
+    bench = _script("partition")
     with pytest.raises(SystemExit) as exc:
         bench.main(["--graph-file", diamond, option, value])
     assert exc.value.code == 2
