@@ -169,3 +169,24 @@ def test_partition_benchmark_refuses_bad_suite_options_by_name(diamond, option, 
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {option}: {says}" in err and repr(value) in err and "Traceback" not in err
+
+
+def test_configlp_benchmark_prints_a_bound_no_plan_beats(diamond, capsys):
+    # benchmarks/configlp.py on the diamond (a -> (b, c) -> d) on 2 GPUs: the bound is at most
+    # the best plan's objective, which brute force over every assignment gives
+    import itertools
+
+    from ftcompile.partition.exact import plan_from_assignment
+
+    bench = _script("configlp")
+    pb = load_problem(diamond, 2, weights=1, optimizer="sgd", values=False)
+    ids = [n.id for n in pb.graph.op_nodes()]
+    best = min(evaluate(pb, plan_from_assignment(pb, [[n] for n in ids], list(gpus), "bf", merge=m)).objective_ms
+               for gpus in itertools.product(range(2), repeat=len(ids)) for m in (True, False))
+    assert bench.main(["--graph-file", diamond, "--gpus", "2", "--high", f"{best:.6f}"]) == 0
+    out = capsys.readouterr().out
+    bound = float(out.split("bound ")[1].split(" ms")[0])
+    assert 0 < bound <= best + 1e-3 and "x the bound" in out
+    with pytest.raises(SystemExit):
+        bench.main(["--graph-file", diamond, "--gpus", "0"])
+    assert "--gpus must be at least 1" in capsys.readouterr().err
