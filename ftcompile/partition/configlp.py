@@ -36,12 +36,12 @@ EPS = 1e-7
 def _highs():
     import highspy
 
-    from .exact import _quiet_fd1
+    from .exact import _option, _quiet_fd1
 
     with _quiet_fd1():
         h = highspy.Highs()                 # (its banner, printed before any option applies)
     h.setOptionValue("output_flag", False)
-    h.setOptionValue("threads", 1)
+    _option(h, "threads", 1)
     return h
 
 
@@ -70,7 +70,7 @@ class _Columns:
         self.edges = [(e.src, e.dst) for e in g.edges if e.src in self.w and e.dst in self.w]
         self.limit = problem.cluster.gpu_memory
 
-    def price(self, pi: list[float], T: float, loss: bool) -> tuple[float, list[int]]:
+    def price(self, pi: list[float], T: float, loss: bool) -> tuple[float, frozenset[int]]:
         """The node set of largest dual value within ``T`` and memory: (its value, item indices)."""
         h = _highs()
         items = self.items
@@ -92,22 +92,25 @@ class _Columns:
         h.setMaximize()
         h.run()
         xv = h.vals(x)
-        return h.getInfo().objective_function_value, [i for i in range(len(items)) if xv[i] > 0.5]
+        return h.getInfo().objective_function_value, frozenset(i for i in range(len(items)) if xv[i] > 0.5)
 
     def gpus_needed(self, T: float) -> float:
         """The configuration LP's optimum at load ``T``: GPUs' worth of node sets covering every
         node (inf where some node fits no GPU alone)."""
         items = self.items
-        single = [(k, [i]) for k in (0, 1) for i, n in enumerate(items)
-                  if self.mem[n] <= self.limit and self.w[n] - (self.rec[n] if k and self.skip else 0.0) <= T]
-        if len({c[1][0] for c in single}) < len(items):
+        cols = [(k, frozenset([i])) for k in (0, 1) for i, n in enumerate(items)
+                if self.mem[n] <= self.limit and self.w[n] - (self.rec[n] if k and self.skip else 0.0) <= T]
+        if len({i for _k, s in cols for i in s}) < len(items):
             return float("inf")
-        cols = single
         while True:
             h = _highs()
             lam = [h.addVariable(lb=0.0) for _ in cols]
+            covering: list[list] = [[] for _ in items]      # the columns holding each item
+            for j, (_k, s) in enumerate(cols):
+                for i in s:
+                    covering[i].append(lam[j])
             for i in range(len(items)):
-                h.addConstr(h.qsum([lam[j] for j, (_k, s) in enumerate(cols) if i in s]) >= 1)
+                h.addConstr(h.qsum(covering[i]) >= 1)
             h.addConstr(h.qsum([lam[j] for j, (k, _s) in enumerate(cols) if k == 1]) <= 1)
             h.setObjective(h.qsum(lam))
             h.setMinimize()
