@@ -47,7 +47,7 @@ import sys
 import time
 
 from ftcompile.cluster import PRESETS
-from ftcompile.compile import compile_plan
+from ftcompile.compile import DEFAULT_TIME_LIMIT, compile_plan, every_plan_bound, tighten_bounds
 from ftcompile.hardware import load_hardware
 from ftcompile.ir import atomic_write_text
 from ftcompile.models import ModelOptions, build_model
@@ -108,6 +108,7 @@ def run_case(name: str, schedule: str, micro_batches: int, jobs: int, time_limit
     t_prof = time.perf_counter() - t0 - t_build - t_trace
     problem = Problem(graph, prof, PRESETS[case["cluster"]], schedule=schedule, micro_batches=micro_batches)
     result = compile_plan(problem, "auto", jobs=jobs, time_limit=time_limit)
+    tighten_bounds(result, DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
     total = time.perf_counter() - t0
     rows = [r.row() for r in result.results]
     return {"case": name, "nodes": len(graph.nodes), "op_nodes": sum(1 for _ in graph.op_nodes()),
@@ -263,11 +264,10 @@ def suite_row(label: str, problem: Problem, result) -> dict:
     best_convex = min(convex, default=None)
     convex_bound = sinfo.get("bound_ms") if sinfo.get("bound_covers") == "every convex split" else None
     seq_best = float(sinfo["best_objective_ms"]) if seq and seq.feasible and "best_objective_ms" in sinfo else None
-    # Every plan: total work / P (with the last-stage knapsack), or exact's MIP bound when its
-    # space is every plan (no coarsening) and it is higher.
-    every_bound = lb
-    if einfo.get("bound_space") == "every plan" and einfo.get("mip_bound_ms") is not None:
-        every_bound = max(lb, float(einfo["mip_bound_ms"]))
+    # Every plan: total work / P (with the last-stage knapsack), exact's MIP bound when its space
+    # is every plan (no coarsening), or the configuration LP's (tighten_bounds), the highest.
+    every = every_plan_bound(result.results, lb, (result.info.get("configuration_bound") or {}).get("ms"))
+    every_bound = every["ms"]
     exact_opt = (exact.cost.objective_ms if exact and exact.feasible and einfo.get("optimal")
                  and einfo.get("bound_space") == "every plan" else None)
     m = mixed.cost.objective_ms if mixed and mixed.feasible else None
@@ -290,7 +290,9 @@ def suite_row(label: str, problem: Problem, result) -> dict:
         "seq_is_best_convex": bool(seq_best is not None and best_convex is not None
                                    and seq_best <= best_convex * (1 + REL)),
         "mixed_ms": m, "every_plan_bound_ms": every_bound,
-        "bound_source": "exact's MIP" if every_bound > lb else "total/P (knapsack)",
+        "bound_source": ("configuration LP" if "configuration" in every["covers"] else
+                         "exact's MIP" if "exact" in every["covers"] else "total/P (knapsack)"),
+        "configuration_bound": result.info.get("configuration_bound"),
         "mixed_over_bound": m / every_bound if m else None,
         "mixed_best_ms": m_best, "mixed_best_over_bound": m_best / every_bound if m_best else None,
         "mixed_simulated_ms": m_sim, "mixed_simulated_over_bound": m_sim / every_bound if m_sim else None,
@@ -335,7 +337,8 @@ def run_suite(time_limit: float, jobs: int, models=None, gpus=(3, 6), memory=(No
     found a better split than seq; *mixed* Mixed-pipe's
     objective (the lowest it found; its fastest plan in simulation is the row mixed-sim, which
     *chosen* may name), *m best* the lowest objective it found, *m sim* its plan's simulated period; *bound* the best bound over every plan (total work / P with the last-stage
-    knapsack, or exact's MIP bound when higher: "M"); *exact* exact's objective in the mixed
+    knapsack, exact's MIP bound when higher: "M", or the configuration LP's, sought for up to the
+    time limit after the searches, ftcompile.compile.tighten_bounds: "C"); *exact* exact's objective in the mixed
     space ("*" proven optimal); *chosen* compile's choice (best simulated throughput), its
     objective (Eq. 1), simulated period, their ratio, *K* the in-flight scale it runs at (K x depth
     + 1 micro-batches in flight per stage, chosen by simulation where a GPU holds several stages;
@@ -353,6 +356,7 @@ def run_suite(time_limit: float, jobs: int, models=None, gpus=(3, 6), memory=(No
     for label, problem in (problems if problems is not None else suite_problems(gpus, memory, models)):
         t0 = time.perf_counter()
         result = compile_plan(problem, "auto", jobs=jobs, time_limit=time_limit)
+        tighten_bounds(result, DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
         secs = time.perf_counter() - t0
         row = suite_row(label, problem, result)
         row["seconds"] = round(secs, 1)
@@ -370,7 +374,7 @@ def run_suite(time_limit: float, jobs: int, models=None, gpus=(3, 6), memory=(No
             proof += "!"
         exact = f(row["exact_ms"], ".3f") + ("*" if row["exact_proven_optimum_ms"] else "")
         chosen = str(row["chosen"]) if row["chosen"] else ("no fit!" if row["proven_no_fit"] else "none")
-        bound = f(row["every_plan_bound_ms"], ".3f") + ("M" if row["bound_source"] != "total/P (knapsack)" else "")
+        bound = f(row["every_plan_bound_ms"], ".3f") + {"exact's MIP": "M", "configuration LP": "C"}.get(row["bound_source"], "")
         print(f"{label:34}{row['op_nodes']:>5}{f(row['seq_best_ms'], '.3f'):>10}{f(row['convex_bound_ms'], '.3f'):>10}"
               f"{proof:>8}{f(row['mixed_ms'], '.3f'):>9}{f(row['mixed_best_ms'], '.3f'):>9}"
               f"{f(row['mixed_simulated_ms'], '.3f'):>9}{bound:>9}{f(row['mixed_over_bound'], '.3f'):>7}"

@@ -82,6 +82,10 @@ def add_parsers(sub) -> None:
                    help="seconds each searching strategy may spend (seq's search over convex splits, "
                         "exact's MIP) before it returns its best plan and the bound proven so far "
                         "(default: 20)")
+    g.add_argument("--bound-time", type=_seconds, metavar="SECONDS",
+                   help="seconds the configuration LP may spend, after the searches, raising the bound over "
+                        "every plan where the best plan is more than 0.1%% above it (whole nodes that no split "
+                        "balances); 0: not run (default: the --time-limit)")
     g.add_argument("--profile", dest="profile_file", metavar="FILE",
                    help="use this profile (from `ftcompile profile -o`) instead of an analytic one")
     g.add_argument("--cache-dir", metavar="DIR", default=base.DEFAULT_CACHE_DIR,
@@ -349,6 +353,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         problem, options, chosen, least, lag_note = _partition(args, problem, ui, total * len(lays), warnings)
         t = lap("partition_and_simulate", t)
         result = _result_of(options, chosen)
+        t = _tighten_bounds(args, result, ui, lap, t)
         doc = plan_document(result, model=graph.source)
         if lag_note:
             doc["notes"] = [lag_note]
@@ -464,6 +469,26 @@ def _searched(options) -> bool:
     of the tied-weight lag changes."""
     return any(o.planned != "refused" and o.result is not None and not o.result.info.get("proven_no_fit")
                for o in options)
+
+
+def _tighten_bounds(args, result, ui, lap, t):
+    """The configuration LP's bound for the chosen layout's rows (:func:`~ftcompile.compile.tighten_bounds`)."""
+    from .compile import DEFAULT_TIME_LIMIT, tighten_bounds
+
+    if result.chosen is None:
+        return t
+    seconds = args.bound_time if args.bound_time is not None else \
+        args.time_limit if args.time_limit is not None else DEFAULT_TIME_LIMIT
+    done = tighten_bounds(result, seconds)
+    if done is None:
+        return t
+    if done["raised"]:
+        ui.note(f"bound: the configuration LP raised the bound over every plan from {done['from_ms']:.3f} to "
+                f"{done['ms']:.3f} ms (best plan {done['plan_ms']:.3f}) [{done['seconds']:.1f} s]")
+    else:
+        ui.note(f"bound: the configuration LP did not raise the bound over every plan ({done['from_ms']:.3f} ms) "
+                f"in {done['seconds']:.1f} s")
+    return lap("bound", t)
 
 
 def _result_of(options, chosen):

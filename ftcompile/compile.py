@@ -373,20 +373,30 @@ def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs
 CONVEX_STRATEGIES = ("seq", "uniform", "params", "acyclic")
 
 
-def attach_bounds(problem: Problem, results: list[StrategyResult], lower: float) -> None:
-    """Give every result the best proven lower bound that covers its plan.
-
-    Every plan: :func:`~ftcompile.plan.lower_bound`, and ``exact``'s MIP bound when
-    its space covers every plan (no coarsening). Seq-pipe plans (convex splits):
-    also ``seq``'s bound over convex splits, when its search finished. A bound
-    proven only for part of a space (a coarsened MIP, side nodes kept attached)
-    is not used for the others.
-    """
+def every_plan_bound(results: list[StrategyResult], lower: float, configuration: float | None = None) -> dict:
+    """The best bound proven over every plan: :func:`~ftcompile.plan.lower_bound` (``lower``),
+    ``exact``'s MIP bound when its space is every plan (no coarsening), and the configuration LP's
+    (``configuration``, :func:`tighten_bounds`): ``{"ms", "covers"}``."""
     every = {"ms": lower, "covers": "every plan (total work / GPUs, last-stage knapsack)"}
     for r in results:
         info = (r.plan.info if r.plan else None) or {}
         if r.name == "exact" and info.get("bound_space") == "every plan" and info.get("mip_bound_ms", 0) > every["ms"]:
             every = {"ms": float(info["mip_bound_ms"]), "covers": "every plan (exact's MIP)"}
+    if configuration is not None and configuration > every["ms"]:
+        every = {"ms": float(configuration), "covers": "every plan (configuration LP)"}
+    return every
+
+
+def attach_bounds(problem: Problem, results: list[StrategyResult], lower: float,
+                  configuration: float | None = None) -> None:
+    """Give every result the best proven lower bound that covers its plan.
+
+    Every plan: :func:`every_plan_bound`. Seq-pipe plans (convex splits): also ``seq``'s bound
+    over convex splits, when its search finished, and exact's when it searched convex splits
+    only. A bound proven only for part of a space (a coarsened MIP, side nodes kept attached) is
+    not used for the others.
+    """
+    every = every_plan_bound(results, lower, configuration)
     convex = every
     for r in results:
         info = (r.plan.info if r.plan else None) or {}
@@ -401,6 +411,58 @@ def attach_bounds(problem: Problem, results: list[StrategyResult], lower: float)
             # a strategy's -sim row is one of its own candidates: the same space
             base = r.name[:-len(SIMULATED_SUFFIX)] if r.name.endswith(SIMULATED_SUFFIX) else r.name
             r.bound = dict(convex if base in CONVEX_STRATEGIES else every)
+
+
+#: :func:`tighten_bounds` seeks the configuration LP's bound only where the best plan is more than
+#: this share above the best bound already proven: below, it could close little, and on graphs of
+#: many small nodes its column generation tails off near the optimum without deciding a load.
+CONFIGURATION_GAP = 1e-3
+#: It first asks whether the bound rises by this share of the gap at least, for at most
+#: CONFIGURATION_FIRST_S seconds: a load well below the LP's threshold is decided in a few rounds
+#: (Farley's bound), one near it may take thousands (operator graphs). Only where it does is the
+#: gap bisected, so graphs of many small nodes (the zoo's traced models, where the searches'
+#: bounds are already close) cost those seconds, not the whole time.
+CONFIGURATION_FIRST_SHARE = 0.1
+CONFIGURATION_FIRST_S = 2.0
+
+
+def tighten_bounds(result: CompileResult, seconds: float) -> dict | None:
+    """Raise the every-plan bound of ``result``'s rows with the configuration LP's
+    (:func:`~ftcompile.partition.configlp.configuration_bound`), searched for at most ``seconds``
+    between the best bound proven and the lowest objective of any plan that fits.
+
+    Where the searches leave a gap, whole nodes are often why (a few large layers that no split
+    balances): exact's MIP bound stays at total/P there, and the configuration LP, which keeps each
+    GPU's nodes whole, proves how far any plan must be from it. Returns what was done (also
+    ``result.info["configuration_bound"]``), or None when not run: no plan, no time, or a gap of
+    at most :data:`CONFIGURATION_GAP`.
+    """
+    from .partition.configlp import ConfigurationLP, configuration_bound
+
+    objectives = [r.cost.objective_ms for r in result.results if r.feasible and r.cost is not None]
+    if seconds <= 0 or not objectives:
+        return None
+    high = min(objectives)
+    every = every_plan_bound(result.results, result.lower_bound_ms,
+                             (result.info.get("configuration_bound") or {}).get("ms"))["ms"]
+    if high <= 0 or (high - every) / high <= CONFIGURATION_GAP:
+        return None
+    t0 = time.perf_counter()
+    lp = ConfigurationLP(result.problem)
+    first = every + CONFIGURATION_FIRST_SHARE * (high - every)
+    ms = every
+    if lp.exceeds(first, t0 + min(CONFIGURATION_FIRST_S, seconds)):
+        # Half the time at most for one load, so that one at the edge (slow to decide) leaves
+        # time for loads below it.
+        left = seconds - (time.perf_counter() - t0)
+        ms = configuration_bound(result.problem, first, high, time_limit=left, probe_limit=left / 2, lp=lp)
+    done = {"ms": round(ms, 6), "from_ms": round(every, 6), "plan_ms": round(high, 6), "raised": ms > every,
+            "seconds": round(time.perf_counter() - t0, 3), "loads_probed": lp.stats["probes"],
+            "columns": len(lp.columns)}
+    result.info["configuration_bound"] = done
+    if ms > every:
+        attach_bounds(result.problem, result.results, result.lower_bound_ms, configuration=ms)
+    return done
 
 
 @contextlib.contextmanager
@@ -617,6 +679,7 @@ def plan_document(result: CompileResult, *, model: dict | None = None) -> dict:
         "strategies": [r.row() for r in result.results],
         "chosen": result.chosen,
         "limits": {"max_stages": result.info.get("max_stages"), "time_limit_s": result.info.get("time_limit_s")},
+        **({"configuration_bound": result.info["configuration_bound"]} if "configuration_bound" in result.info else {}),
         "compile_seconds": round(result.seconds, 3),
     }
     if p.replicas > 1 or p.cluster.gpu_ids is not None:
@@ -768,6 +831,11 @@ def report_text(doc: dict) -> str:
     for note in doc.get("notes") or ():
         lines.append(f"note: {note}")
     lines.append(f"lower bound: {doc['lower_bound']['objective_ms']:.3f} ms per micro-batch (every plan)")
+    cb = doc.get("configuration_bound")
+    if cb:
+        lines.append("configuration LP (whole nodes per GPU): " + (
+            f"no plan is below {cb['ms']:.3f} ms per micro-batch" if cb["raised"] else
+            f"did not raise the bound above {cb['from_ms']:.3f} ms") + f" ({cb['seconds']:.1f} s)")
     lines.append("")
     lines.append("| strategy | feasible | objective ms | simulated ms | bound ms | gap | speed-up | "
                  "speed-up (FTPipe) | stages | staleness | max GPU mem | time s | note |")

@@ -57,6 +57,14 @@ def test_plan_json_schema_and_choice(compiled):
         assert r["efficiency"] <= 1 + 1e-9
     best = max(feasible, key=lambda r: r["throughput"])
     assert doc["chosen"] == best["name"]
+    # where the searches left a gap, the configuration LP was asked (for the first 2 s at least)
+    # and what it found is recorded; no row's bound is above its plan
+    cb = doc.get("configuration_bound")
+    if cb is not None:
+        assert cb["from_ms"] <= cb["ms"] <= cb["plan_ms"] and cb["seconds"] >= 0
+        assert cb["plan_ms"] == pytest.approx(min(r["objective_ms"] for r in feasible))
+    for r in feasible:
+        assert r["bound_ms"] <= r["objective_ms"] * (1 + 1e-9)
     # The stage table agrees with the plan, and every stage says what it sends and receives.
     plan = Plan.from_json(doc["plan"])
     assert [s["id"] for s in doc["stages"]] == [s.id for s in plan.stages]
@@ -186,6 +194,7 @@ def test_compile_that_cannot_fit_says_what_would(tmp_path, capsys):
     (["compile", "t5-tiny", "--gpus", "2", "--strategy", "magic", "-o", "{tmp}/o"], "unknown strategy"),
     (["compile", "t5-tiny", "--gpus", "2", "--gpu-memory", "eleven", "-o", "{tmp}/o"], "cannot read size"),
     (["compile", "t5-tiny", "--cluster", "nowhere", "-o", "{tmp}/o"], "unknown cluster"),
+    (["compile", "t5-tiny", "--bound-time", "-1", "-o", "{tmp}/o"], "expected a finite number of seconds"),
     (["simulate", "{tmp}/missing"], "no plan at"),
     (["diff", "{tmp}/missing", "{tmp}/missing"], "no plan at"),
 ])
