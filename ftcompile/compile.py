@@ -456,7 +456,8 @@ def tighten_bounds(result: CompileResult, seconds: float) -> dict | None:
         # time for loads below it.
         left = seconds - (time.perf_counter() - t0)
         ms = configuration_bound(result.problem, first, high, time_limit=left, probe_limit=left / 2, lp=lp)
-    done = {"ms": round(ms, 6), "from_ms": round(every, 6), "plan_ms": round(high, 6), "raised": ms > every,
+    # (unrounded: rounding may lift a bound above what was proven, or an unraised one above the old)
+    done = {"ms": ms, "from_ms": every, "plan_ms": high, "raised": ms > every,
             "seconds": round(time.perf_counter() - t0, 3), "loads_probed": lp.stats["probes"],
             "columns": len(lp.columns)}
     result.info["configuration_bound"] = done

@@ -103,7 +103,7 @@ def test_a_time_limit_returns_the_bound_proven_so_far():
 def test_compile_rows_carry_the_configuration_bound_where_it_is_higher():
     # the three equal nodes on two GPUs, planned without exact: the searches' bound over every
     # plan is total/P (45 ms); the configuration LP raises it to the best plan's 60 ms, and every row says so
-    from ftcompile.compile import compile_plan, tighten_bounds
+    from ftcompile.compile import compile_plan, every_plan_bound, tighten_bounds
 
     problem = _three_equal_nodes()
     result = compile_plan(problem, ["seq", "mixed"], jobs=1, time_limit=2, simulate_plans=False)
@@ -118,6 +118,11 @@ def test_compile_rows_carry_the_configuration_bound_where_it_is_higher():
         assert row["bound_covers"] == "every plan (configuration LP)"
         assert row["bound_ms"] == pytest.approx(done["ms"]) and row["bound_ms"] <= row["objective_ms"]
         assert row["gap"] == pytest.approx(0.0, abs=1e-4)
+    # out of time at once: nothing raised, and the rows keep the searches' bound, not a rounded copy of it
+    other = compile_plan(problem, ["mixed"], jobs=1, time_limit=2, simulate_plans=False)
+    late = tighten_bounds(other, 1e-9)
+    assert not late["raised"] and late["ms"] == late["from_ms"] == other.results[0].bound["ms"]
+    assert every_plan_bound(other.results, other.lower_bound_ms, late["ms"])["covers"] != "every plan (configuration LP)"
     # nothing left to close, no time, or no plan: not run
     assert tighten_bounds(result, 10.0) is None
     assert tighten_bounds(compile_plan(problem, ["seq"], jobs=1, time_limit=2, simulate_plans=False), 0.0) is None
