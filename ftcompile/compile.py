@@ -424,6 +424,10 @@ CONFIGURATION_GAP = 1e-3
 #: bounds are already close) cost those seconds, not the whole time.
 CONFIGURATION_FIRST_SHARE = 0.1
 CONFIGURATION_FIRST_S = 2.0
+#: Nor is it sought on graphs of more op nodes than this: their nodes are small, the searches'
+#: bounds close, and one round of the LP's column generation outlasts the first probe's time
+#: (a chain of 20,000 nodes: 4.1 s for a probe given 2 s).
+CONFIGURATION_MAX_NODES = 2000
 
 
 def tighten_bounds(result: CompileResult, seconds: float) -> dict | None:
@@ -434,13 +438,13 @@ def tighten_bounds(result: CompileResult, seconds: float) -> dict | None:
     Where the searches leave a gap, whole nodes are often why (a few large layers that no split
     balances): exact's MIP bound stays at total/P there, and the configuration LP, which keeps each
     GPU's nodes whole, proves how far any plan must be from it. Returns what was done (also
-    ``result.info["configuration_bound"]``), or None when not run: no plan, no time, or a gap of
-    at most :data:`CONFIGURATION_GAP`.
+    ``result.info["configuration_bound"]``), or None when not run: no plan, no time, a gap of at
+    most :data:`CONFIGURATION_GAP`, or more than :data:`CONFIGURATION_MAX_NODES` op nodes.
     """
     from .partition.configlp import ConfigurationLP, configuration_bound
 
     objectives = [r.cost.objective_ms for r in result.results if r.feasible and r.cost is not None]
-    if seconds <= 0 or not objectives:
+    if seconds <= 0 or not objectives or sum(1 for _ in result.problem.graph.op_nodes()) > CONFIGURATION_MAX_NODES:
         return None
     high = min(objectives)
     every = every_plan_bound(result.results, result.lower_bound_ms,

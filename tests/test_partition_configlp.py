@@ -100,7 +100,7 @@ def test_a_time_limit_returns_the_bound_proven_so_far():
     assert configuration_bound(problem, 0.0, 500.0, lp=lp) == pytest.approx(full, abs=2e-3)
 
 
-def test_compile_rows_carry_the_configuration_bound_where_it_is_higher():
+def test_compile_rows_carry_the_configuration_bound_where_it_is_higher(monkeypatch):
     # the three equal nodes on two GPUs, planned without exact: the searches' bound over every
     # plan is total/P (45 ms); the configuration LP raises it to the best plan's 60 ms, and every row says so
     from ftcompile.compile import compile_plan, every_plan_bound, tighten_bounds
@@ -123,6 +123,9 @@ def test_compile_rows_carry_the_configuration_bound_where_it_is_higher():
     late = tighten_bounds(other, 1e-9)
     assert not late["raised"] and late["ms"] == late["from_ms"] == other.results[0].bound["ms"]
     assert every_plan_bound(other.results, other.lower_bound_ms, late["ms"])["covers"] != "every plan (configuration LP)"
-    # nothing left to close, no time, or no plan: not run
+    # nothing left to close, no time, too many nodes, or no plan: not run
+    fresh = compile_plan(problem, ["mixed"], jobs=1, time_limit=2, simulate_plans=False)
+    monkeypatch.setattr("ftcompile.compile.CONFIGURATION_MAX_NODES", 3)     # (the problem has 4 op nodes)
+    assert tighten_bounds(fresh, 10.0) is None and "configuration_bound" not in fresh.info
     assert tighten_bounds(result, 10.0) is None
     assert tighten_bounds(compile_plan(problem, ["seq"], jobs=1, time_limit=2, simulate_plans=False), 0.0) is None
