@@ -194,10 +194,38 @@ class Problem:
 
     def recomputes(self, is_last: bool) -> bool:
         """Whether a stage recomputes its forward in backward: at the end of the pipeline
-        (``is_last``: depth 0) or inside it (see :attr:`StageProgram.recompute`). A stage at depth 0
-        is in 2gw's second group (:func:`~ftcompile.runtime.schedules.groups_2gw`), which does not
-        recompute there; the group is ignored by the other schedules."""
-        return self.program(0, 1).recompute if is_last else self.program(1).recompute
+        (``is_last``: depth 0) or inside it (see :attr:`StageProgram.recompute`).
+
+        The one statement of which stages recompute that the bounds and the partitioners read.
+        Under 2gw a stage's program also depends on its group
+        (:func:`~ftcompile.runtime.schedules.groups_2gw`; a stage at depth 0 is in the second,
+        which does not recompute there): a stage counts as recomputing only where it does in
+        every group, so what is charged for it is never more than the runtime runs. The group
+        is ignored by the other schedules."""
+        depth = 0 if is_last else 1
+        return all(self.program(depth, g).recompute for g in (0, 1))
+
+    @functools.cached_property
+    def feeds_loss(self) -> frozenset[int]:
+        """The op nodes with a path to the loss node, the loss included; empty without a loss node.
+
+        Only these must be in the last stage to skip recomputation there. Any other node can be
+        in a sink stage of its own (a side output; anything after the loss), and a sink stage is
+        at depth 0, where the end of the pipeline skips recomputation (:meth:`recomputes`)."""
+        ops = {n.id for n in self.graph.op_nodes()}
+        loss = next((n.id for n in self.graph.op_nodes() if n.is_loss), None)
+        if loss is None:
+            return frozenset()
+        preds: dict[int, list[int]] = {}
+        for e in self.graph.edges:
+            preds.setdefault(e.dst, []).append(e.src)
+        seen, todo = {loss}, [loss]
+        while todo:
+            for p in preds.get(todo.pop(), ()):
+                if p not in seen:
+                    seen.add(p)
+                    todo.append(p)
+        return frozenset(seen & ops)
 
     @functools.cached_property
     def grad_values(self) -> frozenset[str]:
@@ -482,10 +510,8 @@ def lower_bound(problem: Problem) -> float:
 def _lower_bound(problem: Problem) -> float:
     graph, prof = problem.graph, problem.profile
     # Interior stages recompute (async, or --recompute); the end of the pipeline may skip it.
-    # Under 2gw a stage's program also depends on its group (the last stage, in G1, skips
-    # recomputation where G0's would not): take whichever group recomputes less.
-    recompute_all = all(problem.program(1, g).recompute for g in (0, 1))
-    end_skips = recompute_all and not all(problem.program(0, g).recompute for g in (0, 1))
+    recompute_all = problem.recomputes(False)
+    end_skips = recompute_all and not problem.recomputes(True)
     ops = list(graph.op_nodes())
     P = problem.num_gpus
     base = np.array([prof.nodes[n.id].forward_ms + prof.nodes[n.id].backward_ms for n in ops], dtype=float)

@@ -78,6 +78,9 @@ def test_a_side_output_skips_recomputation_on_its_own_gpu_and_the_bound_allows_i
     # GPU 1: op2 and op3, the last stage (60; without a loss node, a sink stage: 60 too).
     # Two GPUs skip recomputation, so the bound must not allow only one: 70 ms is a plan.
     problem = _dead_branch(with_loss)
+    # the nodes that must be in the last stage to skip there: op4 is not one of them
+    assert problem.feeds_loss == ({1, 2, 3} if with_loss else set())
+    assert problem.recomputes(False) and not problem.recomputes(True)
     plan = Plan("by-hand", 2, [Stage(0, 0, [1]), Stage(1, 0, [4]), Stage(2, 1, [2, 3])])
     cost = evaluate(problem, plan)
     assert cost.feasible and cost.objective_ms == pytest.approx(70.0)
@@ -129,3 +132,14 @@ def test_compile_rows_carry_the_configuration_bound_where_it_is_higher(monkeypat
     assert tighten_bounds(fresh, 10.0) is None and "configuration_bound" not in fresh.info
     assert tighten_bounds(result, 10.0) is None
     assert tighten_bounds(compile_plan(problem, ["seq"], jobs=1, time_limit=2, simulate_plans=False), 0.0) is None
+
+
+def test_which_stages_recompute_is_read_over_every_2gw_group():
+    # 2gw with --recompute: at depth 0 a stage of the first group would recompute and one of the
+    # second (where the last stage is) does not; the bounds may charge only what every group runs
+    import dataclasses
+
+    problem = dataclasses.replace(_dead_branch(True), schedule="2gw", recompute=True)
+    assert problem.program(0, 0).recompute and not problem.program(0, 1).recompute
+    assert problem.recomputes(False) and not problem.recomputes(True)
+    assert not dataclasses.replace(problem, recompute=False).recomputes(False)

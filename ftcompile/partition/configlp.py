@@ -66,20 +66,6 @@ def _highs():
     return h
 
 
-def _ancestors(graph, node: int) -> set[int]:
-    """The op nodes with a path to ``node``."""
-    preds: dict[int, list[int]] = {}
-    for e in graph.edges:
-        preds.setdefault(e.dst, []).append(e.src)
-    seen, todo = set(), [node]
-    while todo:
-        for p in preds.get(todo.pop(), ()):
-            if p not in seen:
-                seen.add(p)
-                todo.append(p)
-    return seen & {n.id for n in graph.op_nodes()}
-
-
 class ConfigurationLP:
     """The nodes' times and memory as the LP prices them, the columns found so far (kept from
     one load ``T`` to the next: a node set within ``T`` stays within any larger one), and the
@@ -97,16 +83,15 @@ class ConfigurationLP:
         for n in nodes:
             for q in g.node(n).params:
                 readers[q] = readers.get(q, 0) + 1
-        # Which stages recompute, as plan._lower_bound reads the schedule: the interior where every
-        # 2gw group does (else no node is charged it), and the end of the pipeline may skip it.
-        # Stages at depth 0 skip: the last stage, holding the loss and every node it runs with a
-        # path to the loss ("live"), and any other sink of the stage graph, which holds only
-        # nodes without one ("dead": a side output; after the loss). A dead node may so skip on
-        # any GPU: it is charged no recomputation. With no loss node every node is dead.
-        recompute_all = all(problem.program(1, grp).recompute for grp in (0, 1))
-        end_skips = recompute_all and not all(problem.program(0, grp).recompute for grp in (0, 1))
-        loss = next((n.id for n in g.op_nodes() if n.is_loss), None)
-        live = set(nodes) if not end_skips else set() if loss is None else _ancestors(g, loss) | {loss}
+        # Which stages recompute (Problem.recomputes): the interior, and the end of the pipeline
+        # may skip it. Stages at depth 0 skip: the last stage, holding the loss and every node it
+        # runs with a path to the loss ("live", Problem.feeds_loss), and any other sink of the
+        # stage graph, which holds only nodes without one ("dead": a side output; after the
+        # loss). A dead node may so skip on any GPU: it is charged no recomputation. With no
+        # loss node every node is dead.
+        recompute_all = problem.recomputes(False)
+        end_skips = recompute_all and not problem.recomputes(True)
+        live = set(nodes) if not end_skips else problem.feeds_loss
         self.skip = end_skips and bool(live)
         self.w, self.rec, self.mem = {}, {}, {}
         for n in nodes:

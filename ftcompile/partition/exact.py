@@ -853,7 +853,9 @@ def _time_rows(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, T, P:
 
     # Compute per GPU; recomputation is skipped by the stages at depth 0: the last stage, which
     # holds the loss, and any other sink of the stage graph, which holds only blocks with no path
-    # to the loss ("dead": a side output, a counter nobody reads).
+    # to the loss ("dead": a side output, a counter nobody reads). Problem.feeds_loss, read on the
+    # blocks' graph: a block holding no node of it is still live where it feeds a block that does
+    # (a stage holding it holds that block too), so over blocks fewer are dead.
     rec = blocks.recompute_ms if rec_mid else np.zeros(B)
     dead = [False] * B
     if blocks.loss is not None:
