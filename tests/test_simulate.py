@@ -456,3 +456,43 @@ def test_simulated_memory_stays_within_evaluate_on_branchy_dags(schedule, seed):
     for g, peak in enumerate(res.gpu_peak_memory):
         if cost.gpus[g].stages:
             assert peak <= cost.gpus[g].memory_bytes, (g, res.gpu_peak_breakdown[g], cost.gpus[g])
+
+
+@pytest.mark.parametrize("schedule", ["async", "1f1b"])
+def test_a_lone_stage_is_joined_to_a_stage_on_its_gpu_and_holds_no_steps_ahead(schedule):
+    """A stage that exchanges no value with another (here the counter nobody reads) is paced by
+    nothing: simulated as a stage of its own beside others on GPU 0, it runs through its steps
+    ahead of them, and GPU 0 holds a batch of graph inputs for every step it begins, beyond what
+    evaluate promised. ordered(), which every plan compile keeps goes through, joins it to the
+    GPU's stage nearest the end; the plan then stays within evaluate's data, and the counter is
+    still computed once per micro-batch."""
+    import sys
+    from pathlib import Path
+
+    from ftcompile.plan import ordered, stage_depths, stage_graph
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from dags import branchy_problem
+
+    pb = branchy_problem(0, blocks=2, gpus=2, schedule=schedule, side=True)
+    g = pb.graph
+    counter = next(n.id for n in g.nodes if n.name == "counter")
+    ops = [n.id for n in g.nodes if n.kind == "op" and n.id != counter]
+    half = len(ops) // 2
+    lone = Plan("by hand", 2, [Stage(0, 0, ops[:half]), Stage(1, 1, ops[half:]), Stage(2, 0, [counter])])
+    cost = evaluate(pb, lone)
+    raw = simulate(pb, lone)
+    assert raw.gpu_peak_breakdown[0]["data"] > cost.gpus[0].data_bytes      # why it is joined
+    plan = ordered(lone, g)
+    assert len(plan.stages) == 2 and stage_graph(g, plan).number_of_edges() == 1
+    host = next(s for s in plan.stages if counter in s.nodes)
+    assert host.gpu == 0 and set(host.nodes) == set(ops[:half]) | {counter}
+    assert stage_depths(stage_graph(g, plan))[host.id] == 1
+    joined, cost = simulate(pb, plan), evaluate(pb, plan)
+    for gpu, peak in enumerate(joined.gpu_peak_memory):
+        assert joined.gpu_peak_breakdown[gpu]["data"] <= cost.gpus[gpu].data_bytes
+        assert peak <= cost.gpus[gpu].memory_bytes
+    # a lone stage with its GPU to itself is left alone, and a plan of one stage too
+    alone = Plan("by hand", 3, [Stage(0, 0, ops[:half]), Stage(1, 1, ops[half:]), Stage(2, 2, [counter])])
+    assert len(ordered(alone, g).stages) == 3
+    assert len(ordered(Plan("one", 1, [Stage(0, 0, ops + [counter])]), g).stages) == 1

@@ -1340,20 +1340,9 @@ def _components(problem: Problem, members: list[list[int]], gpu_of_block: list[i
     und.add_edges_from((e.src, e.dst) for e in graph.edges
                        if e.src in gpu_of and e.dst in gpu_of and gpu_of[e.src] == gpu_of[e.dst])
     comps = [set(c) for c in nx.connected_components(und)]
-    # A component that exchanges no value with any other op node (dead code such as a position
-    # index nobody reads) joins the GPU's largest component: a stage of its own, with no
-    # inputs or outputs, would be one nothing paces.
-    linked = {n for e in graph.edges if e.src in gpu_of and e.dst in gpu_of and gpu_of[e.src] != gpu_of[e.dst]
-              for n in (e.src, e.dst)}
-    keep = [c for c in comps if c & linked]
-    for c in comps:
-        if not c & linked:
-            host = max((k for k in keep if gpu_of[min(k)] == gpu_of[min(c)]), key=len, default=None)
-            if host is None:
-                keep.append(c)
-            else:
-                host |= c
-    stages = [Stage(i, gpu_of[min(c)], sorted(c)) for i, c in enumerate(keep)]
+    # (a component that exchanges no value with any other, dead code such as a position index
+    # nobody reads, is joined to another stage on its GPU by ordered(): see join_lone_stages)
+    stages = [Stage(i, gpu_of[min(c)], sorted(c)) for i, c in enumerate(comps)]
     plan = Plan("exact", problem.num_gpus, stages)
     if not nx.is_directed_acyclic_graph(stage_graph(graph, plan)):
         return None

@@ -92,7 +92,10 @@ class Refiner:
         self.last = ls if ls is not None and not succ[ls] else None
 
     def recomputes(self, s: int) -> bool:
-        return self.problem.recomputes(s == self.last)
+        # As evaluate reads it: every stage at depth 0 (the last, and any other sink of the stage
+        # graph: side outputs, a counter) is at the end of the pipeline.
+        d = self.depth.get(s)
+        return self.problem.recomputes(d == 0 if d is not None else s == self.last)
 
     def stage_load(self, s: int) -> float:
         upd = self._upd.get(s)

@@ -48,7 +48,9 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
     renumbered in topological order. Deterministic for a given seed except where the time
     limit cuts it short.
 
-    A stage count is never changed and an accepted plan always fits, so the result is a
+    A stage count is never raised (a move that leaves a stage lone, exchanging no value with
+    another, joins it to another stage on its GPU: :func:`~ftcompile.plan.join_lone_stages`)
+    and an accepted plan always fits, so the result is a
     valid plan of the same kind: stages that are convex (one per GPU) may become stages
     that share a GPU only if ``plan`` already had them. ``info["simulated_refinement"]``
     says what happened: the period and objective before and after, moves accepted,
