@@ -317,7 +317,9 @@ def split_frozen(graph: OpGraph, plan, regions: Sequence[FrozenRegion]):
         return plan
     info = dict(plan.info)
     info["frozen_split"] = [r.layers for r in regions]
-    return ordered(Plan(plan.strategy, plan.num_gpus, stages, info), graph)
+    # (a part that exchanges nothing with the rest joins only a stage of its own level)
+    return ordered(Plan(plan.strategy, plan.num_gpus, stages, info), graph,
+                   {n: level(n) for s in stages for n in s.nodes})
 
 
 def stage_levels(plan, regions: Sequence[FrozenRegion]) -> dict[int, int]:

@@ -416,10 +416,11 @@ def stage_depths(sg: nx.DiGraph) -> dict[int, int]:
     return depth
 
 
-def ordered(plan: Plan, graph: OpGraph) -> Plan:
-    """The plan as it runs: every lone stage joined to another on its GPU (:func:`join_lone_stages`),
-    and the stages renumbered in topological order of the stage graph (ties: first node)."""
-    plan = join_lone_stages(plan, graph)
+def ordered(plan: Plan, graph: OpGraph, kinds: dict[int, object] | None = None) -> Plan:
+    """The plan as it runs: every lone stage joined to another on its GPU (:func:`join_lone_stages`,
+    which reads ``kinds``), and the stages renumbered in topological order of the stage graph
+    (ties: first node)."""
+    plan = join_lone_stages(plan, graph, kinds)
     sg = stage_graph(graph, plan)
     by_id = {s.id: s for s in plan.stages}
     first = {s.id: min(s.nodes) for s in plan.stages}
@@ -429,7 +430,7 @@ def ordered(plan: Plan, graph: OpGraph) -> Plan:
     return Plan(plan.strategy, plan.num_gpus, stages, dict(plan.info), plan.simulations)
 
 
-def join_lone_stages(plan: Plan, graph: OpGraph) -> Plan:
+def join_lone_stages(plan: Plan, graph: OpGraph, kinds: dict[int, object] | None = None) -> Plan:
     """``plan`` with each *lone* stage, one that exchanges no value with any other stage (a
     BatchNorm's step counter, dead code), joined to another stage on its GPU.
 
@@ -443,6 +444,11 @@ def join_lone_stages(plan: Plan, graph: OpGraph) -> Plan:
     Lone stages on a GPU without another stage are joined into one (each would otherwise run
     ahead of the other); a plan of one stage is left as it is. Joining adds no stage edge, so
     the stage graph stays acyclic and every other stage's depth is unchanged.
+
+    ``kinds`` (op node -> label), where given, keeps stages of different labels apart: a lone
+    stage joins only a stage whose first node has its own first node's label, and stays lone
+    where its GPU has none (freeze's stages of one frozen level each, which AutoCache skips
+    whole: :func:`~ftcompile.freeze.split_frozen`).
     """
     if len(plan.stages) < 2:
         return plan
@@ -454,9 +460,10 @@ def join_lone_stages(plan: Plan, graph: OpGraph) -> Plan:
     nodes = {s.id: list(s.nodes) for s in plan.stages}
     gpu = {s.id: s.gpu for s in plan.stages}
     joined = False
-    for g in sorted({gpu[s] for s in lone}):
-        here = sorted(s for s in lone if gpu[s] == g)
-        hosts = [s.id for s in plan.stages if s.gpu == g and s.id not in lone]
+    kind = {s.id: None if kinds is None else kinds.get(min(s.nodes)) for s in plan.stages}
+    for g, k in sorted({(gpu[s], kind[s]) for s in lone}, key=repr):
+        here = sorted(s for s in lone if gpu[s] == g and kind[s] == k)
+        hosts = [s.id for s in plan.stages if s.gpu == g and s.id not in lone and kind[s.id] == k]
         host = min(hosts, key=lambda s: (depth[s], s)) if hosts else here[0]
         for s in here:
             if s != host:

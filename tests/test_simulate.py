@@ -492,6 +492,8 @@ def test_a_lone_stage_is_joined_to_a_stage_on_its_gpu_and_holds_no_steps_ahead(s
     for gpu, peak in enumerate(joined.gpu_peak_memory):
         assert joined.gpu_peak_breakdown[gpu]["data"] <= cost.gpus[gpu].data_bytes
         assert peak <= cost.gpus[gpu].memory_bytes
+    # one of another kind than every stage on its GPU (freeze's frozen levels) stays lone
+    assert len(ordered(lone, g, {n: n == counter for n in ops + [counter]}).stages) == 3
     # a lone stage with its GPU to itself is left alone, and a plan of one stage too
     alone = Plan("by hand", 3, [Stage(0, 0, ops[:half]), Stage(1, 1, ops[half:]), Stage(2, 2, [counter])])
     assert len(ordered(alone, g).stages) == 3

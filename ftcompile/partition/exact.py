@@ -71,7 +71,8 @@ from dataclasses import dataclass
 import networkx as nx
 import numpy as np
 
-from ..plan import Plan, Problem, Stage, evaluate, ordered, shared_gradient_copies, stage_graph
+from ..plan import (Plan, Problem, Stage, evaluate, join_lone_stages, ordered, shared_gradient_copies,
+                    stage_graph)
 from ..units import format_bytes
 from .base import SIMULATION_SHARE, Infeasible, MemoryModel, plan_key, simulated_choice, with_alternative
 from .seq import OpSequence, op_sequence
@@ -261,7 +262,9 @@ def plan_from_assignment(problem: Problem, members: list[list[int]], gpu_of_bloc
         stages.append(last_on[g])
     for i, s in enumerate(stages):
         s.id = i
-    return Plan(strategy, problem.num_gpus, stages, dict(info or {}))
+    # (unmerged, a run of blocks that exchange nothing with the rest, a counter, would be a
+    # stage nothing paces: priced as it will run)
+    return join_lone_stages(Plan(strategy, problem.num_gpus, stages, dict(info or {})), problem.graph)
 
 
 def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: float = 20.0, space: str = "mixed",
@@ -853,9 +856,9 @@ def _time_rows(h, problem: Problem, seq: OpSequence, blocks: Blocks, x, y, T, P:
 
     # Compute per GPU; recomputation is skipped by the stages at depth 0: the last stage, which
     # holds the loss, and any other sink of the stage graph, which holds only blocks with no path
-    # to the loss ("dead": a side output, a counter nobody reads). Problem.feeds_loss, read on the
-    # blocks' graph: a block holding no node of it is still live where it feeds a block that does
-    # (a stage holding it holds that block too), so over blocks fewer are dead.
+    # to the loss ("dead": a side output, a counter nobody reads). Problem.feeds_loss's rule, stated
+    # here over the blocks' graph: a block holding no node of it is still live where it feeds a
+    # block that does (a stage holding it holds that block too), so over blocks fewer are dead.
     rec = blocks.recompute_ms if rec_mid else np.zeros(B)
     dead = [False] * B
     if blocks.loss is not None:

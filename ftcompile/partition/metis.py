@@ -19,7 +19,7 @@ GPUs with room.
 
 from __future__ import annotations
 
-from ..plan import Plan, PlanCost, Problem, Stage, evaluate
+from ..plan import Plan, PlanCost, Problem, Stage, evaluate, join_lone_stages
 from .base import Infeasible
 from .refine import Refiner
 
@@ -214,8 +214,10 @@ def partition_metis(problem: Problem, *, seeds: int = 3, max_stages: int | None 
         for seed in range(max(1, seeds)):
             raw = [0] * len(ids) if P == 1 else _metis_parts(problem, ids, P, seed, with_memory)
             parts = dict(zip(ids, raw))
-            plan = Plan("metis", P, acyclic_stages(problem, parts),
-                        {"seed": seed, "memory_constraint": with_memory, "metis_parts": len(set(raw))})
+            # (joined as it will run: an isolated node, a counter, would be a stage nothing paces)
+            plan = join_lone_stages(Plan("metis", P, acyclic_stages(problem, parts),
+                                         {"seed": seed, "memory_constraint": with_memory,
+                                          "metis_parts": len(set(raw))}), problem.graph)
             if max_stages is not None and len(plan.stages) > max_stages:
                 if closest[0] == float("inf"):
                     closest = (closest[0], f"the repaired METIS parts make {len(plan.stages)} stages, "
@@ -225,6 +227,9 @@ def partition_metis(problem: Problem, *, seeds: int = 3, max_stages: int | None 
             if not cost.feasible:
                 tight = True
                 plan, cost = _repair(problem, plan)
+                joined = join_lone_stages(plan, problem.graph)       # (a whole stage moved beside others)
+                if joined is not plan:
+                    plan, cost = joined, evaluate(problem, joined)
             if not cost.feasible:
                 if cost.overflow_bytes < closest[0]:
                     closest = (cost.overflow_bytes, cost.reason)

@@ -268,9 +268,18 @@ class Refiner:
                     if not self._worth(load[g], load[h], out, inn):
                         continue
                     if self.try_move(n, t, limit):
+                        new = self.gpu_loads()
+                        # The estimate read s's and t's recomputation before the move; a move that
+                        # changes which of them is at the end of the pipeline (depth 0: no
+                        # recomputation) changes their loads beyond it. Kept only where it holds.
+                        if not self._worth(load[g], load[h], load[g] - new[g], new[h] - load[h]):
+                            if self._apply(n, s):
+                                self._refresh_structure()
+                            rejected.add((n, t))
+                            continue
                         moves += 1
                         done = True
-                        load = self.gpu_loads()
+                        load = new
                         if moves >= max_moves:
                             break
                     else:
