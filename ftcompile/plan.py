@@ -452,11 +452,17 @@ def join_lone_stages(plan: Plan, graph: OpGraph, kinds: dict[int, object] | None
     """
     if len(plan.stages) < 2:
         return plan
-    sg = stage_graph(graph, plan)
-    lone = [s.id for s in plan.stages if sg.degree(s.id) == 0]
+    # (one pass over the edges first: every plan priced goes through here, and few have one)
+    where = plan.stage_of()
+    linked = set()
+    for e in graph.edges:
+        a, b = where.get(e.src), where.get(e.dst)
+        if a is not None and b is not None and a != b:
+            linked.update((a, b))
+    lone = [s.id for s in plan.stages if s.id not in linked]
     if not lone:
         return plan
-    depth = stage_depths(sg)
+    depth = stage_depths(stage_graph(graph, plan))
     nodes = {s.id: list(s.nodes) for s in plan.stages}
     gpu = {s.id: s.gpu for s in plan.stages}
     joined = False
