@@ -417,10 +417,10 @@ def stage_depths(sg: nx.DiGraph) -> dict[int, int]:
 
 
 def ordered(plan: Plan, graph: OpGraph, kinds: dict[int, object] | None = None) -> Plan:
-    """The plan as it runs: every lone stage joined to another on its GPU (:func:`join_lone_stages`,
+    """The plan as it runs: every lone stage joined to another on its GPU (:func:`join_unpaced_stages`,
     which reads ``kinds``), and the stages renumbered in topological order of the stage graph
     (ties: first node)."""
-    plan = join_lone_stages(plan, graph, kinds)
+    plan = join_unpaced_stages(plan, graph, kinds)
     sg = stage_graph(graph, plan)
     by_id = {s.id: s for s in plan.stages}
     first = {s.id: min(s.nodes) for s in plan.stages}
@@ -430,54 +430,77 @@ def ordered(plan: Plan, graph: OpGraph, kinds: dict[int, object] | None = None) 
     return Plan(plan.strategy, plan.num_gpus, stages, dict(plan.info), plan.simulations)
 
 
-def join_lone_stages(plan: Plan, graph: OpGraph, kinds: dict[int, object] | None = None) -> Plan:
-    """``plan`` with each *lone* stage, one that exchanges no value with any other stage (a
-    BatchNorm's step counter, dead code), joined to another stage on its GPU.
+def join_unpaced_stages(plan: Plan, graph: OpGraph, kinds: dict[int, object] | None = None) -> Plan:
+    """``plan`` with every part of its stage graph that no edge links to the loss's stage tied to
+    it: one of the part's stages joins a stage of the loss's part on its GPU.
 
-    Nothing paces a lone stage: no producer's values hold its forwards back, no reader's
-    flow-control window, so under async it runs through its steps ahead of the rest (as far as
-    the run goes), and each step it begins is a step of graph inputs its GPU holds beside those
-    the other stages are still on (ResNet's counters on 4 GPUs: 101 steps of inputs, 20.0 MB
-    simulated against evaluate's 2.6 MB). Joined, its nodes run at their host's pace. The host
-    is the GPU's stage nearest the end of the pipeline (lowest depth; then lowest id): at depth
-    0, as the lone stage is, it does not recompute either and holds one micro-batch in flight.
-    Lone stages on a GPU without another stage are joined into one (each would otherwise run
-    ahead of the other); a plan of one stage is left as it is. Joining adds no stage edge, so
-    the stage graph stays acyclic and every other stage's depth is unchanged.
+    Such a part is paced by nothing: its sources wait for no producer's values and its sinks for
+    no reader's window. A lone stage (a BatchNorm's step counter, dead code) is one; so is dead
+    code spread over two GPUs (traced Llama on 4 GPUs: ``arange`` on GPU 0 feeding three unused
+    ``unsqueeze`` on GPU 2). Under async it runs through its steps ahead of the rest, as far as
+    the run goes, and every step it begins is a step of graph inputs its GPU holds beside those
+    the other stages are still on (ResNet's counters on 4 GPUs: 101 steps, 20.0 MB simulated
+    against evaluate's 2.6 MB; Llama's dead code: 69 x evaluate's data on GPU 0). Joined, the
+    part runs at the pace of the stage it joined, which flow control passes on to the rest.
 
-    ``kinds`` (op node -> label), where given, keeps stages of different labels apart: a lone
-    stage joins only a stage whose first node has its own first node's label, and stays lone
-    where its GPU has none (freeze's stages of one frozen level each, which AutoCache skips
-    whole: :func:`~ftcompile.freeze.split_frozen`).
+    A sink of the part joins first where it can: its host then gains only edges in, so no stage
+    of the loss's part gets deeper. The host is the GPU's stage of the loss's part nearest the
+    end of the pipeline (lowest depth; then lowest id): at depth 0, as a lone stage is, it does
+    not recompute either and holds one micro-batch in flight. The stage graph stays acyclic (the
+    joined stage's edges all lead within its part, which no edge links to its host's). A part
+    none of whose GPUs runs a stage of the loss's part stays as it is, and so does a plan of one
+    stage. Without a loss node, the part with the most op nodes leads.
+
+    ``kinds`` (op node -> label), where given, keeps stages of different labels apart: a stage
+    joins only a host whose first node has its own first node's label (freeze's stages of one
+    frozen level each, which AutoCache skips whole: :func:`~ftcompile.freeze.split_frozen`).
     """
     if len(plan.stages) < 2:
         return plan
-    # (one pass over the edges first: every plan priced goes through here, and few have one)
+    # (one pass over the edges first: every plan priced goes through here, and few have a part)
     where = plan.stage_of()
-    linked = set()
+    parent = {s.id: s.id for s in plan.stages}
+
+    def root(a: int) -> int:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
     for e in graph.edges:
         a, b = where.get(e.src), where.get(e.dst)
         if a is not None and b is not None and a != b:
-            linked.update((a, b))
-    lone = [s.id for s in plan.stages if s.id not in linked]
-    if not lone:
+            ra, rb = root(a), root(b)
+            if ra != rb:
+                parent[ra] = rb
+    parts: dict[int, list[int]] = {}
+    for st in plan.stages:
+        parts.setdefault(root(st.id), []).append(st.id)
+    if len(parts) == 1:
         return plan
-    depth = stage_depths(stage_graph(graph, plan))
-    nodes = {s.id: list(s.nodes) for s in plan.stages}
-    gpu = {s.id: s.gpu for s in plan.stages}
+    size = {st.id: len(st.nodes) for st in plan.stages}
+    loss = next((n.id for n in graph.op_nodes() if n.is_loss and n.id in where), None)
+    lead = root(where[loss]) if loss is not None else \
+        max(parts, key=lambda r: (sum(size[x] for x in parts[r]), -min(parts[r])))
+    sg = stage_graph(graph, plan)
+    depth = stage_depths(sg)
+    nodes = {st.id: list(st.nodes) for st in plan.stages}
+    gpu = {st.id: st.gpu for st in plan.stages}
+    kind = {st.id: None if kinds is None else kinds.get(min(st.nodes)) for st in plan.stages}
     joined = False
-    kind = {s.id: None if kinds is None else kinds.get(min(s.nodes)) for s in plan.stages}
-    for g, k in sorted({(gpu[s], kind[s]) for s in lone}, key=repr):
-        here = sorted(s for s in lone if gpu[s] == g and kind[s] == k)
-        hosts = [s.id for s in plan.stages if s.gpu == g and s.id not in lone and kind[s.id] == k]
-        host = min(hosts, key=lambda s: (depth[s], s)) if hosts else here[0]
-        for s in here:
-            if s != host:
-                nodes[host] += nodes.pop(s)
+    for r in sorted(parts, key=lambda r: min(parts[r])):
+        if r == lead:
+            continue
+        for x in sorted(parts[r], key=lambda x: (sg.out_degree(x) > 0, depth[x], x)):
+            hosts = [h for h in parts[lead] if gpu[h] == gpu[x] and kind[h] == kind[x]]
+            if hosts:
+                host = min(hosts, key=lambda h: (depth[h], h))
+                nodes[host] += nodes.pop(x)
                 joined = True
+                break
     if not joined:
         return plan
-    stages = [Stage(i, gpu[s], sorted(nodes[s])) for i, s in enumerate(sorted(nodes))]
+    stages = [Stage(i, gpu[x], sorted(nodes[x])) for i, x in enumerate(sorted(nodes))]
     return Plan(plan.strategy, plan.num_gpus, stages, dict(plan.info), plan.simulations)
 
 

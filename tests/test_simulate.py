@@ -498,3 +498,41 @@ def test_a_lone_stage_is_joined_to_a_stage_on_its_gpu_and_holds_no_steps_ahead(s
     alone = Plan("by hand", 3, [Stage(0, 0, ops[:half]), Stage(1, 1, ops[half:]), Stage(2, 2, [counter])])
     assert len(ordered(alone, g).stages) == 3
     assert len(ordered(Plan("one", 1, [Stage(0, 0, ops + [counter])]), g).stages) == 1
+
+
+def test_dead_code_over_two_gpus_is_tied_to_the_pipeline_and_holds_no_steps_ahead():
+    """Dead code spread over two GPUs (traced Llama on 4 GPUs: ``arange`` on GPU 0 feeding three
+    unused ``unsqueeze`` on GPU 2) is a part of the stage graph no edge links to the loss's: paced
+    by nothing, it runs ahead, and its GPUs hold the inputs of every step it begins. ordered()
+    joins its sink to the loss's stage on that GPU; the plan then stays within evaluate's data."""
+    import networkx as nx
+
+    from ftcompile.plan import ordered, stage_depths, stage_graph
+
+    def v(n=250_000):
+        return ValueMeta(TensorMeta((n,), "float32"))
+
+    scalar = ValueMeta(TensorMeta((), "float32"))
+    # x -> a -> b -> loss; x -> c -> d, whose output nobody reads
+    nodes = [Node(0, "x", "input", outputs={"x": v()}), Node(1, "a", "op", outputs={"va": v()}),
+             Node(2, "b", "op", outputs={"vb": v()}), Node(3, "loss", "op", outputs={"vl": scalar}, is_loss=True),
+             Node(4, "c", "op", outputs={"vc": v()}), Node(5, "d", "op", outputs={"vd": v()}), Node(6, "out", "output")]
+    edges = [Edge(0, 1, "x", v()), Edge(1, 2, "va", v()), Edge(2, 3, "vb", v()), Edge(0, 4, "x", v()),
+             Edge(4, 5, "vc", v()), Edge(3, 6, "vl", scalar), Edge(5, 6, "vd", v())]
+    g = OpGraph(nodes=nodes, edges=edges, params={}, loss="vl")
+    costs = {1: (1.0, 2.0), 2: (1.0, 2.0), 3: (0.5, 0.5), 4: (0.2, 0.0), 5: (0.2, 0.0)}
+    prof = Profile(graph_hash="test", method="analytic", hardware={}, dtype="float32", batch_size=2, optimizer="sgd",
+                   nodes={i: NodeCost(forward_ms=f, backward_ms=b, recompute_ms=f, activation_bytes=1000)
+                          for i, (f, b) in costs.items()}, params={})
+    pb = Problem(g, prof, make_cluster(2), schedule="async", micro_batches=4)
+    apart = Plan("by hand", 2, [Stage(0, 0, [1]), Stage(1, 1, [2, 3]), Stage(2, 0, [4]), Stage(3, 1, [5])])
+    cost = evaluate(pb, apart)
+    assert simulate(pb, apart).gpu_peak_breakdown[0]["data"] > cost.gpus[0].data_bytes     # why it is joined
+    plan = ordered(apart, g)
+    assert sorted(sorted(s.nodes) for s in plan.stages) == [[1], [2, 3, 5], [4]]
+    sg = stage_graph(g, plan)
+    assert nx.is_weakly_connected(sg) and stage_depths(sg)[next(s.id for s in plan.stages if 3 in s.nodes)] == 0
+    joined, cost = simulate(pb, plan), evaluate(pb, plan)
+    for gpu, peak in enumerate(joined.gpu_peak_memory):
+        assert joined.gpu_peak_breakdown[gpu]["data"] <= cost.gpus[gpu].data_bytes
+        assert peak <= cost.gpus[gpu].memory_bytes

@@ -71,7 +71,7 @@ from dataclasses import dataclass
 import networkx as nx
 import numpy as np
 
-from ..plan import (Plan, Problem, Stage, evaluate, join_lone_stages, ordered, shared_gradient_copies,
+from ..plan import (Plan, Problem, Stage, evaluate, join_unpaced_stages, ordered, shared_gradient_copies,
                     stage_graph)
 from ..units import format_bytes
 from .base import SIMULATION_SHARE, Infeasible, MemoryModel, plan_key, simulated_choice, with_alternative
@@ -264,7 +264,7 @@ def plan_from_assignment(problem: Problem, members: list[list[int]], gpu_of_bloc
         s.id = i
     # (unmerged, a run of blocks that exchange nothing with the rest, a counter, would be a
     # stage nothing paces: priced as it will run)
-    return join_lone_stages(Plan(strategy, problem.num_gpus, stages, dict(info or {})), problem.graph)
+    return join_unpaced_stages(Plan(strategy, problem.num_gpus, stages, dict(info or {})), problem.graph)
 
 
 def partition_exact(problem: Problem, *, max_nodes: int = 1000, time_limit: float = 20.0, space: str = "mixed",
@@ -1344,7 +1344,7 @@ def _components(problem: Problem, members: list[list[int]], gpu_of_block: list[i
                        if e.src in gpu_of and e.dst in gpu_of and gpu_of[e.src] == gpu_of[e.dst])
     comps = [set(c) for c in nx.connected_components(und)]
     # (a component that exchanges no value with any other, dead code such as a position index
-    # nobody reads, is joined to another stage on its GPU by ordered(): see join_lone_stages)
+    # nobody reads, is joined to another stage on its GPU by ordered(): see join_unpaced_stages)
     stages = [Stage(i, gpu_of[min(c)], sorted(c)) for i, c in enumerate(comps)]
     plan = Plan("exact", problem.num_gpus, stages)
     if not nx.is_directed_acyclic_graph(stage_graph(graph, plan)):

@@ -19,7 +19,7 @@ GPUs with room.
 
 from __future__ import annotations
 
-from ..plan import Plan, PlanCost, Problem, Stage, evaluate, join_lone_stages
+from ..plan import Plan, PlanCost, Problem, Stage, evaluate, join_unpaced_stages
 from .base import Infeasible
 from .refine import Refiner
 
@@ -215,7 +215,7 @@ def partition_metis(problem: Problem, *, seeds: int = 3, max_stages: int | None 
             raw = [0] * len(ids) if P == 1 else _metis_parts(problem, ids, P, seed, with_memory)
             parts = dict(zip(ids, raw))
             # (joined as it will run: an isolated node, a counter, would be a stage nothing paces)
-            plan = join_lone_stages(Plan("metis", P, acyclic_stages(problem, parts),
+            plan = join_unpaced_stages(Plan("metis", P, acyclic_stages(problem, parts),
                                          {"seed": seed, "memory_constraint": with_memory,
                                           "metis_parts": len(set(raw))}), problem.graph)
             if max_stages is not None and len(plan.stages) > max_stages:
@@ -227,7 +227,7 @@ def partition_metis(problem: Problem, *, seeds: int = 3, max_stages: int | None 
             if not cost.feasible:
                 tight = True
                 plan, cost = _repair(problem, plan)
-                joined = join_lone_stages(plan, problem.graph)       # (a whole stage moved beside others)
+                joined = join_unpaced_stages(plan, problem.graph)       # (a whole stage moved beside others)
                 if joined is not plan:
                     plan, cost = joined, evaluate(problem, joined)
             if not cost.feasible:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 
-from ..plan import Plan, Problem, Stage, evaluate, join_lone_stages
+from ..plan import Plan, Problem, Stage, evaluate, join_unpaced_stages
 from ..units import format_bytes
 from .base import Infeasible, MemoryModel, simulated_choice, with_alternative
 from .coarsen import Quotient, coarsen, grow_around_centers, split_contiguous
@@ -177,7 +177,7 @@ def stages_per_gpu(q: Quotient, where: dict[int, int]) -> list[tuple[int, list[i
 
 def _plan(problem: Problem, stages: list[tuple[int, list[int]]], info: dict) -> Plan:
     # (lone stages joined as they will run, so that each candidate is priced as it runs)
-    return join_lone_stages(Plan("mixed", problem.num_gpus, [Stage(i, g, nodes) for i, (g, nodes) in enumerate(stages)],
+    return join_unpaced_stages(Plan("mixed", problem.num_gpus, [Stage(i, g, nodes) for i, (g, nodes) in enumerate(stages)],
                                  info), problem.graph)
 
 

@@ -49,7 +49,7 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
     limit cuts it short.
 
     A stage count is never raised (a move that leaves a stage lone, exchanging no value with
-    another, joins it to another stage on its GPU: :func:`~ftcompile.plan.join_lone_stages`)
+    another, joins it to another stage on its GPU: :func:`~ftcompile.plan.join_unpaced_stages`)
     and an accepted plan always fits, so the result is a
     valid plan of the same kind: stages that are convex (one per GPU) may become stages
     that share a GPU only if ``plan`` already had them. ``info["simulated_refinement"]``
