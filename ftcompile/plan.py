@@ -216,15 +216,12 @@ class Problem:
         loss = next((n.id for n in self.graph.op_nodes() if n.is_loss), None)
         if loss is None:
             return frozenset()
-        preds: dict[int, list[int]] = {}
-        for e in self.graph.edges:
-            preds.setdefault(e.dst, []).append(e.src)
         seen, todo = {loss}, [loss]
         while todo:
-            for p in preds.get(todo.pop(), ()):
-                if p not in seen:
-                    seen.add(p)
-                    todo.append(p)
+            for e in self.graph.in_edges(todo.pop()):
+                if e.src not in seen:
+                    seen.add(e.src)
+                    todo.append(e.src)
         return frozenset(seen & ops)
 
     @functools.cached_property
