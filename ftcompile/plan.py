@@ -46,6 +46,7 @@ from .hardware import HardwareSpec, load_hardware
 from .ir import OpGraph, atomic_write_text
 from .profile import Profile, held_activation_bytes
 from .runtime.allreduce import BUCKET_BYTES as ALLREDUCE_BUCKET_BYTES
+from .runtime.pacing import lead_part, pacer, parts
 from .runtime.schedules import (SCHEDULES, StageProgram, exchanges_norms, flow_control, flow_window, shared_lag,
                                 stage_program, stage_programs)
 from .units import format_bytes
@@ -451,47 +452,32 @@ def join_unpaced_stages(plan: Plan, graph: OpGraph, kinds: dict[int, object] | N
     ``kinds`` (op node -> label), where given, keeps stages of different labels apart: a stage
     joins only a host whose first node has its own first node's label (freeze's stages of one
     frozen level each, which AutoCache skips whole: :func:`~ftcompile.freeze.split_frozen`).
+
+    The parts, the lead part and the host are those the runtime paces a part it still gets by
+    (:mod:`ftcompile.runtime.pacing`): a part no GPU of which the lead part shares, a freeze part
+    with no host of its level, a hand-written plan's, stages folded onto fewer ranks.
     """
     if len(plan.stages) < 2:
         return plan
     # (one pass over the edges first: every plan priced goes through here, and few have a part)
     where = plan.stage_of()
-    parent = {s.id: s.id for s in plan.stages}
-
-    def root(a: int) -> int:
-        while parent[a] != a:
-            parent[a] = parent[parent[a]]
-            a = parent[a]
-        return a
-
-    for e in graph.edges:
-        a, b = where.get(e.src), where.get(e.dst)
-        if a is not None and b is not None and a != b:
-            ra, rb = root(a), root(b)
-            if ra != rb:
-                parent[ra] = rb
-    parts: dict[int, list[int]] = {}
-    for st in plan.stages:
-        parts.setdefault(root(st.id), []).append(st.id)
-    if len(parts) == 1:
+    groups = parts((s.id for s in plan.stages), ((where.get(e.src), where.get(e.dst)) for e in graph.edges))
+    if len(groups) == 1:
         return plan
-    size = {st.id: len(st.nodes) for st in plan.stages}
-    loss = next((n.id for n in graph.op_nodes() if n.is_loss and n.id in where), None)
-    lead = root(where[loss]) if loss is not None else \
-        max(parts, key=lambda r: (sum(size[x] for x in parts[r]), -min(parts[r])))
+    loss = next((where[n.id] for n in graph.op_nodes() if n.is_loss and n.id in where), None)
+    lead = lead_part(groups, loss, {st.id: len(st.nodes) for st in plan.stages})
     sg = stage_graph(graph, plan)
     depth = stage_depths(sg)
     nodes = {st.id: list(st.nodes) for st in plan.stages}
     gpu = {st.id: st.gpu for st in plan.stages}
     kind = {st.id: None if kinds is None else kinds.get(min(st.nodes)) for st in plan.stages}
     joined = False
-    for r in sorted(parts, key=lambda r: min(parts[r])):
-        if r == lead:
+    for i, part in enumerate(groups):
+        if i == lead:
             continue
-        for x in sorted(parts[r], key=lambda x: (sg.out_degree(x) > 0, depth[x], x)):
-            hosts = [h for h in parts[lead] if gpu[h] == gpu[x] and kind[h] == kind[x]]
-            if hosts:
-                host = min(hosts, key=lambda h: (depth[h], h))
+        for x in sorted(part, key=lambda x: (sg.out_degree(x) > 0, depth[x], x)):
+            host = pacer((h for h in groups[lead] if gpu[h] == gpu[x] and kind[h] == kind[x]), depth)
+            if host is not None:
                 nodes[host] += nodes.pop(x)
                 joined = True
                 break

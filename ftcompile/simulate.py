@@ -14,11 +14,14 @@ Model
   closing step ``j``.
 * **A GPU runs one task at a time**, choosing among its stages as the engine
   does: a ready backward or update before a ready forward, stages in the
-  engine's order (2gw group, then id).
+  engine's order (:func:`~ftcompile.runtime.pacing.stage_priority`: paced
+  stages, then 2gw group, then id).
 * **Dataflow and flow control.** ``F(k)`` waits for the values of micro-batch
   ``k`` from every producing stage and for every reader of its outputs to have
   taken micro-batch ``k - W`` (the plan's flow-control windows,
-  :func:`~ftcompile.plan.plan_windows`); ``B(k)`` waits for the gradient of
+  :func:`~ftcompile.plan.plan_windows`); a stage no tensor links to the loss's
+  waits for a stage of the pipeline on its GPU, as the engine paces it
+  (:mod:`ftcompile.runtime.pacing`); ``B(k)`` waits for the gradient of
   every output that carries one; ``U(j)`` waits for the other holders'
   gradients of shared (tied) weights of step ``j`` (of step ``j - 1`` where the
   schedule lags them, :attr:`~ftcompile.plan.Problem.shared_lag`) and, when
@@ -64,6 +67,7 @@ import networkx as nx
 from .plan import (Plan, Problem, evaluate, gpu_graph_input_bytes, plan_windows, run_settings_key, simulation_key,
                    stage_depths, stage_graph)
 from .runtime.allreduce import BUCKET_BYTES as ALLREDUCE_BUCKET_BYTES
+from .runtime.pacing import pace, pacers, stage_priority
 
 FLUSHING = ("gpipe", "1f1b")
 #: Steps after which periodicity is first checked, and the most steps simulated.
@@ -164,7 +168,7 @@ def micro_batch_size(problem: Problem) -> int:
 class _Stage:
     id: int
     gpu: int
-    order: tuple                       # the engine's stage order: (2gw group, id)
+    group: int                         # 2gw: 0 or 1 (the engine orders a GPU's stages by it, then id)
     f: float
     r: float
     b: float
@@ -198,7 +202,7 @@ def _build(problem: Problem, plan: Plan, cost, sg: nx.DiGraph, depth: dict[int, 
     for s in plan.stages:
         sc, prog = sc_of[s.id], progs[s.id]
         out[s.id] = _Stage(
-            id=s.id, gpu=s.gpu, order=(prog.group, s.id), f=sc.forward_ms, r=sc.recompute_ms, b=sc.backward_ms,
+            id=s.id, gpu=s.gpu, group=prog.group, f=sc.forward_ms, r=sc.recompute_ms, b=sc.backward_ms,
             u=sc.update_ms, ar=sc.allreduce_ms, ar_bucket=min(sc.grad_bytes, ALLREDUCE_BUCKET_BYTES) if sc.allreduce_ms
             else 0, held=sc.input_bytes if sc.recomputes else sc.activation_bytes,
             t_fwd=sc.trainable_bytes if (problem.weight_prediction and problem.schedule == "async"
@@ -296,9 +300,19 @@ def simulate(problem: Problem, plan: Plan, *, micro_batches: int | None = None, 
     drain = total_steps - fed_steps(problem.programs(depth, steps=total_steps))
     progs = problem.programs(depth, steps=total_steps + drain)
     st = _build(problem, plan, cost, sg, depth, progs, windows)
-    sim = _Sim(problem, plan, cost, st, progs, M, cluster, keep_events)
+    sim = _Sim(problem, plan, cost, st, progs, M, cluster, keep_events, _pacing(problem, plan, st, depth, progs))
     sim.run(min_steps=steps or 0, max_steps=total_steps + drain)
     return replace(sim.result(plan, cost, micro_batch_size(problem)), seconds=time.perf_counter() - t0)
+
+
+def _pacing(problem: Problem, plan: Plan, st: dict[int, _Stage], depth: dict[int, int],
+            progs: dict) -> dict[int, tuple[int, int]]:
+    """The engine's pacing of stages no tensor links to the loss's (:mod:`ftcompile.runtime.pacing`),
+    a GPU standing for a rank: ``(pacer, ahead)`` per paced stage."""
+    loss = next((s.id for s in plan.stages if any(problem.graph.node(n).is_loss for n in s.nodes)), None)
+    pacer_of = pacers({s: x.gpu for s, x in st.items()}, [(u, t) for t, x in st.items() for u in x.producers],
+                      depth, loss, {s.id: len(s.nodes) for s in plan.stages})
+    return pace(pacer_of, {s: progs[s].in_flight for s in pacer_of.keys() | set(pacer_of.values())})
 
 
 def fed_steps(progs: dict) -> int:
@@ -341,21 +355,27 @@ class _Sim:
     """The event loop; see the module docstring."""
 
     def __init__(self, problem: Problem, plan: Plan, cost, stages: dict[int, _Stage], progs: dict, M: int,
-                 cluster, keep_events: int):
+                 cluster, keep_events: int, pacing: dict[int, tuple[int, int]]):
         self.problem, self.M, self.cluster = problem, M, cluster
+        # paced stage -> (pacer, forwards ahead); pacer -> the stages it paces, asked again at its forwards
+        self.pace = pacing
+        self.paced_by: dict[int, list[int]] = {}
+        for s, (p, _) in pacing.items():
+            self.paced_by.setdefault(p, []).append(s)
         self.st = stages
         self.cost = cost
         self.keep_events = keep_events
         self.iters = {s: progs[s].tasks() for s in stages}
         self.head = {s: next(self.iters[s], None) for s in stages}
         self.stages_on: dict[int, list[int]] = {}
-        for s in sorted(stages, key=lambda s: stages[s].order):
+        for s in sorted(stages, key=lambda s: stage_priority(s, stages[s].group, pacing)):
             self.stages_on.setdefault(stages[s].gpu, []).append(s)
         self.gpu_free = {g: True for g in self.stages_on}
         self.fwd_got: dict[tuple[int, int], int] = {}    # (t, k) -> producers whose values of k arrived
         self.grad_got: dict[tuple[int, int], int] = {}   # (u, k) -> readers whose gradients of k arrived
         self.shared_in: dict[tuple[int, int], set] = {}  # (h, s) -> steps arrived
         self.taken = {s: 0 for s in stages}               # forwards started
+        self.forwards = {s: progs[s].num_micro_batches for s in stages}   # forwards in its program
         self.u_begun: dict[int, int] = {}                 # step -> stages that reached U(step)
         self.links: dict[tuple[int, int], deque] = {}
         self.link_free: dict[tuple[int, int], bool] = {}
@@ -450,6 +470,10 @@ class _Sim:
         if task.kind == "F":
             if self.fwd_got.get((s, k), 0) != len(st.producers):
                 return False
+            if s in self.pace:
+                p, ahead = self.pace[s]
+                if self.taken[p] <= k - ahead and self.taken[p] < self.forwards[p]:
+                    return False
             return all(self.taken[c] > k - w for c, w in st.readers)
         if task.kind == "B":
             return self.grad_got.get((s, k), 0) == len(st.grad_from)
@@ -560,6 +584,8 @@ class _Sim:
         if kind == "F":
             dur = st.f
             self.taken[s] = k + 1
+            for u in self.paced_by.get(s, ()):
+                self.stale_on[self.gpu_of[u]].add(u)
             self.fwd_got.pop((s, k), None)
             # credits: a producer whose head is the forward that waited for this one may now run
             for u, w in self.credit_to.get(s, ()):

@@ -64,6 +64,7 @@ from .manifest import Manifest, torch_dtype
 from .memory import MemoryMeter, optimizer_tensors
 from .ops import mix_seed
 from .package import Package
+from .pacing import pace, pacers, stage_priority
 from .schedules import (StageProgram, Task, exchanges_norms, flow_control, flow_window, needs_version, shared_lag,
                         stage_programs)
 
@@ -387,6 +388,12 @@ class RankEngine:
         self._record_ranks = sorted({r for rep in range(self.replicas)
                                      for r in (layout.stage_ranks(self.m, rep).values() if layout is not None
                                                else self.ranks.values())})
+        # A local stage no tensor links to the loss's stage runs its forwards at the pace of a local
+        # stage of the pipeline (runtime/pacing.py); without one it would draw every step's data ahead.
+        self._pacer = {s: p for s, p in pacers(self.ranks, [(a, b) for a, b, _ in self.m.edges()],
+                                              {s.id: s.depth for s in self.m.stages}, self.m.loss_stage,
+                                              {s.id: len(s.nodes) for s in self.m.stages}).items()
+                       if self.ranks[s] == rank}
         self._groups: dict[int, object] = {}
         self._averaged: dict[tuple[int, int], BaseException | None] = {}
         fns = {}
@@ -616,6 +623,12 @@ class RankEngine:
         spec = self._spec[st.id]
         miss = []
         if task.kind == "F":
+            if st.id in self._pace:     # before AutoCache's look, which draws the step's data
+                p, ahead = self._pace[st.id]
+                host = self.stages[p]
+                if host.forward_left() is not None and host.next_forward <= task.index - ahead:
+                    return [f"stage {p} to run the forward of micro-batch {task.index - ahead} (no tensor links "
+                            f"stage {st.id} to the loss's stage: it keeps stage {p}'s pace)"]
             skipped, cached, (j, i) = self._cached(st, task.index, data)
             if skipped:
                 return miss
@@ -1035,6 +1048,7 @@ class RankEngine:
             st = _Stage(sid, mod, prog, self._opt[sid][0], prog.tasks())
             st.advance()
             self.stages[sid] = st
+        self._pace = pace(self._pacer, {sid: prog.in_flight for sid, prog in progs.items()})
         self._last_step = steps - 1
         self._collecting = {sid for sid in self.stages if self._lag and steps > 0
                             and any(n in self._opt[sid][0] for n in self._shared)}
@@ -1089,7 +1103,7 @@ class RankEngine:
         t_start = time.perf_counter()
         t_step = t_start
         wait_s = 0.0
-        order = sorted(self.stages.values(), key=lambda s: (s.program.group, s.id))
+        order = sorted(self.stages.values(), key=lambda s: stage_priority(s.id, s.program.group, self._pace))
         if self.world_size > 1 and not self._threads:
             self.start()
         last_progress = time.monotonic()
