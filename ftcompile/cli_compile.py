@@ -85,7 +85,8 @@ def add_parsers(sub) -> None:
     g.add_argument("--bound-time", type=_seconds, metavar="SECONDS",
                    help="seconds the configuration LP may spend, after the searches, raising the bound over "
                         "every plan where the best plan is more than 0.1%% above it (whole nodes that no split "
-                        "balances); 0: not run (default: the --time-limit)")
+                        "balances); 0: not run (default: as long as the searches took, at least 2 and at "
+                        "most the --time-limit)")
     g.add_argument("--profile", dest="profile_file", metavar="FILE",
                    help="use this profile (from `ftcompile profile -o`) instead of an analytic one")
     g.add_argument("--cache-dir", metavar="DIR", default=base.DEFAULT_CACHE_DIR,
@@ -353,7 +354,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         problem, options, chosen, least, lag_note = _partition(args, problem, ui, total * len(lays), warnings)
         t = lap("partition_and_simulate", t)
         result = _result_of(options, chosen)
-        t = _tighten_bounds(args, result, ui, lap, t)
+        t = _tighten_bounds(args, result, ui, lap, t, phases["partition_and_simulate"])
         doc = plan_document(result, model=graph.source)
         if lag_note:
             doc["notes"] = [lag_note]
@@ -471,14 +472,18 @@ def _searched(options) -> bool:
                for o in options)
 
 
-def _tighten_bounds(args, result, ui, lap, t):
-    """The configuration LP's bound for the chosen layout's rows (:func:`~ftcompile.compile.tighten_bounds`)."""
-    from .compile import DEFAULT_TIME_LIMIT, tighten_bounds
+def _tighten_bounds(args, result, ui, lap, t, searched_s: float):
+    """The configuration LP's bound for the chosen layout's rows (:func:`~ftcompile.compile.tighten_bounds`),
+    for ``--bound-time`` seconds; by default as long as the searches took (``searched_s``), at least
+    its first probe's 2 s and at most the ``--time-limit``: a bound should not cost a compile whose
+    searches end in a second (gpt2-tiny, seq alone: 1 s) the 20 s it gives searches that use them."""
+    from .compile import CONFIGURATION_FIRST_S, DEFAULT_TIME_LIMIT, tighten_bounds
 
     if result.chosen is None:
         return t
+    limit = args.time_limit if args.time_limit is not None else DEFAULT_TIME_LIMIT
     seconds = args.bound_time if args.bound_time is not None else \
-        args.time_limit if args.time_limit is not None else DEFAULT_TIME_LIMIT
+        min(limit, max(CONFIGURATION_FIRST_S, searched_s))
     done = tighten_bounds(result, seconds)
     if done is None:
         return t
