@@ -453,9 +453,12 @@ def join_unpaced_stages(plan: Plan, graph: OpGraph, kinds: dict[int, object] | N
     joins only a host whose first node has its own first node's label (freeze's stages of one
     frozen level each, which AutoCache skips whole: :func:`~ftcompile.freeze.split_frozen`).
 
-    The parts, the lead part and the host are those the runtime paces a part it still gets by
-    (:mod:`ftcompile.runtime.pacing`): a part no GPU of which the lead part shares, a freeze part
-    with no host of its level, a hand-written plan's, stages folded onto fewer ranks.
+    The parts, the lead part and the choice among hosts (:func:`~ftcompile.runtime.pacing.pacer`)
+    are the runtime's, which paces what a plan still holds (:mod:`ftcompile.runtime.pacing`): a
+    part no GPU of which the lead part shares, a freeze part with no host of its level, a
+    hand-written plan's, stages folded onto fewer ranks. Here links are every value a part
+    exchanges (a size or flag too, which the runtime never sends), so the joined plan's stage
+    graph, literal edges and all, stays acyclic.
     """
     if len(plan.stages) < 2:
         return plan

@@ -9,9 +9,13 @@ of the rank catches up (measured: a statistic's stage on 2 ranks, async, 12 step
 drawn before the first update, where the pipeline draws at most one step ahead).
 
 The compiler ties each such part to the pipeline where they share a GPU
-(:func:`ftcompile.plan.join_unpaced_stages`); the runtime paces the parts it still gets (packages of
-hand-written plans, older packages, several GPUs' stages folded onto one rank) by a stage of the lead
-part on the same rank (:func:`pacers`). Both read the parts and the pacing stage from here.
+(:func:`ftcompile.plan.join_unpaced_stages`, which counts every value a part exchanges, sizes and
+flags too, and joins one stage of it to a host of the stage's freeze level); the runtime paces the
+parts it still gets (packages of hand-written plans, older packages, several GPUs' stages folded onto
+one rank, a part linked to the pipeline only by a size or flag, which is never sent) by a stage of
+the lead part on the same rank (:func:`pacers`), whatever its level; the simulator does as the
+engine does with one rank per GPU. All three read the parts, the lead part and the choice of the
+pacing stage from here.
 """
 
 from __future__ import annotations
@@ -83,13 +87,15 @@ def pace(pacer_of: Mapping[int, int], in_flight: Mapping[int, int]) -> dict[int,
     (or has no forward left); the engine and the simulator both hold it to that.
 
     ``ahead`` is how many more forwards the stage's program runs before a backward than its pacer's
-    does (``in_flight``: stage -> its program's most micro-batches in flight): forward for forward,
-    a stage deeper in its own part than its pacer would need forwards of the next step before its
-    last backward of this one, while its pacer, at an update that waits for every stage (clipping's
-    global norm, tied weights without the lag), waits for that backward: a hang (measured: async on
-    2 ranks with clipping). So the part draws no data, and holds no step, ahead of the pipeline
-    beyond what its own depth needs. Nothing the pacer runs waits for the paced stage otherwise: no
-    tensor links their parts.
+    does (``in_flight``: stage -> its program's most micro-batches in flight). No tensor links the
+    two, so what the pacer runs waits for the paced stage only at an update: clipping's global norm
+    and skipping non-finite steps wait for every stage, tied weights for every holder of the tensor
+    (of the step, or of the step before under the lag), replicas and AvgPipe for the stage's own
+    copies. Forward for forward, a stage deeper in its own part than its pacer would need forwards
+    of the next step before its last backward of this one, which its pacer's update waits for: a
+    hang (measured: async on 2 ranks with clipping). With the slack, the pacer's forwards before
+    each update cover the paced stage's (checked over every schedule's programs). So the part draws
+    no data ahead of its pacer beyond what its own depth needs over the pacer's.
     """
     return {s: (p, max(0, in_flight[s] - in_flight[p])) for s, p in pacer_of.items()}
 
@@ -97,8 +103,9 @@ def pace(pacer_of: Mapping[int, int], in_flight: Mapping[int, int]) -> dict[int,
 def stage_priority(stage: int, group: int, paced: Mapping[int, object]) -> tuple[int, int, int]:
     """Where ``stage`` comes among its rank's when several could start a task (backwards and updates
     before forwards, then this): the engine's order, which the simulator follows. Paced stages
-    (``paced``: :func:`pace`'s keys) first: a paced stage's forward stands for work joined to its
-    pacer's, so it runs as soon as the pacer's has; behind the pacer in id order, it would wait on a
-    busy rank until the pacer ran out of forwards, holding the data of every step meanwhile
-    (simulated: 400 steps' inputs on the branchy DAG's GPU 0). Then 2gw's group, then the id."""
+    (``paced``: :func:`pace`'s keys) first, among backwards and updates too: a paced stage's work
+    stands for work joined to its pacer's, so it runs as soon as the pacer's has; behind the pacer
+    in id order, it would wait on a busy rank until the pacer ran out of forwards, holding the data
+    of every step meanwhile (simulated: 400 steps' inputs on the branchy DAG's GPU 0). Then 2gw's
+    group, then the id."""
     return (stage not in paced, group, stage)

@@ -541,3 +541,47 @@ def test_dead_code_over_two_gpus_is_tied_to_the_pipeline_and_holds_no_steps_ahea
     for gpu, peak in enumerate(joined.gpu_peak_memory):
         assert joined.gpu_peak_breakdown[gpu]["data"] <= cost.gpus[gpu].data_bytes
         assert peak <= cost.gpus[gpu].memory_bytes
+
+
+@pytest.mark.parametrize("schedule", ["async", "pipedream", "2bw", "2gw", "1f1b", "gpipe"])
+@pytest.mark.parametrize("on_nonfinite", ["stop", "skip"])
+def test_a_deep_unpaced_part_paced_beside_a_shallow_pipeline_never_deadlocks(schedule, on_nonfinite):
+    """Dead code in four stages alternating over two GPUs (x -> c1 -> c2 -> c3 -> c4, unused) beside
+    a pipeline of two (x -> a -> b -> loss), with clipping: every update waits for every stage's
+    gradient norm. Each dead stage is paced by the pipeline's stage on its GPU, the first (depth 3)
+    by the loss's (depth 0). Paced forward for forward, c1 would need forwards of the next step
+    before its last backward of this one while the loss's stage waits at the update for it: the
+    simulation deadlocks (async, pipedream, 2bw, 2gw). With runtime/pacing.py's slack it runs, and
+    every GPU stays within evaluate's data."""
+    from ftcompile.simulate import SimulationError
+
+    def v(n=1000):
+        return ValueMeta(TensorMeta((n,), "float32"))
+
+    scalar = ValueMeta(TensorMeta((), "float32"))
+    nodes = [Node(0, "x", "input", outputs={"x": v()}), Node(1, "a", "op", outputs={"va": v()}),
+             Node(2, "b", "op", outputs={"vb": v()}), Node(3, "loss", "op", outputs={"vl": scalar}, is_loss=True)]
+    edges = [Edge(0, 1, "x", v()), Edge(1, 2, "va", v()), Edge(2, 3, "vb", v())]
+    last = 0
+    for i in range(4):
+        nodes.append(Node(4 + i, f"c{i + 1}", "op", outputs={f"vc{i}": v()}))
+        edges.append(Edge(last, 4 + i, "x" if last == 0 else f"vc{i - 1}", v()))
+        last = 4 + i
+    nodes.append(Node(8, "out", "output"))
+    edges += [Edge(3, 8, "vl", scalar), Edge(7, 8, "vc3", v())]
+    g = OpGraph(nodes=nodes, edges=edges, params={}, loss="vl")
+    prof = Profile(graph_hash="test", method="analytic", hardware={}, dtype="float32", batch_size=2, optimizer="sgd",
+                   nodes={i: NodeCost(forward_ms=1.0, backward_ms=2.0 if i < 4 else 0.0, recompute_ms=1.0,
+                                      activation_bytes=1000) for i in range(1, 8)}, params={})
+    M = 6 if schedule in ("2bw", "2gw") else 4
+    pb = Problem(g, prof, make_cluster(2), schedule=schedule, micro_batches=M, clip_grad_norm=1.0,
+                 on_nonfinite=on_nonfinite)
+    plan = Plan("by hand", 2, [Stage(0, 0, [1]), Stage(1, 1, [4]), Stage(2, 0, [5]), Stage(3, 1, [2, 3]),
+                               Stage(4, 1, [6]), Stage(5, 0, [7])])
+    try:
+        res = simulate(pb, plan)
+    except SimulationError as exc:
+        pytest.fail(f"{schedule}: {exc}")
+    cost = evaluate(pb, plan)
+    for gpu in range(2):
+        assert res.gpu_peak_breakdown[gpu]["data"] <= cost.gpus[gpu].data_bytes
