@@ -585,7 +585,7 @@ def _lower_bound(problem: Problem) -> float:
     if not ops or not (rec > 0).any() or not end_skips:
         return work / P
     loss = next((i for i, n in enumerate(ops) if n.is_loss), None)
-    if loss is not None and not _all_related_to(graph, ops[loss].id):
+    if loss is not None and not _all_related_to(problem, ops[loss].id):
         # A node neither feeding the loss nor fed by it can end up in a sink stage of its own,
         # which also skips recomputation: only the budget of P stages holds then.
         loss = None
@@ -635,14 +635,18 @@ def _lower_bound(problem: Problem) -> float:
     return hi
 
 
-def _all_related_to(graph: OpGraph, node: int) -> bool:
-    """Every op node is an ancestor or a descendant of ``node`` (or ``node`` itself)."""
-    g = nx.DiGraph()
+def _all_related_to(problem: Problem, loss: int) -> bool:
+    """Every op node is an ancestor of the loss node ``loss`` (:attr:`Problem.feeds_loss`) or a
+    descendant of it."""
+    graph = problem.graph
     ops = {n.id for n in graph.op_nodes()}
-    g.add_nodes_from(ops)
-    g.add_edges_from((e.src, e.dst) for e in graph.edges if e.src in ops and e.dst in ops)
-    related = nx.ancestors(g, node) | nx.descendants(g, node) | {node}
-    return related >= ops
+    seen, todo = set(problem.feeds_loss), [loss]
+    while todo:
+        for e in graph.out_edges(todo.pop()):
+            if e.dst in ops and e.dst not in seen:
+                seen.add(e.dst)
+                todo.append(e.dst)
+    return seen >= ops
 
 
 def _closure_costs(problem: Problem, ops: list, base: np.ndarray,
