@@ -105,7 +105,15 @@ def summarize(failures: dict, describe: Callable[[int], str]) -> tuple[list[str]
         r = peers[0][1]
         return ([] if records[r].get("shown") else [f"{describe(r)}: {failures[r].message}"],
                 int(records[r].get("code") or 1))
-    # Only ranks stopped by signals (SIGTERM from outside, or an agreed stop): name the first.
+    # Only ranks stopped by signals (SIGTERM from outside, then the agent's to the others): name
+    # the one stopped first, by the times they wrote. The agent stops the others only once the
+    # first has exited, after writing its record; by rank id, a `kill -TERM` of rank 1 read as
+    # rank 0's whenever rank 0 was stopped before it noticed its lost peer (1 run in 8).
+    if stopped:
+        r = stopped[0][1]
+        sig = int(records[r].get("code") or 0) - 128
+        if sig > 0:
+            return _stopped_from_outside(describe(r), sig)
     for r in sorted(failures):
         f, rec = failures[r], records[r]
         sig = -f.exitcode if f.exitcode < 0 else (rec.get("code", 0) - 128 if rec.get("kind") == "signal" else 0)

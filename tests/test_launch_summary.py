@@ -69,3 +69,17 @@ def test_the_agent_kills_a_failed_launchs_survivors_within_the_grace():
         PContext.close(fake, None, 2)        # a shorter grace stays
     assert seen == [5, 5, 2]
     assert PContext.close is original
+
+
+def test_of_ranks_all_stopped_by_sigterm_the_first_stopped_is_named(tmp_path):
+    """`kill -TERM` of rank 1; the agent then stops rank 0 with SIGTERM before rank 0 noticed its lost
+    peer. Both wrote "stopped by SIGTERM": rank 1 first. The launcher named rank 0 (by rank id)."""
+    failures = {}
+    for rank, when in ((0, 2.5), (1, 1.0)):
+        record = tmp_path / f"rank{rank}.json"
+        record.write_text(json.dumps({"ftcompile": {"rank": rank, "kind": "signal", "code": 128 + signal.SIGTERM,
+                                                    "shown": False, "time": when}}))
+        failures[rank] = SimpleNamespace(exitcode=128 + signal.SIGTERM, error_file=str(record), message="stopped")
+    lines, code = summarize(failures, lambda r: f"rank {r}")
+    assert code == 128 + signal.SIGTERM
+    assert lines == ["rank 1 was stopped by SIGTERM (sent from outside ftcompile run)"]
