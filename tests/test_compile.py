@@ -24,10 +24,11 @@ def compiled(tmp_path_factory):
     root = tmp_path_factory.mktemp("compile")
     auto, seq = root / "auto", root / "seq"
     # one 3-GPU pipeline (--replicas 1): these tests are about the strategies; test_replicas has the (P, R) table
-    assert main(["compile", "t5-tiny", "--gpus", "3", "--replicas", "1", "-q", "-o", str(auto),
+    # (4 s per search: these tests read the artifacts, not how good the plan is)
+    assert main(["compile", "t5-tiny", "--gpus", "3", "--replicas", "1", "-q", "-o", str(auto), "--time-limit", "4",
                  "--cache-dir", str(root / "c")]) == 0
     assert main(["compile", "t5-tiny", "--gpus", "3", "--replicas", "1", "-q", "--strategy", "seq", "-o", str(seq),
-                 "--cache-dir", str(root / "c")]) == 0
+                 "--time-limit", "4", "--cache-dir", str(root / "c")]) == 0
     return auto, seq
 
 
