@@ -312,7 +312,7 @@ def _pacing(problem: Problem, plan: Plan, st: dict[int, _Stage], depth: dict[int
     loss = next((s.id for s in plan.stages if any(problem.graph.node(n).is_loss for n in s.nodes)), None)
     pacer_of = pacers({s: x.gpu for s, x in st.items()}, [(u, t) for t, x in st.items() for u in x.producers],
                       depth, loss, {s.id: len(s.nodes) for s in plan.stages})
-    return pace(pacer_of, {s: progs[s].in_flight for s in pacer_of.keys() | set(pacer_of.values())})
+    return pace(pacer_of, progs)
 
 
 def fed_steps(progs: dict) -> int:

@@ -1048,7 +1048,7 @@ class RankEngine:
             st = _Stage(sid, mod, prog, self._opt[sid][0], prog.tasks())
             st.advance()
             self.stages[sid] = st
-        self._pace = pace(self._pacer, {sid: prog.in_flight for sid, prog in progs.items()})
+        self._pace = pace(self._pacer, progs)
         self._last_step = steps - 1
         self._collecting = {sid for sid in self.stages if self._lag and steps > 0
                             and any(n in self._opt[sid][0] for n in self._shared)}

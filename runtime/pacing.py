@@ -81,14 +81,15 @@ def pacers(stages: Mapping[int, int], links: Iterable[tuple[int, int]], depth: M
     return out
 
 
-def pace(pacer_of: Mapping[int, int], in_flight: Mapping[int, int]) -> dict[int, tuple[int, int]]:
+def pace(pacer_of: Mapping[int, int], programs: Mapping[int, object]) -> dict[int, tuple[int, int]]:
     """Per paced stage (``pacer_of``: paced stage -> its pacer, :func:`pacers`): ``(pacer, ahead)``.
     The stage may run the forward of micro-batch ``k`` once its pacer has run that of ``k - ahead``
     (or has no forward left); the engine and the simulator both hold it to that.
 
     ``ahead`` is how many more forwards the stage's program runs before a backward than its pacer's
-    does (``in_flight``: stage -> its program's most micro-batches in flight). No tensor links the
-    two, so what the pacer runs waits for the paced stage only at an update: clipping's global norm
+    does (``programs``: stage -> its :class:`~ftcompile.runtime.schedules.StageProgram`, whose
+    ``in_flight`` is the most micro-batches in flight; read for paced stages and pacers only). No
+    tensor links the two, so what the pacer runs waits for the paced stage only at an update: clipping's global norm
     and skipping non-finite steps wait for every stage, tied weights for every holder of the tensor
     (of the step, or of the step before under the lag), replicas and AvgPipe for the stage's own
     copies. Forward for forward, a stage deeper in its own part than its pacer would need forwards
@@ -97,7 +98,7 @@ def pace(pacer_of: Mapping[int, int], in_flight: Mapping[int, int]) -> dict[int,
     each update cover the paced stage's (checked over every schedule's programs). So the part draws
     no data ahead of its pacer beyond what its own depth needs over the pacer's.
     """
-    return {s: (p, max(0, in_flight[s] - in_flight[p])) for s, p in pacer_of.items()}
+    return {s: (p, max(0, programs[s].in_flight - programs[p].in_flight)) for s, p in pacer_of.items()}
 
 
 def stage_priority(stage: int, group: int, paced: Mapping[int, object]) -> tuple[int, int, int]:
