@@ -47,13 +47,15 @@ def traced(name: str, **options):
 
 
 def package_for(tmp: Path, name: str, strategy: str, gpus: int = 3, schedule: str = "async",
-                gpu_memory: str | None = None, simulate: bool = True, **options) -> Path:
+                gpu_memory: str | None = None, simulate: bool = True, time_limit: float = 4, **options) -> Path:
     """Compile ``name`` with ``strategy`` for ``gpus`` CPU workers and write its package into ``tmp``
-    (``simulate=False``: the plan of lowest objective, not the fastest in simulation)."""
+    (``simulate=False``: the plan of lowest objective, not the fastest in simulation).
+    ``time_limit``: seconds per search (these tests read the package, not the plan's quality;
+    the default 20 s went to searches that cannot finish on T5's graph)."""
     built, graph, prof = traced(name, **options)
     cluster = load_cluster("2xcpu").with_overrides(gpus=gpus, gpu_memory=gpu_memory)
     result = compile_plan(Problem(graph, prof, cluster, schedule=schedule, micro_batches=4), strategy, jobs=1,
-                          simulate_plans=simulate)
+                          simulate_plans=simulate, time_limit=time_limit)
     assert result.chosen is not None, [(r.name, r.reason) for r in result.results]
     doc = plan_document(result, model=graph.source)
     write_package(generate(graph, doc, weight_source(built.model, graph)), doc, tmp)

@@ -34,7 +34,9 @@ def manifests(tmp_path_factory):
         graph = trace(built.model, built.args, built.kwargs,
                       source={"model": built.name, "options": asdict(built.options)})
         prof = analytic_profile(graph, load_hardware("cpu"), optimizer="adam")
-        result = compile_plan(Problem(graph, prof, load_cluster("2xcpu"), micro_batches=4), "seq", jobs=1)
+        # (3 s a search: these tests read the package's inputs, not the plan's quality)
+        result = compile_plan(Problem(graph, prof, load_cluster("2xcpu"), micro_batches=4), "seq", jobs=1,
+                              time_limit=3)
         assert result.chosen is not None
         doc = plan_document(result, model=graph.source)
         path = tmp_path_factory.mktemp(name)

@@ -24,7 +24,7 @@ PLANNED = ["--schedule", "1f1b", "--recompute", "--optimizer", "sgd", "--clip-gr
 
 
 def _compile(out, *extra):
-    assert main(["compile", "gpt2-tiny", "--gpus", "2", "--replicas", "1", "--strategy", "seq", "--jobs", "1",
+    assert main(["compile", "gpt2-tiny", "--bound-time", "0", "--gpus", "2", "--replicas", "1", "--strategy", "seq", "--jobs", "1",
                  "-q", "-o", str(out), *PLANNED, *extra]) == 0
 
 
@@ -156,7 +156,7 @@ def test_simulate_prices_clipping(tmp_path, capsys):
     from ftcompile.plan import Plan, evaluate
 
     out = tmp_path / "o"
-    assert main(["compile", "gpt2-tiny", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "-q",
+    assert main(["compile", "gpt2-tiny", "--bound-time", "0", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "-q",
                  "-o", str(out), "--schedule", "async"]) == 0
     capsys.readouterr()
     figures = {}
@@ -181,7 +181,7 @@ def test_compile_refuses_a_bad_clip(value, tmp_path, capsys):
 
 
 def test_weight_prediction_without_an_optimizer_that_predicts_is_not_priced(tmp_path, capsys):
-    assert main(["compile", "gpt2-tiny", "--gpus", "2", "--replicas", "1", "--strategy", "seq", "--jobs", "1",
+    assert main(["compile", "gpt2-tiny", "--bound-time", "0", "--gpus", "2", "--replicas", "1", "--strategy", "seq", "--jobs", "1",
                  "-o", str(tmp_path / "wp"), *PLANNED, "--weight-prediction"]) == 0    # 1f1b with SGD: none
     assert "--weight-prediction does nothing under --schedule 1f1b with --optimizer sgd" in capsys.readouterr().err
     assert load_plan_file(tmp_path / "wp" / "plan.json")["weight_prediction"] is False
@@ -193,7 +193,7 @@ def test_no_tied_lag_is_recorded_taken_and_priced(tmp_path, capsys):
     from ftcompile.reprice import of_run, planned, reprice
 
     out = tmp_path / "nl"
-    assert main(["compile", "gpt2-tiny", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "-q",
+    assert main(["compile", "gpt2-tiny", "--bound-time", "0", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "-q",
                  "-o", str(out), "--schedule", "async", "--no-tied-lag"]) == 0
     doc = load_plan_file(out / "plan.json")
     assert doc["tied_lag"] is False and doc["package"]["tied_lag"] is False
@@ -211,7 +211,7 @@ def test_in_flight_scale_is_recorded_taken_and_priced(tmp_path):
     from ftcompile.reprice import of_run, planned, reprice
 
     out = tmp_path / "k2"
-    assert main(["compile", "gpt2-tiny", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "-q",
+    assert main(["compile", "gpt2-tiny", "--bound-time", "0", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "-q",
                  "-o", str(out), "--schedule", "async", "--in-flight-scale", "2"]) == 0
     doc = load_plan_file(out / "plan.json")
     assert doc["in_flight_scale"] == 2 and doc["package"]["in_flight_scale"] == 2
@@ -225,7 +225,7 @@ def test_in_flight_scale_is_recorded_taken_and_priced(tmp_path):
     # under a schedule with a flush the scale means nothing, so a run of 1f1b is not priced for it
     args, _ = _resolved(out, "--schedule", "1f1b")
     assert "in_flight_scale" not in [c[0] for c in reprice(out, planned(_manifest(out)), of_run(args)).changed]
-    assert main(["compile", "gpt2-tiny", "--gpus", "2", "-q", "-o", str(tmp_path / "bad"), "--in-flight-scale", "0"]) != 0
+    assert main(["compile", "gpt2-tiny", "--bound-time", "0", "--gpus", "2", "-q", "-o", str(tmp_path / "bad"), "--in-flight-scale", "0"]) != 0
     assert not (tmp_path / "bad").exists()
     # a package whose recorded scale is not a whole number of at least 1 is refused by name
     from ftcompile.runtime.manifest import Manifest, ManifestError
@@ -239,7 +239,7 @@ def test_in_flight_scale_is_recorded_taken_and_priced(tmp_path):
 def _uniform_need(out, *extra) -> int:
     """The most memory a GPU needs (evaluate's figure, which decides fitting) in gpt2-tiny's uniform
     split on 2 GPUs under async: the split does not depend on the memory, only whether it fits."""
-    assert main(["compile", "gpt2-tiny", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "-q",
+    assert main(["compile", "gpt2-tiny", "--bound-time", "0", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "-q",
                  "-o", str(out), "--schedule", "async", *extra]) == 0
     return max(g["memory_bytes"] for g in load_plan_file(out / "plan.json")["gpus"])
 
@@ -257,7 +257,7 @@ def test_compile_plans_without_the_lag_when_only_that_fits(between, tmp_path, ca
     """No plan fits with the tied-weight lag, one fits without: compile returns that one, says so,
     and records it, so the run trains without the lag."""
     out = tmp_path / "fb"
-    assert main(["compile", "gpt2-tiny", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "--json",
+    assert main(["compile", "gpt2-tiny", "--bound-time", "0", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "--json",
                  "-o", str(out), "--schedule", "async", "--gpu-memory", str(between)]) == 0
     captured = capsys.readouterr()
     summary = json.loads(captured.out)
@@ -276,7 +276,7 @@ def test_compile_asked_for_the_lag_suggests_turning_it_off(between, tmp_path, ca
     """With --tied-lag given, compile does not turn it off; its error names --no-tied-lag. (Slow:
     the error's minimum requirements bisect the memory with Seq-pipe.)"""
     out = tmp_path / "lag"
-    assert main(["compile", "gpt2-tiny", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "-o", str(out),
+    assert main(["compile", "gpt2-tiny", "--bound-time", "0", "--gpus", "2", "--replicas", "1", "--strategy", "uniform", "-o", str(out),
                  "--schedule", "async", "--gpu-memory", str(between), "--tied-lag"]) == 2
     err = capsys.readouterr().err
     assert "no strategy found a plan that fits" in err and "Or --no-tied-lag" in err
@@ -292,7 +292,7 @@ def layouts(tmp_path_factory):
     of 2 GPUs and for 2 replicas of it on 4 GPUs of one machine."""
     root = tmp_path_factory.mktemp("layouts")
     for name, gpus, replicas in (("r1", "2", "1"), ("r2", "4", "2")):
-        assert main(["compile", "gpt2-tiny", "--gpus", gpus, "--replicas", replicas, "--strategy", "uniform", "-q",
+        assert main(["compile", "gpt2-tiny", "--bound-time", "0", "--gpus", gpus, "--replicas", replicas, "--strategy", "uniform", "-q",
                      "-o", str(root / name), "--schedule", "1f1b"]) == 0
     one, two = (load_plan_file(root / n / "plan.json") for n in ("r1", "r2"))
     assert one["plan"]["stages"] == two["plan"]["stages"] and two["layout"]["replicas"] == 2
