@@ -20,7 +20,7 @@ from ftcompile.profile import analytic_profile
 
 SEQ_PIPES = {"seq", "uniform", "params"}
 #: Short searches: the contract holds whatever the time limit (a search stops with a valid plan).
-QUICK = {"seq": {"time_limit": 3}, "exact": {"time_limit": 3}, "mixed": {"time_budget_s": 3}}
+QUICK = {"seq": {"time_limit": 3}, "exact": {"time_limit": 3}, "mixed": {"time_budget_s": 3}, "mixed-sim": {"time_budget_s": 3}}
 MODELS = ("t5-tiny", "gpt2-tiny")
 _CACHE: dict = {}
 
