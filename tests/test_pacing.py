@@ -189,3 +189,20 @@ def test_stages_of_two_gpus_folded_onto_one_rank_are_paced_by_the_loss_stage(pac
         got, ref = _folded(packages[name], cfg), _folded(packages["joined"], cfg)
         assert max(got["ahead"]) <= _bound(packages[name], cfg), (name, got["ahead"])
         assert got["losses"] == ref["losses"] and len(got["losses"]) == STEPS
+
+
+@pytest.mark.parametrize("alpha", [None, "default"], ids=["replicas", "avgpipe"])
+def test_a_lone_stage_is_paced_in_each_of_two_pipelines_and_trains_as_joined(packages, alpha):
+    """Two copies of the pipeline on four ranks: plain replicas (gradients averaged per stage) and
+    AvgPipe's parallel pipelines (weights pulled toward their mean each step). No clipping: the
+    global norm's exchange at each update would hold the statistic back by itself. Each
+    copy paces its own statistic by the trunk's stage on its rank: every rank stays within the
+    bound (unpaced: 10 steps ahead), and the losses are those of the plan the compiler joins."""
+    cfg = _cfg("async")
+    got = run_ranks(_train, packages["lone"], cfg, world=4, replicas=2, alpha=alpha, args=(STEPS,))
+    ref = run_ranks(_train, packages["joined"], cfg, world=4, replicas=2, alpha=alpha, args=(STEPS,))
+    for r in got:
+        assert max(r["ahead"]) <= _bound(packages["lone"], cfg), r["ahead"]
+    logged = [r["losses"] for r in got if r["losses"]]
+    assert len(logged) >= 1 and all(len(x) == STEPS for x in logged)
+    assert logged == [r["losses"] for r in ref if r["losses"]]
