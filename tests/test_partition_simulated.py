@@ -238,3 +238,53 @@ def test_simulation_of_replays_a_plan_once_per_stage_numbering():
     assert again is not first and len(plan.simulations) == 2
     assert again.period_ms == simulate(problem, renumbered).period_ms
     assert "simulations" not in plan.to_json()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_fastest_plans_that_stack_stages_are_ranked_at_the_probe_scale_too(seed):
+    """Compile tunes the in-flight scale of a strategy's fastest plan only, so the candidates are
+    ranked as they will run: the few fastest whose GPUs hold several stages are simulated again
+    at the probe scale, and ranked by the shorter period. Checked by a loop of the test's own over
+    plans that put stage k on GPU k mod P (several stages per GPU), each simulated afresh."""
+    from ftcompile.partition.base import PROBE_SCALE, PROBE_TOP, PROBE_WITHIN, simulated_choice
+
+    problem = branchy_problem(seed, blocks=3, gpus=2)
+    four = branchy_problem(seed, blocks=3, gpus=4)          # the same DAG, split in four
+    assert four.graph.content_hash() == problem.graph.content_hash()
+    finals, seen = [], set()
+    for split in convex_splits(four):
+        if len(split) != 4:
+            continue
+        plan = Plan("t", 2, [Stage(i, i % 2, sorted(ns)) for i, ns in enumerate(split)])
+        cost = evaluate(problem, plan)
+        key = tuple(tuple(sorted(ns)) for ns in split)
+        if cost.feasible and key not in seen:
+            seen.add(key)
+            finals.append((cost.objective_ms, plan))
+        if len(finals) == 8:
+            break
+    assert len(finals) == 8
+    _, fastest = simulated_choice(problem, finals, len(finals), time_limit=600.0)
+    at = {1: {}, PROBE_SCALE: {}}
+    for _, plan in finals:
+        for scale in at:
+            at[scale][id(plan)] = simulate(replace(problem, in_flight_scale=scale), plan).period_ms
+    by_period = sorted(finals, key=lambda f: (at[1][id(f[1])], f[0]))
+    shortest = at[1][id(by_period[0][1])]
+    probed = [p for _, p in by_period if at[1][id(p)] <= shortest * (1 + PROBE_WITHIN)][:PROBE_TOP]
+    assert len(probed) >= 2        # (the case checks a choice, not one plan)
+    for _, plan in finals:
+        if any(plan is p for p in probed):
+            assert plan.info["simulated_probe"]["period_ms"] == pytest.approx(at[PROBE_SCALE][id(plan)], rel=1e-6)
+        else:
+            assert "simulated_probe" not in plan.info
+
+    def ranked(f):
+        plan = f[1]
+        period = at[1][id(plan)]
+        if any(plan is p for p in probed):
+            period = min(period, at[PROBE_SCALE][id(plan)])
+        return (period, f[0])
+
+    mine = next(f for f in finals if f[1] is fastest)
+    assert ranked(mine) == pytest.approx(min(ranked(f) for f in finals), rel=1e-9)
