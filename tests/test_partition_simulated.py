@@ -271,6 +271,7 @@ def test_the_fastest_plans_that_stack_stages_are_ranked_at_the_probe_scale_too(s
             at[scale][id(plan)] = simulate(replace(problem, in_flight_scale=scale), plan).period_ms
     by_period = sorted(finals, key=lambda f: (at[1][id(f[1])], f[0]))
     shortest = at[1][id(by_period[0][1])]
+    # (every plan here holds two stages on each GPU: all stack stages)
     probed = [p for _, p in by_period if at[1][id(p)] <= shortest * (1 + PROBE_WITHIN)][:PROBE_TOP]
     assert len(probed) >= 2        # (the case checks a choice, not one plan)
     for _, plan in finals:

@@ -228,28 +228,29 @@ def _probed_fastest(problem: Problem, scored: list[tuple], time_limit: float | N
     from ..runtime.schedules import CONTINUOUS as SCHEDULES_WITHOUT_FLUSH
     from ..simulate import simulation_of
 
+    shorter: dict[int, float] = {}          # id(plan) -> its period at the probe scale, where it fits
+
     def key(c):
-        probe = c[3].info.get("simulated_probe")
-        shorter = min(c[1], probe["period_ms"]) if probe and probe["fits"] else c[1]
-        return (c[0], shorter, c[2])
+        return (c[0], min(c[1], shorter.get(id(c[3]), c[1])), c[2])
 
     fitting = sorted((c for c in scored if not c[0]), key=lambda c: (c[1], c[2]))
     if (problem.schedule not in SCHEDULES_WITHOUT_FLUSH or problem.in_flight_scale >= PROBE_SCALE
             or len(fitting) < 2):
         return min(scored, key=key)[3]
     shortest = fitting[0][1]
-    for _, period, _, plan in [c for c in fitting if c[1] <= shortest * (1 + PROBE_WITHIN)][:PROBE_TOP]:
-        if not stacks_stages(plan):
-            continue
+    near = [c[3] for c in fitting if c[1] <= shortest * (1 + PROBE_WITHIN) and stacks_stages(c[3])]
+    probed = replace(problem, in_flight_scale=PROBE_SCALE)
+    for plan in near[:PROBE_TOP]:
         if time_limit is not None and t0 is not None and time.perf_counter() - t0 > time_limit:
             break
-        probed = replace(problem, in_flight_scale=PROBE_SCALE)
         try:
             cost = evaluate(probed, plan)
             sim = simulation_of(probed, ordered(plan, problem.graph)) if cost.feasible else None
         except ValueError:      # (a scale the schedule cannot run the plan at: left at the problem's)
             continue
         fits = sim is not None and bool(getattr(sim, "memory_feasible", True))
+        if fits:
+            shorter[id(plan)] = sim.period_ms
         plan.info["simulated_probe"] = {"scale": PROBE_SCALE, "fits": fits,
                                         "period_ms": round(sim.period_ms, 6) if sim is not None else None}
     return min(scored, key=key)[3]
