@@ -289,3 +289,27 @@ def test_the_fastest_plans_that_stack_stages_are_ranked_at_the_probe_scale_too(s
 
     mine = next(f for f in finals if f[1] is fastest)
     assert ranked(mine) == pytest.approx(min(ranked(f) for f in finals), rel=1e-9)
+
+
+def test_the_alternative_is_compared_as_it_was_ranked_with_its_probe():
+    """A fastest plan chosen for its period at the probe scale (28 against the lowest plan's 30)
+    is noted as the alternative although its period at the problem's scale (31) is longer; the
+    same plan without that probe, or with a probe whose run did not fit, is not."""
+    from ftcompile.partition.base import PROBE_SCALE, with_alternative
+
+    problem = branchy_problem(0, gpus=2)
+    ids = [n.id for n in problem.graph.op_nodes()]
+
+    def plan(cut, period, probe=None):
+        p = Plan("t", 2, [Stage(0, 0, ids[:cut]), Stage(1, 1, ids[cut:])])
+        p.info.update(simulated_period_ms=period, simulated_memory_fits=True)
+        if probe is not None:
+            p.info["simulated_probe"] = probe
+        return p
+
+    fast = {"scale": PROBE_SCALE, "fits": True, "period_ms": 28.0}
+    noted = with_alternative(plan(3, 30.0), plan(5, 31.0, fast)).info["simulated_alternative"]
+    assert noted["simulated_period_ms"] == 31.0 and noted["simulated_probe"] == fast
+    assert "simulated_alternative" not in with_alternative(plan(3, 30.0), plan(5, 31.0)).info
+    over = dict(fast, fits=False)
+    assert "simulated_alternative" not in with_alternative(plan(3, 30.0), plan(5, 31.0, over)).info

@@ -183,6 +183,8 @@ def simulated_choice(problem: Problem, finals: list[tuple[float, Plan]], top: in
         plan.info["simulated_period_ms"] = round(sim.period_ms, 6)
         plan.info["simulated_memory_fits"] = fits
         scored.append((not fits, sim.period_ms, obj, plan))
+    for c in scored:                # (a probe noted by an earlier choice is not this one's)
+        c[3].info.pop("simulated_probe", None)
     fastest = _probed_fastest(problem, scored, time_limit, t0)
     fastest.info["simulated_candidates"] = [{"objective_ms": round(o, 6), "simulated_period_ms": round(p, 6),
                                              "simulated_memory_fits": not nf, "stages": len(pl.stages),
@@ -209,17 +211,21 @@ def _probed_fastest(problem: Problem, scored: list[tuple], time_limit: float | N
     """The fastest of ``scored`` (``(not fits, period, objective, plan)``), its period taken as the
     shorter of the problem's scale's and :data:`PROBE_SCALE`'s for plans that stack stages.
 
-    Compile tunes the in-flight scale of the plan a strategy notes as its fastest, and of no
-    other (:mod:`ftcompile.inflight`): it runs at that scale. Plans of many stages per GPU wait
+    Compile tunes the in-flight scale of each row's plan (:mod:`ftcompile.inflight`), and the
+    plan a strategy notes as its fastest becomes a row of its own, run at its tuned scale; the
+    other candidates are never tuned. Plans of many stages per GPU wait
     on one another at the scale they are simulated at here, and how much more in flight
     recovers differs from plan to plan, so the order at the problem's scale is not the order
     once tuned (BERT-3's held-out operator graph on 6 GPUs at 1.2 x: 48 stages at 30.651 ms
     against 37 at 31.052 at scale 1; tuned, 27.840 against 27.812, the 37 within 0.1 % of
     their objective; at scale 4 already 28.192 against 28.145). So the :data:`PROBE_TOP`
     fastest that fit, stack stages and are within :data:`PROBE_WITHIN` of the shortest period
-    are simulated again at :data:`PROBE_SCALE` (where they still fit), within what is left of
-    ``time_limit`` (counted from ``t0``), and ranked by the shorter period. Their ``info``
-    gets ``simulated_probe``: the scale, its period and whether the run fit.
+    are simulated again at :data:`PROBE_SCALE` and ranked by the shorter period where the run
+    still fits. None is started once ``time_limit`` seconds have passed since ``t0``, but one
+    started may end past them. Their ``info`` gets ``simulated_probe``: the scale, its period
+    and whether the run fit (:func:`ranked_period` reads it; :func:`with_alternative` compares
+    by it). A plan the probe cannot replay (a deadlock or a scale its schedule refuses) keeps
+    its rank at the problem's scale.
     """
     from dataclasses import replace
 
@@ -228,10 +234,10 @@ def _probed_fastest(problem: Problem, scored: list[tuple], time_limit: float | N
     from ..runtime.schedules import CONTINUOUS as SCHEDULES_WITHOUT_FLUSH
     from ..simulate import simulation_of
 
-    shorter: dict[int, float] = {}          # id(plan) -> its period at the probe scale, where it fits
+    from ..simulate import SimulationError
 
     def key(c):
-        return (c[0], min(c[1], shorter.get(id(c[3]), c[1])), c[2])
+        return (c[0], ranked_period(c[3], c[1]), c[2])
 
     fitting = sorted((c for c in scored if not c[0]), key=lambda c: (c[1], c[2]))
     if (problem.schedule not in SCHEDULES_WITHOUT_FLUSH or problem.in_flight_scale >= PROBE_SCALE
@@ -244,16 +250,26 @@ def _probed_fastest(problem: Problem, scored: list[tuple], time_limit: float | N
         if time_limit is not None and t0 is not None and time.perf_counter() - t0 > time_limit:
             break
         try:
-            cost = evaluate(probed, plan)
-            sim = simulation_of(probed, ordered(plan, problem.graph)) if cost.feasible else None
-        except ValueError:      # (a scale the schedule cannot run the plan at: left at the problem's)
+            # (priced and replayed as run_strategy will number and join its stages)
+            as_run = ordered(plan, problem.graph)
+            sim = simulation_of(probed, as_run) if evaluate(probed, as_run).feasible else None
+        except (ValueError, SimulationError):     # (a plan the scale cannot run: ranked at the problem's)
             continue
         fits = sim is not None and bool(getattr(sim, "memory_feasible", True))
-        if fits:
-            shorter[id(plan)] = sim.period_ms
         plan.info["simulated_probe"] = {"scale": PROBE_SCALE, "fits": fits,
                                         "period_ms": round(sim.period_ms, 6) if sim is not None else None}
     return min(scored, key=key)[3]
+
+
+def ranked_period(plan: Plan, period: float | None = None) -> float | None:
+    """The period :func:`simulated_choice` ranked ``plan`` by: its simulated period
+    (``period``, else ``info["simulated_period_ms"]``), or its period at the probe scale where
+    that choice probed it, the run fit and it is shorter (:func:`_probed_fastest`)."""
+    period = plan.info.get("simulated_period_ms") if period is None else period
+    probe = plan.info.get("simulated_probe")
+    if period is None or not probe or not probe.get("fits") or probe.get("period_ms") is None:
+        return period
+    return min(period, probe["period_ms"])
 
 
 #: The share of a searching strategy's time limit its simulation of the few best plans may take
@@ -278,8 +294,9 @@ def with_alternative(plan: Plan, fastest: Plan) -> Plan:
     describe what it returns; :func:`ftcompile.compile.compile_plan` adds the alternative as a
     row of its own (``<strategy>-sim``) and chooses among all rows by simulated throughput.
     """
-    period = fastest.info.get("simulated_period_ms")
-    own = plan.info.get("simulated_period_ms")
+    # (compared as simulated_choice ranked them: a probe at a larger scale counts)
+    period = ranked_period(fastest)
+    own = ranked_period(plan)
     fits = fastest.info.get("simulated_memory_fits", True)
     own_fits = plan.info.get("simulated_memory_fits", True)
     if period is None or plan_key(fastest) == plan_key(plan) or not fits or (
@@ -288,9 +305,9 @@ def with_alternative(plan: Plan, fastest: Plan) -> Plan:
     plan.simulations.update(fastest.simulations)      # (compile's row for it reuses its simulation)
     plan.info["simulated_alternative"] = {
         "stages": [[int(s.gpu), [int(n) for n in s.nodes]] for s in fastest.stages],
-        "simulated_period_ms": round(float(period), 6),
+        "simulated_period_ms": round(float(fastest.info["simulated_period_ms"]), 6),
         **{k: fastest.info[k] for k in ("simulated_candidates", "simulated_refinement", "simulated_skipped",
-                                        "source", "plan_source")
+                                        "simulated_probe", "source", "plan_source")
            if k in fastest.info}}
     return plan
 
