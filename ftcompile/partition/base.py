@@ -232,9 +232,7 @@ def _probed_fastest(problem: Problem, scored: list[tuple], time_limit: float | N
     from ..inflight import stacks_stages
     from ..plan import evaluate
     from ..runtime.schedules import CONTINUOUS as SCHEDULES_WITHOUT_FLUSH
-    from ..simulate import simulation_of
-
-    from ..simulate import SimulationError
+    from ..simulate import SimulationError, simulation_of
 
     def key(c):
         return (c[0], ranked_period(c[3], c[1]), c[2])
