@@ -130,3 +130,67 @@ def test_a_start_replayed_before_still_sets_what_a_move_costs():
     # with time enough, the same start is refined (the test above: it is far from the best split)
     assert refine_simulated(problem, _plan(max(splits, key=lambda s: len(s[0]))), time_limit=120) \
         .info["simulated_refinement"]["moves"] > 0
+
+
+def _probed_start(problem, seed):
+    """A plan with two stages on each GPU whose period at the probe scale is shorter than at the
+    problem's, noted as simulated_choice notes the plan it ranked by its probe."""
+    from dataclasses import replace
+
+    from ftcompile.partition.base import PROBE_SCALE
+
+    four = branchy_problem(seed, blocks=2, gpus=4)          # the same DAG, split in four
+    assert four.graph.content_hash() == problem.graph.content_hash()
+    at_probe = replace(problem, in_flight_scale=PROBE_SCALE)
+    for split in convex_splits(four):
+        if len(split) != 4 or not all(split):
+            continue
+        plan = Plan("t", 2, [Stage(i, i % 2, sorted(ns)) for i, ns in enumerate(split)])
+        one, probe = simulate(problem, plan).period_ms, simulate(at_probe, plan).period_ms
+        if probe < 0.95 * one:
+            plan.info.update(simulated_period_ms=round(one, 6), simulated_memory_fits=True,
+                             simulated_probe={"scale": PROBE_SCALE, "fits": True, "period_ms": round(probe, 6)})
+            return plan, at_probe
+    raise AssertionError("no split runs faster at the probe scale")
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_a_plan_ranked_by_its_probe_is_refined_at_the_probe_scale(seed):
+    """A plan simulated_choice chose for its period at the probe scale is refined by that period,
+    the one it was chosen for and will run near once compile tunes its scale: the result is a
+    local optimum of its neighbourhood at the probe scale (the test's own enumeration, every
+    move simulated afresh there), it carries its own probe, not the start's, and its
+    simulated_period_ms is its period at the problem's scale. Refined at the problem's scale,
+    the probe's choice was undone on a held-out graph (BERT-6, 6 GPUs at 1.1 x)."""
+    from ftcompile.partition.base import PROBE_SCALE
+
+    problem = branchy_problem(seed, blocks=2, gpus=2, schedule="async")
+    start, at_probe = _probed_start(problem, seed)
+    before = _score(at_probe, start)
+    out = refine_simulated(problem, start, time_limit=120)
+    check_plan(problem.graph, out)
+    report = out.info["simulated_refinement"]
+    assert report["in_flight_scale"] == PROBE_SCALE and report["moves"] > 0
+    after = _score(at_probe, out)
+    assert after < before
+    assert report["period_ms"] == pytest.approx(after[0], rel=1e-6)
+    assert out.info["simulated_probe"] == {"scale": PROBE_SCALE, "fits": True,
+                                           "period_ms": pytest.approx(after[0], rel=1e-6)}
+    assert out.info["simulated_period_ms"] == pytest.approx(simulate(problem, out).period_ms, rel=1e-6)
+    assert _better_neighbour(at_probe, out) is None
+
+
+def test_a_plan_its_probe_did_not_rank_is_refined_at_the_problems_scale():
+    """A probe that is not shorter than the plan's own period (or whose run did not fit) did not
+    rank it: the plan is refined at the problem's scale, and the result carries no probe (the
+    start's would describe another plan)."""
+    problem = branchy_problem(0, blocks=2, gpus=2, schedule="async")
+    for change in ({"period_ms": 1e9}, {"fits": False}):
+        start, _ = _probed_start(problem, 0)
+        start.info["simulated_probe"].update(change)
+        out = refine_simulated(problem, start, time_limit=120)
+        report = out.info["simulated_refinement"]
+        assert report["in_flight_scale"] == 1 and report["moves"] > 0
+        assert "simulated_probe" not in out.info
+        assert out.info["simulated_period_ms"] == pytest.approx(simulate(problem, out).period_ms, rel=1e-6)
+        assert _better_neighbour(problem, out) is None

@@ -270,6 +270,16 @@ def ranked_period(plan: Plan, period: float | None = None) -> float | None:
     return min(period, probe["period_ms"])
 
 
+def ranked_scale(problem: Problem, plan: Plan) -> int:
+    """The in-flight scale of the period :func:`ranked_period` returns for ``plan``: its probe's
+    where that choice ranked it by the probe, else ``problem``'s."""
+    period = plan.info.get("simulated_period_ms")
+    probe = plan.info.get("simulated_probe")
+    if period is not None and ranked_period(plan) < period:
+        return int(probe["scale"])
+    return problem.in_flight_scale
+
+
 #: The share of a searching strategy's time limit its simulation of the few best plans may take
 #: after the search (seq and exact; Mixed-pipe allows its whole budget, see partition_mixed).
 SIMULATION_SHARE = 0.25

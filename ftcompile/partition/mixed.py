@@ -213,7 +213,8 @@ def partition_mixed(problem: Problem, *, l_factors=(1, 2, 3), max_l: int | None 
     and the bounds speak of. The **fastest in simulation**: the ``simulate_top`` best plans by
     objective are simulated, since stages sharing a GPU wait on one another in ways Eq. 1 does
     not see, and the fastest, with ``sim_refine`` improved by single-node moves that lower its
-    simulated period (:func:`~ftcompile.partition.simrefine.refine_simulated`), is returned
+    simulated period at the in-flight scale it was ranked at
+    (:func:`~ftcompile.partition.simrefine.refine_simulated`), is returned
     with ``prefer="simulated"`` (strategy ``mixed-sim``) and otherwise noted as
     ``info["simulated_alternative"]`` when it is another plan that simulates faster
     (:func:`~ftcompile.compile.compile_plan` makes it a row of its own).
