@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from .plan import Plan, PlanError, Problem, evaluate
+from .plan import Plan, PlanError, Problem, evaluate, run_settings_key, simulation_key
 from .runtime.schedules import CONTINUOUS, ScheduleError
 
 #: The scales tried, in order.
@@ -71,7 +71,8 @@ class InFlightTuning:
                 "rule": f"scales {', '.join(map(str, SCALES))} in turn; a larger one is kept where it simulates at "
                         f"least {GAIN:.0%} faster than the best smaller one and fits; the search ends where the plan "
                         f"does not fit, reaches its objective, or {PATIENCE} tries in a row gain less; only for "
-                        "plans where a GPU holds several stages"}
+                        "plans where a GPU holds several stages; a scale already replayed on the plan is read "
+                        "whatever the time limit and the tries without gain"}
 
 
 def stacks_stages(plan: Plan) -> bool:
@@ -96,7 +97,12 @@ def tune_in_flight(problem: Problem, plan: Plan, *, scales: tuple[int, ...] = SC
     more than the seconds (the held-out BERT-3 operator graph on 6 GPUs at 1.2 x: its 75-stage
     plan, about 7 s a replay here, simulates at 1.212 of its objective at scale 1 and at 1.097 at
     scale 3; under a 10 s limit that no replay may cross, the tuning would stop at scale 2).
-    Schedules the scale does not touch, and plans with one stage per GPU, keep the
+    A scale whose replay is already kept on the plan (``plan.simulations``: the strategy's probe,
+    :func:`~ftcompile.partition.base.simulated_choice`) costs nothing, so it is read whatever the
+    time limit and the patience say: a plan chosen for its period at scale 4 is not run at 2
+    because the 2 took the time (BERT-12's held-out operator graph on 6 GPUs at 1.2 x: a
+    249-stage plan ranked at 427.4 ms at scale 4, tuned to 2 at 433.9 with scale 3 cut by the
+    20 s limit). Schedules the scale does not touch, and plans with one stage per GPU, keep the
     problem's scale untried.
     """
     from .simulate import simulation_of
@@ -110,14 +116,18 @@ def tune_in_flight(problem: Problem, plan: Plan, *, scales: tuple[int, ...] = SC
     tries: list[InFlightTry] = []
     best: InFlightTry | None = None
     idle = 0
-    cut = None          # the scale not tried for the time limit
+    cut: list[int] = []     # the scales not tried for the time limit
+    patient = True          # False once PATIENCE tries in a row gained too little: only kept replays are read
     t0 = time.perf_counter()
     for s in [start] + [k for k in scales if k > start]:
-        if tries and time_limit is not None and time.perf_counter() - t0 >= time_limit:
-            cut = s
-            break
+        pb = replace(problem, in_flight_scale=s)
+        kept = (run_settings_key(pb), simulation_key(plan)) in plan.simulations
+        if not kept and not patient:
+            continue
+        if not kept and tries and time_limit is not None and time.perf_counter() - t0 >= time_limit:
+            cut.append(s)
+            continue
         try:
-            pb = replace(problem, in_flight_scale=s)
             cost = evaluate(pb, plan)
             if not cost.feasible:
                 tries.append(InFlightTry(s, None, False, cost.reason))
@@ -135,13 +145,14 @@ def tune_in_flight(problem: Problem, plan: Plan, *, scales: tuple[int, ...] = SC
             best, idle = t, 0
         else:
             idle += 1
-        if idle >= PATIENCE or best.period_ms <= cost.objective_ms * (1 + 1e-9):
+        if best.period_ms <= cost.objective_ms * (1 + 1e-9):
             break
+        patient = patient and idle < PATIENCE
     if best is None:
         return InFlightTuning(start, tries, why=f"the plan does not fit at scale {start}")
     first = tries[0]
-    unasked = (f"scale {cut} and above not tried: the {time_limit:g} s limit (--time-limit) had passed"
-               if cut is not None else "")
+    unasked = (f"scale{'s' if len(cut) > 1 else ''} {', '.join(map(str, cut))} not tried: the {time_limit:g} s "
+               "limit (--time-limit) had passed" if cut else "")
     if best.scale != first.scale:
         why = (f"{best.scale} x depth + 1 in flight simulates at {best.period_ms:.4g} ms per micro-batch against "
                f"{first.period_ms:.4g} at {first.scale}" + (f"; {unasked}" if unasked else ""))

@@ -121,12 +121,46 @@ def test_a_bad_scale_is_refused_by_name():
             Problem(problem.graph, problem.profile, problem.cluster, in_flight_scale=bad)
 
 
+def _fresh(plan: Plan) -> Plan:
+    """``plan`` without the replays kept on it (the module's fixture collects them test by test)."""
+    return Plan(plan.strategy, plan.num_gpus, plan.stages, dict(plan.info))
+
+
 def test_the_time_limit_ends_the_tuning_and_the_reason_says_so(stacked):
     """Once the limit has passed no further scale is tried (the last one tried may end past it:
     see tune_in_flight), and the reason names the scales left out and the limit. Without a
     limit the same plan tries several (the tests above)."""
+    from ftcompile.inflight import SCALES
+
     problem, plan = stacked
-    tuning = tune_in_flight(problem, plan, time_limit=0)
+    tuning = tune_in_flight(problem, _fresh(plan), time_limit=0)
     assert [t.scale for t in tuning.tries] == [1] and tuning.chosen == 1
-    assert tuning.why == "scale 2 and above not tried: the 0 s limit (--time-limit) had passed"
-    assert len(tune_in_flight(problem, plan).tries) > 1
+    assert tuning.why == (f"scales {', '.join(str(s) for s in SCALES if s > 1)} not tried: "
+                          "the 0 s limit (--time-limit) had passed")
+    assert len(tune_in_flight(problem, _fresh(plan)).tries) > 1
+
+
+def test_a_scale_already_replayed_is_read_past_the_time_limit_and_the_patience(stacked):
+    """A replay kept on the plan (a strategy's probe at scale 4: simulated_choice) costs nothing, so
+    the tuning reads it when the time limit has passed, or after PATIENCE tries without gain, and
+    keeps it where it gains: a plan ranked by its period at scale 4 is run there, not at the last
+    scale the time allowed. Each period is checked against a fresh simulate() at that scale."""
+    from ftcompile.inflight import PATIENCE
+    from ftcompile.simulate import simulation_of
+
+    problem, plan = stacked
+    at = {s: simulate(replace(problem, in_flight_scale=s), plan).period_ms for s in (1, 2, 3, 4)}
+    assert at[4] < at[1] * (1 - GAIN)          # (the case: scale 4 gains over scale 1)
+    probed = _fresh(plan)
+    simulation_of(replace(problem, in_flight_scale=4), probed)      # (what the probe leaves on the plan)
+    tuning = tune_in_flight(problem, probed, time_limit=0)
+    assert [t.scale for t in tuning.tries] == [1, 4] and tuning.chosen == 4
+    assert [t.period_ms for t in tuning.tries] == pytest.approx([at[1], at[4]], rel=1e-9)
+    # (the search ends at a scale that reaches the objective: none does better)
+    objective = evaluate(replace(problem, in_flight_scale=4), plan).objective_ms
+    left_out = "2, 3" if at[4] <= objective * (1 + 1e-9) else "2, 3, 6, 8"
+    assert tuning.why.endswith(f"scales {left_out} not tried: the 0 s limit (--time-limit) had passed")
+    # past the patience: with the gain asked for out of reach, scales 2 and 3 gain nothing, which
+    # ended the search before scale 4; the kept replay is still read (and gains nothing either)
+    tuning = tune_in_flight(problem, probed, gain=0.99)
+    assert PATIENCE == 2 and [t.scale for t in tuning.tries] == [1, 2, 3, 4] and tuning.chosen == 1
