@@ -98,7 +98,8 @@ def tune_in_flight(problem: Problem, plan: Plan, *, scales: tuple[int, ...] = SC
     plan, about 7 s a replay here, simulates at 1.212 of its objective at scale 1 and at 1.097 at
     scale 3; under a 10 s limit that no replay may cross, the tuning would stop at scale 2).
     A scale whose replay is already kept on the plan (``plan.simulations``: the strategy's probe,
-    :func:`~ftcompile.partition.base.simulated_choice`) costs nothing, so it is read whatever the
+    :func:`~ftcompile.partition.base.simulated_choice`) costs no replay (only its pricing, about a
+    sixth of one), so it is read whatever the
     time limit and the patience say: a plan chosen for its period at scale 4 is not run at 2
     because the 2 took the time (BERT-12's held-out operator graph on 6 GPUs at 1.2 x: a
     249-stage plan ranked at 427.4 ms at scale 4, tuned to 2 at 433.9 with scale 3 cut by the

@@ -165,8 +165,10 @@ def test_a_plan_ranked_by_its_probe_is_refined_at_the_probe_scale(seed):
     from ftcompile.partition.base import PROBE_SCALE
 
     problem = branchy_problem(seed, blocks=2, gpus=2, schedule="async")
+    from ftcompile.plan import ordered
+
     start, at_probe = _probed_start(problem, seed)
-    before = _score(at_probe, start)
+    before = _score(at_probe, ordered(start, problem.graph))      # (numbered as refinement runs it)
     out = refine_simulated(problem, start, time_limit=120)
     check_plan(problem.graph, out)
     report = out.info["simulated_refinement"]
@@ -193,4 +195,72 @@ def test_a_plan_its_probe_did_not_rank_is_refined_at_the_problems_scale():
         assert report["in_flight_scale"] == 1 and report["moves"] > 0
         assert "simulated_probe" not in out.info
         assert out.info["simulated_period_ms"] == pytest.approx(simulate(problem, out).period_ms, rel=1e-6)
-        assert _better_neighbour(problem, out) is None
+        if "period_ms" in change:       # (the neighbourhood checked once: it is the same search)
+            assert _better_neighbour(problem, out) is None
+
+
+def _refused_moves(problem, at_probe, start) -> int:
+    """Single-node moves of ``start`` (to a stage holding a neighbour, no stage emptied, the stage
+    graph acyclic) that ``at_probe``'s scale refuses to run."""
+    import networkx as nx
+
+    from ftcompile.plan import ordered
+    from ftcompile.runtime.schedules import ScheduleError
+
+    refused = 0
+    where = start.stage_of()
+    for e in problem.graph.edges:
+        for n, m in ((e.src, e.dst), (e.dst, e.src)):
+            if n not in where or m not in where or where[n] == where[m]:
+                continue
+            moved = Plan("t", 2, [Stage(s.id, s.gpu, [x for x in s.nodes if x != n] + ([n] if s.id == where[m] else []))
+                                  for s in start.stages])
+            if not all(s.nodes for s in moved.stages) or \
+                    not nx.is_directed_acyclic_graph(stage_graph(problem.graph, moved)):
+                continue
+            try:
+                evaluate(at_probe, ordered(moved, problem.graph))     # (numbered as refinement runs it)
+            except ScheduleError:
+                refused += 1
+    return refused
+
+
+def test_moves_the_probe_scale_refuses_are_not_taken():
+    """2bw keeps two weight versions only while M covers scale x depth. A plan ranked at scale 4
+    with M = 8 runs there, but some of its single-node moves deepen its stage graph past what
+    scale 4 allows (a ScheduleError). Refinement skips those moves instead of failing the
+    strategy (the old code raised): refined again from a local optimum whose neighbourhood
+    holds such moves, it tries them all and keeps the plan, which runs at both scales."""
+    from dataclasses import replace
+
+    from ftcompile.partition.base import PROBE_SCALE
+    from ftcompile.plan import ordered
+
+    problem = replace(branchy_problem(0, blocks=2, gpus=2, schedule="2bw"), micro_batches=8)
+    at_probe = replace(problem, in_flight_scale=PROBE_SCALE)
+    four = branchy_problem(0, blocks=2, gpus=4)
+    for split in convex_splits(four):
+        if len(split) != 4 or not all(split):
+            continue
+        start = Plan("t", 2, [Stage(i, i % 2, sorted(ns)) for i, ns in enumerate(split)])
+        try:
+            evaluate(at_probe, ordered(start, problem.graph))
+        except ValueError:
+            continue
+        one, probe = simulate(problem, start).period_ms, simulate(at_probe, start).period_ms
+        if probe >= 0.99 * one:
+            continue
+        start.info.update(simulated_period_ms=round(one, 6), simulated_memory_fits=True,
+                          simulated_probe={"scale": PROBE_SCALE, "fits": True, "period_ms": round(probe, 6)})
+        local = refine_simulated(problem, start, time_limit=120)
+        if local.info["simulated_refinement"]["in_flight_scale"] == PROBE_SCALE and \
+                _refused_moves(problem, at_probe, local):
+            break
+    else:
+        raise AssertionError("no split refined at the probe scale to a plan with a move it refuses")
+    again = refine_simulated(problem, local, time_limit=120)
+    report = again.info["simulated_refinement"]
+    assert report["in_flight_scale"] == PROBE_SCALE and report["moves"] == 0 and again is local
+    check_plan(problem.graph, again)
+    assert _score(at_probe, again) is not None
+    assert again.info["simulated_period_ms"] == pytest.approx(simulate(problem, again).period_ms, rel=1e-6)

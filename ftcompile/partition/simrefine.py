@@ -61,7 +61,10 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
     (:func:`~ftcompile.partition.base.ranked_scale`): the problem's, or its probe's where the
     choice ranked it by its period there. A move is then judged by the period the plan was
     chosen for, and the result's ``simulated_probe`` is its own (``simulated_period_ms`` stays
-    the problem's scale's).
+    the problem's scale's, from one more replay, kept back from ``time_limit`` like a move's).
+    A move that scale refuses or deadlocks (2bw: ``M`` must cover ``scale x depth``) is not
+    taken; a start it cannot run is refined at the problem's scale; a result that does not
+    run at the problem's scale is dropped for ``plan``.
     """
     from .base import ranked_scale
 
@@ -71,6 +74,16 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
     # choice was undone: BERT-6's held-out operator graph on 6 GPUs at 1.1 x, one move from
     # 48.245 to 47.935 ms at scale 1, and compile's tuned period of the result 43.974 against
     # the probed plan's 43.816 (1.000 of its objective).
+    from ..simulate import SimulationError, simulation_of
+
+    def score_of(pb: Problem, candidate: Plan) -> tuple[float, float] | None:
+        # (a scale above the problem's refuses what it cannot run: 2bw's M below scale x depth,
+        # a deadlock; such a plan is not taken, as _probed_fastest does not rank it)
+        try:
+            return simulated_score(pb, candidate)
+        except (ValueError, SimulationError):
+            return None
+
     scale = ranked_scale(problem, plan)
     at_problem = problem
     problem = problem if scale == problem.in_flight_scale else replace(problem, in_flight_scale=scale)
@@ -78,17 +91,20 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
     # engine's stage order), and keeps its simulation: compile's row reuses the winner's.
     # (ordered() shares the plan's simulations dict: ``plan`` keeps the one run here.)
     first = ordered(plan, graph)
-    start = simulated_score(problem, first)
+    start = score_of(problem, first)
+    if start is None and problem is not at_problem:
+        problem, scale = at_problem, at_problem.in_flight_scale
+        start = score_of(problem, first)
     if start is None or time_limit <= 0 or len(plan.stages) < 2:
         return plan
     # A move's plan has the stages of this one, so its simulation takes about as long as this
     # one's did: none is started that would not end in time (BERT-6's operator graph under tight
     # memory: 17 s each for 159 stages, against 1.5 s left). The replay's own seconds, also where
     # it was kept from before (simulated_choice's: BERT-12's 255 stages, a move of 30 s began
-    # with 5 s left when its cached start counted as no time).
-    from ..simulate import simulation_of
-
+    # with 5 s left when its cached start counted as no time). At the probe's scale, the result's
+    # replay at the problem's scale is kept back too (the start's, simulated_choice's, says how long).
     sim_s = simulation_of(problem, first).seconds
+    final_s = 0.0 if problem is at_problem else simulation_of(at_problem, first).seconds
     neighbours: dict[int, set[int]] = {}
     for e in graph.edges:
         neighbours.setdefault(e.src, set()).add(e.dst)
@@ -105,7 +121,7 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
                         if m in where and where[m] != where[n]})
         rng.shuffle(cands)
         for n, t in cands:
-            if time.perf_counter() - t0 + sim_s >= time_limit:
+            if time.perf_counter() - t0 + sim_s + final_s >= time_limit:
                 break
             s = where[n]
             if len(stages[s][1]) == 1:
@@ -121,7 +137,7 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
             if key in scored:           # (two moves from two plans can make the same plan)
                 continue
             t_sim = time.perf_counter()
-            score = scored[key] = simulated_score(problem, candidate)
+            score = scored[key] = score_of(problem, candidate)
             sim_s = max(sim_s, time.perf_counter() - t_sim)
             sims += 1
             if score is not None and score < best:
@@ -144,9 +160,13 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
     else:
         # the figures the choice keeps, for this plan: its period at the problem's scale (one
         # more replay, shorter than the probe's) and the probe it was refined by
-        sim = simulation_of(at_problem, out)
-        out.info["simulated_period_ms"] = round(sim.period_ms, 6)
-        out.info["simulated_memory_fits"] = bool(getattr(sim, "memory_feasible", True))
+        at = score_of(at_problem, out)
+        if at is None:          # (it fits at the larger scale, so this should not happen: kept safe)
+            report["dropped"] = f"the refined plan does not run at in-flight scale {at_problem.in_flight_scale}"
+            plan.info["simulated_refinement"] = report
+            return plan
+        out.info["simulated_period_ms"] = round(at[0], 6)
+        out.info["simulated_memory_fits"] = True
         out.info["simulated_probe"] = {"scale": scale, "fits": True, "period_ms": round(best[0], 6)}
     return out
 
