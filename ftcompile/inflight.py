@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from .plan import Plan, PlanError, Problem, evaluate, run_settings_key, simulation_key
+from .plan import Plan, PlanError, Problem, evaluate
 from .runtime.schedules import CONTINUOUS, ScheduleError
 
 #: The scales tried, in order.
@@ -106,7 +106,7 @@ def tune_in_flight(problem: Problem, plan: Plan, *, scales: tuple[int, ...] = SC
     20 s limit). Schedules the scale does not touch, and plans with one stage per GPU, keep the
     problem's scale untried.
     """
-    from .simulate import simulation_of
+    from .simulate import kept_simulation, simulation_of
 
     start = problem.in_flight_scale
     if problem.schedule not in CONTINUOUS:
@@ -122,7 +122,7 @@ def tune_in_flight(problem: Problem, plan: Plan, *, scales: tuple[int, ...] = SC
     t0 = time.perf_counter()
     for s in [start] + [k for k in scales if k > start]:
         pb = replace(problem, in_flight_scale=s)
-        kept = (run_settings_key(pb), simulation_key(plan)) in plan.simulations
+        kept = kept_simulation(pb, plan) is not None
         if not kept and not patient:
             continue
         if not kept and tries and time_limit is not None and time.perf_counter() - t0 >= time_limit:

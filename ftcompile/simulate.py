@@ -351,6 +351,12 @@ def simulation_of(problem: Problem, plan: Plan) -> SimResult:
     return sim
 
 
+def kept_simulation(problem: Problem, plan: Plan) -> SimResult | None:
+    """The replay :func:`simulation_of` keeps on ``plan`` for ``problem``, or None where none was
+    run yet (what costs nothing to read: the in-flight tuning, a refinement's time estimate)."""
+    return plan.simulations.get((run_settings_key(problem), simulation_key(plan)))
+
+
 class _Sim:
     """The event loop; see the module docstring."""
 

@@ -66,15 +66,11 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
     taken; a start it cannot run is refined at the problem's scale; a result that does not
     run at the problem's scale is dropped for ``plan``.
     """
+    from ..simulate import SimulationError, kept_simulation, simulation_of
     from .base import ranked_scale
 
     t0 = time.perf_counter()
     graph = problem.graph
-    # Judged at the scale the plan was chosen at. Refined at the problem's scale, the probe's
-    # choice was undone: BERT-6's held-out operator graph on 6 GPUs at 1.1 x, one move from
-    # 48.245 to 47.935 ms at scale 1, and compile's tuned period of the result 43.974 against
-    # the probed plan's 43.816 (1.000 of its objective).
-    from ..simulate import SimulationError, simulation_of
 
     def score_of(pb: Problem, candidate: Plan) -> tuple[float, float] | None:
         # (a scale above the problem's refuses what it cannot run: 2bw's M below scale x depth,
@@ -84,17 +80,20 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
         except (ValueError, SimulationError):
             return None
 
+    # Judged at the scale the plan was chosen at. Refined at the problem's scale, the probe's
+    # choice was undone: BERT-6's held-out operator graph on 6 GPUs at 1.1 x, one move from
+    # 48.245 to 47.935 ms at scale 1, and compile's tuned period of the result 43.974 against
+    # the probed plan's 43.816 (1.000 of its objective).
     scale = ranked_scale(problem, plan)
-    at_problem = problem
-    problem = problem if scale == problem.in_flight_scale else replace(problem, in_flight_scale=scale)
+    judged = problem if scale == problem.in_flight_scale else replace(problem, in_flight_scale=scale)
     # Every plan is scored as it will run, stages numbered by ordered() (the ids set the
     # engine's stage order), and keeps its simulation: compile's row reuses the winner's.
     # (ordered() shares the plan's simulations dict: ``plan`` keeps the one run here.)
     first = ordered(plan, graph)
-    start = score_of(problem, first)
-    if start is None and problem is not at_problem:
-        problem, scale = at_problem, at_problem.in_flight_scale
-        start = score_of(problem, first)
+    start = score_of(judged, first)
+    if start is None and judged is not problem:
+        judged, scale = problem, problem.in_flight_scale
+        start = score_of(judged, first)
     if start is None or time_limit <= 0 or len(plan.stages) < 2:
         return plan
     # A move's plan has the stages of this one, so its simulation takes about as long as this
@@ -102,9 +101,11 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
     # memory: 17 s each for 159 stages, against 1.5 s left). The replay's own seconds, also where
     # it was kept from before (simulated_choice's: BERT-12's 255 stages, a move of 30 s began
     # with 5 s left when its cached start counted as no time). At the probe's scale, the result's
-    # replay at the problem's scale is kept back too (the start's, simulated_choice's, says how long).
-    sim_s = simulation_of(problem, first).seconds
-    final_s = 0.0 if problem is at_problem else simulation_of(at_problem, first).seconds
+    # replay at the problem's scale is kept back too: the start's, where simulated_choice kept
+    # it, says how long; else the judged scale's, which runs more micro-batches in flight.
+    sim_s = simulation_of(judged, first).seconds
+    kept = None if judged is problem else kept_simulation(problem, first)
+    final_s = 0.0 if judged is problem else (kept.seconds if kept is not None else sim_s)
     neighbours: dict[int, set[int]] = {}
     for e in graph.edges:
         neighbours.setdefault(e.src, set()).add(e.dst)
@@ -137,7 +138,7 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
             if key in scored:           # (two moves from two plans can make the same plan)
                 continue
             t_sim = time.perf_counter()
-            score = scored[key] = score_of(problem, candidate)
+            score = scored[key] = score_of(judged, candidate)
             sim_s = max(sim_s, time.perf_counter() - t_sim)
             sims += 1
             if score is not None and score < best:
@@ -154,15 +155,15 @@ def refine_simulated(problem: Problem, plan: Plan, time_limit: float, *, seed: i
     out = best_plan
     out.info["simulated_refinement"] = report
     out.info.pop("simulated_probe", None)       # (copied from ``plan``: not this plan's)
-    if problem is at_problem:
+    if judged is problem:
         out.info["simulated_period_ms"] = round(best[0], 6)
         out.info["simulated_memory_fits"] = True
     else:
         # the figures the choice keeps, for this plan: its period at the problem's scale (one
         # more replay, shorter than the probe's) and the probe it was refined by
-        at = score_of(at_problem, out)
+        at = score_of(problem, out)
         if at is None:          # (it fits at the larger scale, so this should not happen: kept safe)
-            report["dropped"] = f"the refined plan does not run at in-flight scale {at_problem.in_flight_scale}"
+            report["dropped"] = f"the refined plan does not run at in-flight scale {problem.in_flight_scale}"
             plan.info["simulated_refinement"] = report
             return plan
         out.info["simulated_period_ms"] = round(at[0], 6)
