@@ -368,6 +368,39 @@ def test_busy_time_is_counted_when_no_steady_state_shows():
     assert res.bubble_fraction == pytest.approx(1 - (2 + 5 + 2) / 15, abs=1e-6)
 
 
+def test_a_period_that_repeats_every_five_steps_is_found():
+    """A periodic state can repeat over any number of steps, not only 1, 2, 3, 4 or 6: this async
+    plan (4 stages on 2 GPUs, M = 2) repeats every 5 steps from step 13. The run ends there with
+    that period, steady, and the timeline itself (every task's start, all steps kept) shows it:
+    every task of the last 10 steps starts 5 periods after the same task 5 steps before, and no
+    shorter cyclicity holds. Checking only 1, 2, 3, 4 and 6 ran it to ``max_steps`` for an average."""
+    edges = [(0, 1), (0, 4), (0, 5), (0, 6), (1, 2), (1, 3), (2, 3), (3, 5), (4, 6)]
+    costs = [(6.0, 8.0, 0.0), (3.0, 4.0, 0.0), (5.0, 2.0, 0.0), (3.0, 1.0, 0.0), (1.0, 1.0, 0.0),
+             (6.0, 9.0, 0.0), (1.0, 7.0, 0.0)]
+    plan = Plan("five", 2, [Stage(0, 1, [0]), Stage(1, 1, [1]), Stage(2, 0, [2, 3, 4, 5]), Stage(3, 1, [6])])
+    M = 2
+    res = simulate(problem(make_graph(7, edges), costs, 2, "async", M), plan, keep_events=10**6)
+    assert res.steady and res.cyclicity == 5, (res.steady, res.cyclicity, res.steps)
+    assert res.steps < 100
+    L = res.minibatch_ms
+    assert L >= M * (14 + 7 + 8) - 1e-9                  # GPU 1's work per step: stages 0, 1 and 3
+    start = {(e.stage, e.kind, e.micro_batch): e.start for e in res.events if e.kind in "FBU"}
+
+    def repeats(c: int, last: int) -> bool:
+        for (s, kind, i), t in start.items():
+            step = i if kind == "U" else i // M
+            if last - 2 * c < step <= last:
+                before = start[(s, kind, i - (c if kind == "U" else c * M))]
+                if abs(t - before - c * L) > 1e-9 * t:
+                    return False
+        return True
+
+    last = res.warmup_steps + res.cyclicity - 1            # the last step measured
+    assert repeats(5, last)
+    assert not any(repeats(c, last) for c in range(1, 5))
+    assert res.gpu_utilisation == pytest.approx([5 * M * 28 / (5 * L), 5 * M * 29 / (5 * L)])
+
+
 def test_a_period_without_a_periodic_state_says_so_in_the_plan_table():
     """A row whose replay found no periodic state carries the steps its mean spans, and the
     report's note says it; a steady row carries neither."""
