@@ -339,7 +339,7 @@ def run_suite(time_limit: float, jobs: int, models=None, gpus=(3, 6), memory=(No
     *chosen* may name), *m best* the lowest objective it found, *m sim* its plan's simulated period; *bound* the best bound over every plan (total work / P with the last-stage
     knapsack, exact's MIP bound when higher: "M", or the configuration LP's, sought for up to the
     time limit after the searches, ftcompile.compile.tighten_bounds: "C"); *exact* exact's objective in the mixed
-    space ("*" proven optimal); *chosen* compile's choice (best simulated throughput), its
+    space ("*" proven optimal); *chosen* compile's choice (best simulated throughput; a less stale row within 1 %, compile.choose), its
     objective (Eq. 1), simulated period, their ratio, *K* the in-flight scale it runs at (K x depth
     + 1 micro-batches in flight per stage, chosen by simulation where a GPU holds several stages;
     ftcompile.inflight) and *K=1* its ratio at scale 1 where K was tuned, and the ratio the same

@@ -32,7 +32,8 @@ def add_parsers(sub) -> None:
             "propose a plan for the cluster (Mixed-pipe, Seq-pipe, acyclic, METIS, the uniform\n"
             "and parameter-balanced baselines, and an exact MIP on small graphs), price each plan\n"
             "with the stage-period objective (FTPipe Eq. 1) and per-GPU memory, simulate it under\n"
-            "--schedule, and keep the feasible plan with the highest simulated throughput.\n\n"
+            "--schedule, and keep the feasible plan with the highest simulated throughput (one\n"
+            "with less stale weights when the fastest is less than 1 % faster).\n\n"
             "Writes OUT/plan.json (the plan and the per-strategy table), OUT/report.md,\n"
             "OUT/gpus.png (one box per GPU: width = memory, fill = utilisation), OUT/timeline.png\n"
             "and .svg, and OUT/graph.json + OUT/profile.json to resume from."),

@@ -35,15 +35,33 @@ def test_compile_chooses_the_best_simulated_plan_and_reports_both_figures(seed, 
         assert row["objective_ms"] == pytest.approx(evaluate(problem, r.plan).objective_ms, rel=1e-6)
     # an independent loop: simulate every plan afresh (at the in-flight scale its row was priced at,
     # tuned where a GPU holds several stages: tests/test_inflight.py), keep the highest throughput
-    # (ties: lower objective)
+    # (ties: lower objective), unless a plan with less stale weights (async: scale x depth / M
+    # updates, the depth counted here on the stage DAG) is within 1 % of it: the least stale of those
     scored = []
     for r in feasible:
         sim = simulate(replace(problem, in_flight_scale=r.in_flight_scale), r.plan)
         assert sim.period_ms == pytest.approx(r.row()["simulated_period_ms"], rel=1e-6)
-        scored.append((-sim.throughput_samples_per_s, evaluate(problem, r.plan).objective_ms, r.name))
+        stale = r.in_flight_scale * stage_dag_depth(problem, r.plan) / problem.micro_batches
+        scored.append((-sim.throughput_samples_per_s, evaluate(problem, r.plan).objective_ms, r.name, stale))
     best = min(scored)
+    near = [s for s in scored if -s[0] > -best[0] * 0.99]
+    least = min(near, key=lambda s: (s[3], s[0], s[1]))
+    want = least if least[3] < best[3] - 1e-9 else best
     chosen = next(s for s in scored if s[2] == result.chosen)
-    assert chosen[:2] == pytest.approx(best[:2], rel=1e-9)
+    assert chosen[:2] == pytest.approx(want[:2], rel=1e-9)
+    assert (result.info.get("chosen_why") is not None) == (want is not best)
+
+
+def stage_dag_depth(problem, plan) -> int:
+    """The longest chain of stages (edges) along the graph's edges."""
+    import networkx as nx
+
+    stage_of = {n: s.id for s in plan.stages for n in s.nodes}
+    g = nx.DiGraph()
+    g.add_nodes_from(s.id for s in plan.stages)
+    g.add_edges_from((stage_of[e.src], stage_of[e.dst]) for e in problem.graph.edges
+                     if e.src in stage_of and e.dst in stage_of and stage_of[e.src] != stage_of[e.dst])
+    return nx.dag_longest_path_length(g)
 
 
 def brute_force_simulated(problem):
@@ -73,7 +91,9 @@ def test_chosen_plan_simulates_within_3_percent_of_its_objective_where_a_convex_
     result = compile_plan(problem, STRATEGIES, jobs=1, time_limit=5)
     chosen = result.best()
     assert chosen.sim["period_ms"] <= 1.03 * chosen.cost.objective_ms
-    assert chosen.sim["period_ms"] <= best_sim * (1 + 1e-9)
+    # no slower than the fastest convex split, or within 1 % of it with less stale weights
+    assert chosen.sim["period_ms"] <= best_sim * (1 + 1e-9) or (
+        chosen.sim["period_ms"] < best_sim / 0.99 and result.info.get("chosen_why"))
 
 
 @pytest.mark.parametrize("seed", [0, 1])
