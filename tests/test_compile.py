@@ -431,3 +431,14 @@ def test_a_staler_row_must_be_one_per_cent_faster_to_be_chosen():
     assert choose(rows, simulate_plans=False)[0] == min((seq, mixed, uniform), key=lambda r: r.cost.objective_ms).name
     # no feasible row
     assert choose([replace(seq, feasible=False)]) == (None, None)
+    # what the user reads: plan.json's chosen_why and the report's line under "chosen"
+    from ftcompile.compile import CompileResult, plan_document, report_text
+
+    rows = [row(seq, 100.0, 1.25), row(mixed, 100.5, 50.0), row(uniform, 90.0, 0.5)]
+    name, why = choose(rows)
+    doc = plan_document(CompileResult(result.problem, rows, name, result.lower_bound_ms, info={"chosen_why": why}))
+    assert doc["chosen"] == "seq" and doc["chosen_why"] == why
+    assert f"Not the fastest row: {why}." in report_text(doc)
+    plain = plan_document(CompileResult(result.problem, result.results, result.chosen, result.lower_bound_ms,
+                                        info=result.info))
+    assert ("chosen_why" in plain) == ("Not the fastest row" in report_text(plain)) == bool(result.info.get("chosen_why"))
