@@ -74,7 +74,8 @@ def add_parsers(sub) -> None:
                         "(mixed-sim: Mixed-pipe's fastest plan in simulation, refined by simulated period)")
     g.add_argument("--replicas", type=_replicas_arg, default=None, metavar="R|auto",
                    help="data x pipeline: R copies of a pipeline over GPUs/R GPUs each; default auto: every R "
-                        "dividing the GPUs is planned and simulated, the highest throughput is kept")
+                        "dividing the GPUs is planned and simulated, the highest throughput is kept (a less stale "
+                        "layout within 1 %% of it under async and pipedream)")
     g.add_argument("--jobs", type=base._positive_int, metavar="N", help="strategies run in parallel (default: cores)")
     g.add_argument("--max-stages", type=base._positive_int, metavar="N",
                    help="at most N pipeline stages in all: fewer stages, less staleness under async "

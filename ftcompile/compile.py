@@ -299,21 +299,48 @@ def simulated_alternatives(problem: Problem, results: list[StrategyResult], simu
     return out
 
 
+def fresher_within_gain(rows: list, throughput, stale, tie=lambda r: 0.0):
+    """``(kept, fastest)`` among ``rows`` (non-empty): the rule every choice between plans follows.
+
+    ``fastest`` has the highest ``throughput(row)`` (ties: the lowest ``tie(row)``). ``kept`` is
+    ``fastest`` unless rows whose weights are fewer ``stale(row)`` updates old come within
+    :data:`~ftcompile.inflight.GAIN` of its throughput: then the least stale of those, the fastest
+    of them, the lowest ``tie``. More staleness must buy that much throughput, as more
+    micro-batches in flight must (:func:`~ftcompile.inflight.tune_in_flight`). Used by
+    :func:`choose` (the strategies' rows of one pipeline) and
+    :func:`~ftcompile.replicas.compile_replicated` (the (P, R) layouts).
+    """
+    from .inflight import GAIN
+
+    fastest = min(rows, key=lambda r: (-throughput(r), tie(r)))
+    # (periods: a row is within GAIN when the fastest's period is less than GAIN shorter)
+    near = [r for r in rows if throughput(fastest) * (1 - GAIN) < throughput(r)]
+    kept = min(near, key=lambda r: (stale(r), -throughput(r), tie(r)))
+    return (kept if stale(kept) < stale(fastest) else fastest), fastest
+
+
+def fresher_why(kept: str, fastest: str, kept_throughput: float, fastest_throughput: float,
+                kept_stale: float, fastest_stale: float) -> str:
+    """Why :func:`fresher_within_gain` kept ``kept`` over the faster ``fastest`` (names as the user reads them)."""
+    from .inflight import GAIN
+
+    return (f"{kept}: {1 - kept_throughput / fastest_throughput:.2%} less simulated throughput than {fastest}, "
+            f"with weights {kept_stale:.3g} updates stale against {fastest_stale:.3g}; more staleness must buy "
+            f"at least {GAIN:.0%} (as a larger in-flight scale must)")
+
+
 def choose(results: list[StrategyResult], simulate_plans: bool = True) -> tuple[str | None, str | None]:
     """The row compile keeps among ``results``, and why, where it is not the fastest.
 
     The fastest feasible row in simulation (ties: the lower objective), unless a row whose weights
     are less stale (:func:`~ftcompile.partition.base.staleness_updates`: ``async`` and
     ``pipedream``) simulates within :data:`~ftcompile.inflight.GAIN` of it: among those, the least
-    stale, then the fastest. More staleness must buy that much throughput, as more micro-batches
-    in flight must (:func:`~ftcompile.inflight.tune_in_flight`). Held-out InceptionV3 on 6 GPUs at
+    stale, then the fastest (:func:`fresher_within_gain`). Held-out InceptionV3 on 6 GPUs at
     1.2 x: exact's 121-stage plan at 6 x depth + 1 in flight, 164.901 ms (168 updates stale, 1.038
     of its objective), against a 14-stage plan at 166.165 ms (3.25 updates, 1.000), 0.8 %
     slower. Schedules with a flush (0) and 2bw (1) stale every plan alike: the fastest wins.
     Without simulation, the lowest objective. ``(None, None)`` when no row is feasible.
     """
-    from .inflight import GAIN
-
     feasible = [r for r in results if r.feasible]
     if not feasible:
         return None, None
@@ -326,16 +353,11 @@ def choose(results: list[StrategyResult], simulate_plans: bool = True) -> tuple[
     def stale(r: StrategyResult) -> float:
         return r.figures.get("staleness_updates") or 0.0
 
-    fastest = min(feasible, key=lambda r: (-throughput(r), r.cost.objective_ms))
-    # (periods: a row is within GAIN when the fastest's period is less than GAIN shorter)
-    near = [r for r in feasible if throughput(fastest) * (1 - GAIN) < throughput(r)]
-    chosen = min(near, key=lambda r: (stale(r), -throughput(r), r.cost.objective_ms))
-    if chosen is fastest or stale(chosen) >= stale(fastest):
+    kept, fastest = fresher_within_gain(feasible, throughput, stale, tie=lambda r: r.cost.objective_ms)
+    if kept is fastest:
         return fastest.name, None
-    return chosen.name, (f"{chosen.name}: {1 - throughput(chosen) / throughput(fastest):.2%} less simulated "
-                         f"throughput than {fastest.name}, with weights {stale(chosen):.3g} updates stale "
-                         f"against {stale(fastest):.3g}; more staleness must buy at least {GAIN:.0%} "
-                         f"(as a larger in-flight scale must)")
+    return kept.name, fresher_why(kept.name, fastest.name, throughput(kept), throughput(fastest),
+                                  stale(kept), stale(fastest))
 
 
 def compile_plan(problem: Problem, strategies: list[str] | str = "auto", *, jobs: int | None = None,
@@ -747,9 +769,8 @@ def plan_document(result: CompileResult, *, model: dict | None = None) -> dict:
 
 def replicas_section(options, chosen: int | None, whole_cluster) -> dict:
     """plan.json's ``replicas``: every (P, R) layout considered, the chosen one and why."""
-    from .replicas import why
-
-    from .replicas import SEARCHED_LAYOUTS, SEARCHING_STRATEGIES
+    from .inflight import GAIN
+    from .replicas import SEARCHED_LAYOUTS, SEARCHING_STRATEGIES, why
 
     c = options[chosen] if chosen is not None else None
     screened = ""
@@ -757,15 +778,18 @@ def replicas_section(options, chosen: int | None, whole_cluster) -> dict:
         screened = (f"; with more layouts than are planned in full, they were planned shortest pipeline first "
                     f"without the searching strategies ({', '.join(SEARCHING_STRATEGIES)}; 'screened'), a layout whose "
                     f"throughput bound (the busiest GPU's least work per step, or its all-reduce lane) is below "
-                    f"the best found before it was not planned ('bounded'), and the {SEARCHED_LAYOUTS} best "
-                    f"layout(s) were then planned with every strategy asked for")
+                    f"the best found before (less {GAIN:.0%} where staleness grows with depth) was not planned "
+                    f"('bounded'), and the {SEARCHED_LAYOUTS} best layout(s) were then planned with every "
+                    f"strategy asked for")
     return {"cluster": whole_cluster.to_json(), "gpus": whole_cluster.physical_gpus,
             "options": [o.row() for o in options], "chosen": chosen,
             "replicas": c.layout.replicas if c else None, "pipeline_gpus": c.layout.pipeline_gpus if c else None,
             "order": c.layout.order if c else None, "why": why(options, chosen),
             "note": "throughput: samples/s of all replicas together in the simulated steady state (R x M "
                     "micro-batches per step, gradient all-reduce over a ring of R priced on the slowest link "
-                    "of the ring); options whose pipeline cannot hold the model's weights, gradients and "
+                    "of the ring); staleness: how many updates old the weights are that the deepest stage's "
+                    "gradients meet; the fastest layout is kept unless a less stale one is within "
+                    f"{GAIN:.0%} of it; options whose pipeline cannot hold the model's weights, gradients and "
                     "optimizer state are refused without partitioning" + screened}
 
 
@@ -793,23 +817,28 @@ def problem_from_doc(doc: dict, graph, prof, *, schedule: str | None = None, mic
 
 def _replicas_lines(rep: dict) -> list[str]:
     lines = ["", f"## replicas: pipeline length x replicas on {rep['gpus']} GPUs", "",
-             "| pipeline GPUs | replicas | rank order | fits | strategy | samples/s (all replicas) | step ms | "
-             "all-reduce ms | moved per step: pipeline / all-reduce (across hosts) | max GPU mem | time s | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| pipeline GPUs | replicas | rank order | fits | strategy | samples/s (all replicas) | "
+             "staleness (updates) | step ms | all-reduce ms | moved per step: pipeline / all-reduce (across hosts) | max GPU mem | time s | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, o in enumerate(rep["options"]):
         mark = " (chosen)" if i == rep.get("chosen") else ""
         f = o["feasible"]
         lines.append(
             f"| {o['pipeline_gpus']}{mark} | {o['replicas']} | {o['order']} | {'yes' if f else 'no'} | "
-            f"{o['strategy'] or '-'} | {o['throughput']:.3f} | {o['step_ms']:.3f} | {o['allreduce_ms']:.3f} | "
+            f"{o['strategy'] or '-'} | {o['throughput']:.3f} | {_fmt_stale(o.get('staleness_updates'))} | "
+            f"{o['step_ms']:.3f} | {o['allreduce_ms']:.3f} | "
             f"{_fmt_bytes(o['pipeline_bytes_per_step'])} ({_fmt_bytes(o['pipeline_cross_host_bytes_per_step'])}) / "
             f"{_fmt_bytes(o['allreduce_bytes_per_step'])} ({_fmt_bytes(o['allreduce_cross_host_bytes_per_step'])}) | "
             f"{_fmt_bytes(o['max_gpu_memory_bytes'])} | {o['seconds']:.1f} | {_planned_note(o)} |" if f else
             f"| {o['pipeline_gpus']} | {o['replicas']} | {o['order']} | "
-            f"{'-' if o.get('planned') == 'bounded' else 'no'} | - | - | - | - | - | - | "
+            f"{'-' if o.get('planned') == 'bounded' else 'no'} | - | - | - | - | - | - | - | "
             f"{o['seconds']:.1f} | {o['reason']} |")
     lines += ["", f"Chosen: {rep['why']}.", "", f"*{rep['note']}*"]
     return lines
+
+
+def _fmt_stale(updates: float | None) -> str:
+    return "-" if updates is None else f"{updates:.3g}"
 
 
 def _planned_note(o: dict) -> str:

@@ -502,7 +502,9 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
     ``b``), the model's graph at ``b`` (``graph_at(b)``, checked to be ``graph``'s structure;
     cached per ``b``) is frozen (:func:`freeze_graph`), profiled (``profile_fn(graph)``, default:
     analytic on ``hardware`` or the cluster's), partitioned by our strategies and simulated, the
-    all-reduce of the trainable weights included; the best simulated samples/s wins. ``P`` shrinks
+    all-reduce of the trainable weights included; the best simulated samples/s wins (ties: the
+    first priced), unless a layout with less stale weights is within :data:`~ftcompile.inflight.GAIN`
+    of it (:func:`~ftcompile.compile.fresher_within_gain`: ``async``, ``pipedream``). ``P`` shrinks
     while some ``M`` fits. Without ``graph_at`` only ``b = b0`` is possible (``M = S / (R b0)``).
     ``micro_batches`` forces ``M``; ``pipeline_gpus`` forces ``P`` (a manual schedule);
     ``replicas`` keeps ``R`` fixed (AutoPipe without AutoDP: the GPUs a shorter pipeline frees
@@ -580,7 +582,7 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
     candidates = _pipeline_candidates(G, S, counts, pipeline_gpus=pipeline_gpus, replicas=replicas,
                                       start_pipeline=start_pipeline, forced_m=micro_batches is not None)
     tried: list[dict] = []
-    best = None
+    fitting: list[tuple[float, float, object]] = []     # (samples/s, staleness, make) of each that fits
     for P in candidates:
         R = G // P if replicas is None else replicas
         if P * R > G:
@@ -604,19 +606,21 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
                                            strategies=strategies, jobs=jobs, clip_grad_norm=clip_grad_norm,
                                            on_nonfinite=on_nonfinite)
             tried.append(row)
-            if make is None:
-                continue
-            fits = True
-            if best is not None and thr <= best.samples_per_s:
-                continue    # no gain here; another M, or a shorter pipeline with more replicas, may still gain
-            best = make(frozen, tried)
+            if make is not None:
+                fits = True
+                fitting.append((thr, row["staleness_updates"], make))
         if not fits:
             break       # a shorter pipeline holds more per GPU: it will not fit either
-    if best is None:
+    if not fitting:
         raise FreezeError(f"no pipeline of {candidates} GPUs fits the model with {frozen} frozen layers: "
                           + "; ".join(r.get("reason", "") for r in tried))
-    best.tried = tried
-    return best
+    # The rule compile's choices follow: the fastest (ties: the first priced, the longer pipeline),
+    # unless one with less stale weights is within inflight.GAIN of it (async, pipedream).
+    from .compile import fresher_within_gain
+
+    order = {id(f): i for i, f in enumerate(fitting)}
+    kept, _ = fresher_within_gain(fitting, lambda f: f[0], lambda f: f[1], tie=lambda f: order[id(f)])
+    return kept[2](frozen, tried)
 
 
 def _pipeline_candidates(G: int, S: int, counts, *, pipeline_gpus: int | None, replicas: int | None,
@@ -671,7 +675,8 @@ def _price_layout(sz: _AtSize, cluster, P: int, R: int, M: int, b: int, *, sched
     split_note = _split_chosen(pb, chosen, sz.levels) if sz.levels else None
     sim = chosen.sim or {}
     thr = float(sim.get("throughput_samples_per_s", 0.0))
-    row.update(samples_per_s=round(thr, 6), strategy=chosen.name)
+    row.update(samples_per_s=round(thr, 6), strategy=chosen.name,
+               staleness_updates=chosen.figures.get("staleness_updates") or 0.0)
     if split_note:
         row["cache_split"] = split_note
 

@@ -194,6 +194,7 @@ class ReplicaOption:
     reason: str | None = None
     result: object | None = None          # CompileResult of the pipeline
     throughput: float = 0.0               # samples/s of all replicas together (simulated)
+    staleness: float = 0.0                # staleness_updates of the pipeline's chosen plan
     step_ms: float = 0.0                  # one step (R x M micro-batches) in the steady state
     allreduce_ms: float = 0.0             # the slowest pipeline GPU's all-reduces per step
     traffic: dict = field(default_factory=dict)    # traffic(): bytes per step, all replicas, and across hosts
@@ -211,6 +212,7 @@ class ReplicaOption:
                 "order": self.layout.order, "feasible": self.feasible, "reason": self.reason,
                 "strategy": best.name if best else None,
                 "throughput": round(self.throughput, 6) if self.feasible else None,
+                "staleness_updates": self.staleness if self.feasible else None,
                 "step_ms": round(self.step_ms, 6) if self.feasible else None,
                 "allreduce_ms": round(self.allreduce_ms, 6) if self.feasible else None,
                 **{f"{k}_per_step": v for k, v in self.traffic.items()},
@@ -294,6 +296,7 @@ def _plan_layout(pb, lay: ReplicaLayout, cluster: ClusterSpec, strategies, *, jo
         best = result.best()
         sim = best.sim or {}
         opt.throughput = sim.get("throughput_samples_per_s", 0.0)
+        opt.staleness = best.figures.get("staleness_updates") or 0.0
         opt.step_ms = sim.get("minibatch_ms", 0.0)
         opt.allreduce_ms = max((sum(sc.allreduce_ms for sc in best.cost.stages if sc.gpu == g)
                                 for g in best.plan.gpus()), default=0.0)
@@ -306,7 +309,9 @@ def compile_replicated(base, strategies="auto", *, replicas: int | None = None, 
                        progress=None, strategy_progress=None, **compile_options) -> tuple[list[ReplicaOption], int | None]:
     """Plan every layout of ``base.cluster`` (every pipeline length dividing its GPU count, or the one
     ``replicas`` forces, in each order that places GPUs differently) and choose the highest
-    simulated throughput over all replicas. Returns the options and the index of the chosen one.
+    simulated throughput over all replicas, unless a layout with less stale weights comes within
+    :data:`~ftcompile.inflight.GAIN` of it (:func:`choice`). Returns the options and the index of
+    the chosen one.
 
     A layout whose pipeline cannot hold the model's weights, gradients and optimizer state is
     refused without partitioning.
@@ -316,7 +321,9 @@ def compile_replicated(base, strategies="auto", *, replicas: int | None = None, 
     searching strategies' time limit that many times over. Then (:func:`screens`,
     :func:`_compile_screened`) the layouts are planned shortest pipeline first with the
     strategies that do not search (:data:`SEARCHING_STRATEGIES`), a layout whose
-    :func:`throughput_bound` is below the best throughput found so far is not planned, and the
+    :func:`throughput_bound` is below the best throughput found so far (less :data:`~ftcompile.inflight.GAIN`
+    under a schedule whose staleness grows with depth: a less stale layout that close is chosen) is
+    not planned, and the
     :data:`SEARCHED_LAYOUTS` best layouts are then planned with every strategy asked for. Each
     option's ``planned`` says which of these it got.
     """
@@ -338,9 +345,30 @@ def compile_replicated(base, strategies="auto", *, replicas: int | None = None, 
             options.append(opt)
             if progress:
                 progress(opt)
+    return options, choice(options)[0]
+
+
+def choice(options: list[ReplicaOption]) -> tuple[int | None, int | None]:
+    """``(kept, fastest)``: indices of the layout compile keeps and of the fastest feasible one (ties:
+    fewer replicas), by the rule that chooses between a pipeline's plans
+    (:func:`~ftcompile.compile.fresher_within_gain`): the fastest unless a layout whose chosen plan
+    has less stale weights is within :data:`~ftcompile.inflight.GAIN` of it. Pipelines of different
+    lengths stale differently under ``async`` and ``pipedream`` (a stage's depth / M updates).
+    ``(None, None)`` when no layout is feasible."""
+    from .compile import fresher_within_gain
+
     feasible = [i for i, o in enumerate(options) if o.feasible]
-    chosen = max(feasible, key=lambda i: (options[i].throughput, -options[i].layout.replicas)) if feasible else None
-    return options, chosen
+    if not feasible:
+        return None, None
+    return fresher_within_gain(feasible, lambda i: options[i].throughput, lambda i: options[i].staleness,
+                               tie=lambda i: options[i].layout.replicas)
+
+
+def _stales_by_depth(schedule: str) -> bool:
+    """Whether a longer pipeline's plans may be staler under ``schedule`` (``async``, ``pipedream``)."""
+    from .partition.base import staleness_updates
+
+    return staleness_updates(schedule, 2, 1) != staleness_updates(schedule, 1, 1)
 
 
 def _compile_screened(base, lays: list[ReplicaLayout], strategies, *, jobs, progress, strategy_progress,
@@ -349,7 +377,9 @@ def _compile_screened(base, lays: list[ReplicaLayout], strategies, *, jobs, prog
 
     Shortest pipelines first: they are the cheapest to plan (one GPU has one plan) and, with many
     replicas, usually the fastest, so the bound rules out most long pipelines unplanned. A bound
-    equal to the best so far is still planned, as a tie goes to fewer replicas.
+    equal to the best so far is still planned, as a tie goes to fewer replicas; under a schedule
+    whose staleness grows with depth, one within :data:`~ftcompile.inflight.GAIN` of it too, as
+    :func:`choice` may keep such a layout for its fresher weights.
     """
     from .compile import resolve_strategies
 
@@ -357,6 +387,9 @@ def _compile_screened(base, lays: list[ReplicaLayout], strategies, *, jobs, prog
     names = resolve_strategies(strategies, base)
     fast = [n for n in names if n not in SEARCHING_STRATEGIES] or names
     max_stages = compile_options.get("max_stages")
+    from .inflight import GAIN
+
+    reach = 1 - GAIN if _stales_by_depth(base.schedule) else 1.0    # of the best throughput so far
     options: dict[int, ReplicaOption] = {}
     best: ReplicaOption | None = None
     for i in sorted(range(len(lays)), key=lambda i: (lays[i].pipeline_gpus, ORDERS.index(lays[i].order))):
@@ -367,10 +400,12 @@ def _compile_screened(base, lays: list[ReplicaLayout], strategies, *, jobs, prog
             opt = ReplicaOption(lay, False, why_not, problem=pb, planned="refused")
         else:
             bound = throughput_bound(pb, max_stages)
-            if best is not None and bound * (1 + 1e-9) < best.throughput:
+            if best is not None and bound * (1 + 1e-9) < best.throughput * reach:
                 opt = ReplicaOption(lay, False, f"not planned: no plan of it can exceed {bound:.2f} samples/s "
                                     f"(throughput bound), below the {best.throughput:.2f} of "
-                                    f"{best.layout.pipeline_gpus} GPU(s) x {best.layout.replicas}",
+                                    f"{best.layout.pipeline_gpus} GPU(s) x {best.layout.replicas}"
+                                    + (f" less {GAIN:.0%} (a less stale layout that close would be kept)"
+                                       if reach < 1 else ""),
                                     problem=pb, planned="bounded", bound=bound)
             else:
                 opt = _plan_layout(pb, lay, cluster, fast, jobs=jobs, strategy_progress=strategy_progress,
@@ -401,10 +436,22 @@ def why(options: list[ReplicaOption], chosen: int | None) -> str:
     """One sentence on the choice: what the two orders put on the slow links, and what won."""
     if chosen is None:
         return "no layout fits"
+    from .compile import fresher_why
+
     c = options[chosen]
     same = [o for o in options if o.feasible and o.layout.replicas == c.layout.replicas and o is not c]
-    parts = [f"{c.layout.replicas} replica(s) of a {c.layout.pipeline_gpus}-GPU pipeline, {c.layout.order}, "
-             f"gives the highest simulated throughput ({c.throughput:.2f} samples/s)"]
+    fastest = options[choice(options)[1]]
+    if fastest is c:
+        parts = [f"{c.layout.replicas} replica(s) of a {c.layout.pipeline_gpus}-GPU pipeline, {c.layout.order}, "
+                 f"gives the highest simulated throughput ({c.throughput:.2f} samples/s)"]
+    else:
+        def name(o: ReplicaOption) -> str:
+            return f"{o.layout.pipeline_gpus} GPUs x {o.layout.replicas} ({o.layout.order})"
+
+        parts = [f"{c.layout.replicas} replica(s) of a {c.layout.pipeline_gpus}-GPU pipeline, {c.layout.order}, "
+                 f"gives {c.throughput:.2f} samples/s, and "
+                 + fresher_why(name(c), name(fastest), c.throughput, fastest.throughput, c.staleness,
+                               fastest.staleness)]
     def across(o: ReplicaOption) -> str:
         t = o.traffic
         return (f"{(t['pipeline_cross_host_bytes'] + t['allreduce_cross_host_bytes']) / 1e9:.3f} GB per step "
@@ -417,7 +464,7 @@ def why(options: list[ReplicaOption], chosen: int | None) -> str:
     most = max(o.layout.replicas for o in feasible)
     middle = [o for o in feasible if o.layout.pipeline_gpus not in (longest, c.layout.pipeline_gpus)
               and o.layout.replicas != most]
-    if c.layout.replicas == most and len(feasible) > 1:
+    if c.layout.replicas == most and len(feasible) > 1 and fastest is c:
         what = ("each replica holds the whole model on one GPU: no pipeline bubble and no activation traffic"
                 if c.layout.pipeline_gpus == 1 else "the shortest pipeline that fits, with the fewest bubbles")
         note = (f"it is the most replicas that fit ({what}), and its all-reduce ({c.allreduce_ms:.1f} ms per step) "
