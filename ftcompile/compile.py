@@ -314,7 +314,7 @@ def fresher_within_gain(rows: list, throughput, stale, tie=lambda r: 0.0):
 
     fastest = min(rows, key=lambda r: (-throughput(r), tie(r)))
     # (periods: a row is within GAIN when the fastest's period is less than GAIN shorter)
-    near = [r for r in rows if throughput(fastest) * (1 - GAIN) < throughput(r)]
+    near = [r for r in rows if throughput(fastest) * (1 - GAIN) < throughput(r)] or [fastest]
     kept = min(near, key=lambda r: (stale(r), -throughput(r), tie(r)))
     return (kept if stale(kept) < stale(fastest) else fastest), fastest
 
@@ -778,9 +778,9 @@ def replicas_section(options, chosen: int | None, whole_cluster) -> dict:
         screened = (f"; with more layouts than are planned in full, they were planned shortest pipeline first "
                     f"without the searching strategies ({', '.join(SEARCHING_STRATEGIES)}; 'screened'), a layout whose "
                     f"throughput bound (the busiest GPU's least work per step, or its all-reduce lane) is below "
-                    f"the best found before (less {GAIN:.0%} where staleness grows with depth) was not planned "
-                    f"('bounded'), and the {SEARCHED_LAYOUTS} best layout(s) were then planned with every "
-                    f"strategy asked for")
+                    f"the best found before (x (1 - {GAIN:.0%})^2 where staleness grows with depth) was not "
+                    f"planned ('bounded'), and the {SEARCHED_LAYOUTS} best layout(s), and the one kept, were then "
+                    f"planned with every strategy asked for")
     return {"cluster": whole_cluster.to_json(), "gpus": whole_cluster.physical_gpus,
             "options": [o.row() for o in options], "chosen": chosen,
             "replicas": c.layout.replicas if c else None, "pipeline_gpus": c.layout.pipeline_gpus if c else None,

@@ -321,11 +321,10 @@ def compile_replicated(base, strategies="auto", *, replicas: int | None = None, 
     searching strategies' time limit that many times over. Then (:func:`screens`,
     :func:`_compile_screened`) the layouts are planned shortest pipeline first with the
     strategies that do not search (:data:`SEARCHING_STRATEGIES`), a layout whose
-    :func:`throughput_bound` is below the best throughput found so far (less :data:`~ftcompile.inflight.GAIN`
-    under a schedule whose staleness grows with depth: a less stale layout that close is chosen) is
-    not planned, and the
-    :data:`SEARCHED_LAYOUTS` best layouts are then planned with every strategy asked for. Each
-    option's ``planned`` says which of these it got.
+    :func:`throughput_bound` is below the best throughput found so far (x (1 - GAIN)^2 under a
+    schedule whose staleness grows with depth, see :func:`_compile_screened`) is not planned, and
+    the :data:`SEARCHED_LAYOUTS` best layouts and the one :func:`choice` keeps are then planned
+    with every strategy asked for. Each option's ``planned`` says which of these it got.
     """
     cluster = base.cluster
     lays = layouts(cluster, replicas)
@@ -377,9 +376,15 @@ def _compile_screened(base, lays: list[ReplicaLayout], strategies, *, jobs, prog
 
     Shortest pipelines first: they are the cheapest to plan (one GPU has one plan) and, with many
     replicas, usually the fastest, so the bound rules out most long pipelines unplanned. A bound
-    equal to the best so far is still planned, as a tie goes to fewer replicas; under a schedule
-    whose staleness grows with depth, one within :data:`~ftcompile.inflight.GAIN` of it too, as
-    :func:`choice` may keep such a layout for its fresher weights.
+    equal to the best so far is still planned, as a tie goes to fewer replicas. Under a schedule
+    whose staleness grows with depth, :func:`choice` may keep a layout up to
+    :data:`~ftcompile.inflight.GAIN` slower than the fastest for its fresher weights, and planning
+    the best layout again with every strategy may leave it up to GAIN slower than its screened
+    plan (:func:`~ftcompile.compile.choose` keeps a fresher row that close): so a bound is ruled
+    out only below the best so far x (1 - GAIN)^2. The layout :func:`choice` keeps is always
+    planned with every strategy (unless throughput alone decides and its screened plan reaches its
+    bound): the best by throughput, then, while the choice falls on a layout only screened, that
+    one, and the choice is made again.
     """
     from .compile import resolve_strategies
 
@@ -389,7 +394,7 @@ def _compile_screened(base, lays: list[ReplicaLayout], strategies, *, jobs, prog
     max_stages = compile_options.get("max_stages")
     from .inflight import GAIN
 
-    reach = 1 - GAIN if _stales_by_depth(base.schedule) else 1.0    # of the best throughput so far
+    reach = (1 - GAIN) ** 2 if _stales_by_depth(base.schedule) else 1.0    # of the best throughput so far
     options: dict[int, ReplicaOption] = {}
     best: ReplicaOption | None = None
     for i in sorted(range(len(lays)), key=lambda i: (lays[i].pipeline_gpus, ORDERS.index(lays[i].order))):
@@ -404,8 +409,8 @@ def _compile_screened(base, lays: list[ReplicaLayout], strategies, *, jobs, prog
                 opt = ReplicaOption(lay, False, f"not planned: no plan of it can exceed {bound:.2f} samples/s "
                                     f"(throughput bound), below the {best.throughput:.2f} of "
                                     f"{best.layout.pipeline_gpus} GPU(s) x {best.layout.replicas}"
-                                    + (f" less {GAIN:.0%} (a less stale layout that close would be kept)"
-                                       if reach < 1 else ""),
+                                    + (f" x {reach:.4f} (a less stale layout within {GAIN:.0%} of the fastest "
+                                       "would be kept)" if reach < 1 else ""),
                                     problem=pb, planned="bounded", bound=bound)
             else:
                 opt = _plan_layout(pb, lay, cluster, fast, jobs=jobs, strategy_progress=strategy_progress,
@@ -417,19 +422,30 @@ def _compile_screened(base, lays: list[ReplicaLayout], strategies, *, jobs, prog
             best = opt
         if progress:
             progress(opt)
-    ranked = sorted((i for i, o in options.items() if o.feasible),
-                    key=lambda i: (-options[i].throughput, options[i].layout.replicas))
-    for i in ranked[:SEARCHED_LAYOUTS]:
+    def search(i: int) -> None:
         o = options[i]
-        if o.planned != "screened" or not o.bound * (1 + 1e-9) > o.throughput:
-            continue        # planned with every strategy already, or no plan of it can do better
         opt = _plan_layout(o.problem, o.layout, cluster, names, jobs=jobs, strategy_progress=strategy_progress,
                            compile_options=compile_options)
         opt.bound, opt.seconds = o.bound, opt.seconds + o.seconds
         options[i] = opt
         if progress:
             progress(opt)
-    return [options[i] for i in range(len(lays))]
+
+    def settled(o: ReplicaOption) -> bool:
+        # Planned with every strategy, or, where only throughput decides, already at its bound.
+        return o.planned != "screened" or (reach == 1 and not o.bound * (1 + 1e-9) > o.throughput)
+
+    ranked = sorted((i for i, o in options.items() if o.feasible),
+                    key=lambda i: (-options[i].throughput, options[i].layout.replicas))
+    for i in ranked[:SEARCHED_LAYOUTS]:
+        if not settled(options[i]):
+            search(i)
+    while True:             # each round plans one more layout in full: it ends
+        listed = [options[i] for i in range(len(lays))]
+        kept = choice(listed)[0]
+        if kept is None or settled(listed[kept]):
+            return listed
+        search(kept)
 
 
 def why(options: list[ReplicaOption], chosen: int | None) -> str:
@@ -446,7 +462,8 @@ def why(options: list[ReplicaOption], chosen: int | None) -> str:
                  f"gives the highest simulated throughput ({c.throughput:.2f} samples/s)"]
     else:
         def name(o: ReplicaOption) -> str:
-            return f"{o.layout.pipeline_gpus} GPUs x {o.layout.replicas} ({o.layout.order})"
+            gpus = o.layout.pipeline_gpus
+            return f"{gpus} GPU{'s' if gpus > 1 else ''} x {o.layout.replicas} ({o.layout.order})"
 
         parts = [f"{c.layout.replicas} replica(s) of a {c.layout.pipeline_gpus}-GPU pipeline, {c.layout.order}, "
                  f"gives {c.throughput:.2f} samples/s, and "

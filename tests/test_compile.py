@@ -355,11 +355,14 @@ def mlp_problem():
     return Problem(graph, analytic_profile(graph, load_hardware(cluster.hardware)), cluster)
 
 
-@pytest.mark.parametrize("schedule", ["async", "1f1b"])
-def test_screened_layouts_keep_the_best_and_bounds_hold(mlp_problem, schedule):
+@pytest.mark.parametrize("schedule,link", [("async", None), ("1f1b", None), ("async", 8e7)])
+def test_screened_layouts_keep_the_best_and_bounds_hold(mlp_problem, schedule, link):
     """24 GPUs have 15 layouts: compile screens them. Against every layout planned in full
     (brute force), no throughput exceeds its bound, no skipped layout could have won, and the
-    choice is the brute-force best."""
+    choice is the brute-force choice: the fastest unless a less stale layout is within 1 % of it.
+    With hosts linked at 80 MB/s (``link``), 12-GPU pipelines x 2 replicas (2.25 updates stale) are
+    the fastest and 24 replicas of one GPU (not stale) are within 1 % of them: the rule decides
+    (the layouts deciding are planned by strategies that do not stop at a time limit here)."""
     from dataclasses import replace as dc_replace
 
     from ftcompile.compile import compile_plan
@@ -367,6 +370,8 @@ def test_screened_layouts_keep_the_best_and_bounds_hold(mlp_problem, schedule):
 
     names = "uniform,params,acyclic,seq"
     cluster = mlp_problem.cluster.with_overrides(gpus=24)
+    if link is not None:
+        cluster = dc_replace(cluster, inter_node_bandwidth=link)
     base = dc_replace(mlp_problem, cluster=cluster, schedule=schedule)
     lays = layouts(cluster)
     assert len(lays) > 8 and screens(lays, None)
@@ -387,15 +392,17 @@ def test_screened_layouts_keep_the_best_and_bounds_hold(mlp_problem, schedule):
     fastest = max(t for t, _ in full)
     near = [(s, -t) for t, s in full if t > 0.99 * fastest]
     assert c.planned == "all" and (c.staleness, -c.throughput) == pytest.approx(min(near), rel=1e-9)
+    assert (c.throughput < fastest * (1 - 1e-9)) == (link is not None)    # whether the rule decided
     full = [t for t, _ in full]
     kinds = {o.planned for o in options}
-    assert "screened" in kinds and "bounded" in kinds, kinds
+    assert "screened" in kinds and ("bounded" in kinds or link is not None), kinds    # (slow links: no bound binds)
     for o, best in zip(options, full):
         if o.planned == "bounded":
             assert not o.feasible and "not planned" in o.reason
             assert best <= o.bound * (1 + 1e-9) and o.bound < c.throughput
         elif o.planned == "screened":
-            assert o.feasible and o.throughput <= best * (1 + 1e-9)
+            # (planned in full, compile may keep a less stale row up to 1 % slower under async)
+            assert o.feasible and o.throughput <= best * (1 + 1e-9) / (0.99 if schedule == "async" else 1)
             assert {r.name for r in o.result.results} == {"uniform", "params", "acyclic"}
 
 
