@@ -779,8 +779,9 @@ def replicas_section(options, chosen: int | None, whole_cluster) -> dict:
                     f"without the searching strategies ({', '.join(SEARCHING_STRATEGIES)}; 'screened'), a layout whose "
                     f"throughput bound (the busiest GPU's least work per step, or its all-reduce lane) is below "
                     f"the best found before (x (1 - {GAIN:.0%})^2 where staleness grows with depth) was not "
-                    f"planned ('bounded'), and the {SEARCHED_LAYOUTS} best layout(s), and the one kept, were then "
-                    f"planned with every strategy asked for")
+                    f"planned ('bounded'); a layout they found no plan for, the {SEARCHED_LAYOUTS} best "
+                    f"layout(s) and the one kept were then planned with every strategy asked for, the first "
+                    f"where its bound reaches the best found")
     return {"cluster": whole_cluster.to_json(), "gpus": whole_cluster.physical_gpus,
             "options": [o.row() for o in options], "chosen": chosen,
             "replicas": c.layout.replicas if c else None, "pipeline_gpus": c.layout.pipeline_gpus if c else None,

@@ -406,6 +406,45 @@ def test_screened_layouts_keep_the_best_and_bounds_hold(mlp_problem, schedule, l
             assert {r.name for r in o.result.results} == {"uniform", "params", "acyclic"}
 
 
+def test_screening_plans_in_full_a_layout_only_a_searching_strategy_fits():
+    """Under tight memory the strategies that do not search may find no plan for a layout that
+    Mixed-pipe fits, and that layout may be the fastest: GPT-2 tiny on 24 GPUs of 4.6 MB (async),
+    where uniform, params and acyclic fit no 2-GPU pipeline (checked here) and Mixed-pipe does.
+    Screening must plan it with every strategy and keep it."""
+    from dataclasses import replace as dc_replace
+
+    from ftcompile.cluster import PRESETS
+    from ftcompile.compile import compile_plan
+    from ftcompile.hardware import load_hardware
+    from ftcompile.models import ModelOptions, build_model
+    from ftcompile.plan import Problem, evaluate
+    from ftcompile.profile import analytic_profile
+    from ftcompile.replicas import compile_replicated, layouts, replicated_problem, screens
+    from ftcompile.trace import trace
+
+    built = build_model("gpt2-tiny", ModelOptions())
+    graph = trace(built.model, built.args, built.kwargs, source={"model": "gpt2-tiny", "options": {}})
+    cluster = dc_replace(PRESETS["2xcpu"].with_overrides(gpus=24), gpu_memory=4_600_000)
+    base = Problem(graph, analytic_profile(graph, load_hardware(cluster.hardware)), cluster, schedule="async")
+    lays = layouts(cluster)
+    assert screens(lays, None)
+    two = [i for i, lay in enumerate(lays) if lay.pipeline_gpus == 2]
+    for i in two:       # the premise: no strategy that does not search fits a 2-GPU pipeline
+        fast = compile_plan(replicated_problem(base, cluster, lays[i]), "uniform,params,acyclic", jobs=1)
+        assert fast.chosen is None
+    options, chosen = compile_replicated(base, "uniform,params,acyclic,mixed", jobs=1, time_limit=2)
+    c = options[chosen]
+    assert c.layout.pipeline_gpus == 2 and c.planned == "all" and c.result.best().name.startswith("mixed")
+    assert all(c.throughput >= o.throughput for o in options if o.feasible)
+    # the plan kept fits: every GPU's memory, priced again here, within the 4.6 MB
+    pb = replicated_problem(base, cluster, c.layout)
+    assert all(g.memory_bytes <= cluster.gpu_memory for g in evaluate(pb, c.result.best().plan).gpus)
+    # every layout the fast strategies could not fit and whose bound reaches the kept was planned in full
+    for o in options:
+        if not o.feasible and o.bound is not None and o.bound >= c.throughput:
+            assert o.planned == "all", (o.layout, o.planned, o.reason)
+
+
 def test_a_staler_layout_must_be_one_per_cent_faster_to_be_chosen(mlp_problem):
     """The (P, R) layouts follow the rule a pipeline's plans follow: the fastest unless a layout
     with less stale weights is within 1 % of it. Real options of the MLP on 4 GPUs (async), their
