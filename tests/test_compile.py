@@ -437,7 +437,8 @@ def test_screening_plans_in_full_a_layout_only_a_searching_strategy_fits():
     # (whether Mixed-pipe fits a 2-GPU plan in its 2 s depends on the machine: on a quiet one it
     # does, 4702.9 samples/s, and that layout is kept, 5.6 % faster than the best 3-GPU one)
     assert [options[i].planned for i in two] == ["all", "all"]
-    assert c.planned == "all" and all(c.throughput >= o.throughput for o in options if o.feasible)
+    fastest = max(o.throughput for o in options if o.feasible)
+    assert c.planned == "all" and c.throughput > 0.99 * fastest     # (a less stale layout within 1 % may be kept)
     # the plan kept fits: every GPU's memory, priced again here, within the 4.6 MB
     pb = replicated_problem(base, cluster, c.layout)
     assert all(g.memory_bytes <= cluster.gpu_memory for g in evaluate(pb, c.result.best().plan).gpus)
