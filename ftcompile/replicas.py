@@ -382,10 +382,12 @@ def _compile_screened(base, lays: list[ReplicaLayout], strategies, *, jobs, prog
     :data:`~ftcompile.inflight.GAIN` slower than the fastest for its fresher weights, and planning
     the best layout again with every strategy may leave it up to GAIN slower than its screened
     plan (:func:`~ftcompile.compile.choose` keeps a fresher row that close): so a bound is ruled
-    out only below the best so far x (1 - GAIN)^2. The layout :func:`choice` keeps is always
-    planned with every strategy (unless throughput alone decides and its screened plan reaches its
-    bound): the best by throughput, then, while the choice falls on a layout only screened, that
-    one, and the choice is made again. Before that, a layout the strategies that do not search
+    out only below the best so far x (1 - GAIN)^2. The layouts :func:`choice` finds fastest and
+    keeps are always planned with every strategy (unless throughput alone decides and a screened
+    plan reaches its bound): the best by throughput, then, while the choice's fastest or kept is a
+    layout only screened, that one, and the choice is made again. A screened layout that is
+    neither keeps its screened plan, even where planning it in full could make it the fastest:
+    that is what screening trades for time. Before that, a layout the strategies that do not search
     found no plan for is planned with every strategy unless its bound is below the best so far:
     under tight memory the searching ones may fit what they cannot.
     """
@@ -398,6 +400,8 @@ def _compile_screened(base, lays: list[ReplicaLayout], strategies, *, jobs, prog
     from .inflight import GAIN
 
     reach = (1 - GAIN) ** 2 if _stales_by_depth(base.schedule) else 1.0    # of the best throughput so far
+    margin = (f" less {1 - reach:.2%} (a less stale layout within {GAIN:.0%} of the fastest is kept, and "
+              f"planning the best in full may keep a row up to {GAIN:.0%} slower)" if reach < 1 else "")
     options: dict[int, ReplicaOption] = {}
     best: ReplicaOption | None = None
     for i in sorted(range(len(lays)), key=lambda i: (lays[i].pipeline_gpus, ORDERS.index(lays[i].order))):
@@ -411,9 +415,7 @@ def _compile_screened(base, lays: list[ReplicaLayout], strategies, *, jobs, prog
             if best is not None and bound * (1 + 1e-9) < best.throughput * reach:
                 opt = ReplicaOption(lay, False, f"not planned: no plan of it can exceed {bound:.2f} samples/s "
                                     f"(throughput bound), below the {best.throughput:.2f} of "
-                                    f"{best.layout.pipeline_gpus} GPU(s) x {best.layout.replicas}"
-                                    + (f" x {reach:.4f} (a less stale layout within {GAIN:.0%} of the fastest "
-                                       "would be kept)" if reach < 1 else ""),
+                                    f"{best.layout.pipeline_gpus} GPU(s) x {best.layout.replicas}" + margin,
                                     problem=pb, planned="bounded", bound=bound)
             else:
                 opt = _plan_layout(pb, lay, cluster, fast, jobs=jobs, strategy_progress=strategy_progress,
@@ -425,6 +427,7 @@ def _compile_screened(base, lays: list[ReplicaLayout], strategies, *, jobs, prog
             best = opt
         if progress:
             progress(opt)
+
     def search(i: int) -> None:
         o = options[i]
         opt = _plan_layout(o.problem, o.layout, cluster, names, jobs=jobs, strategy_progress=strategy_progress,
@@ -446,7 +449,8 @@ def _compile_screened(base, lays: list[ReplicaLayout], strategies, *, jobs, prog
             search(i)
         else:
             options[i].reason += (f"; not planned with the searching strategies: no plan of it can exceed "
-                                  f"{options[i].bound:.2f} samples/s (throughput bound), below the {top:.2f} found")
+                                  f"{options[i].bound:.2f} samples/s (throughput bound), below the {top:.2f} "
+                                  f"of the best layout found" + margin)
 
     def settled(o: ReplicaOption) -> bool:
         # Planned with every strategy, or, where only throughput decides, already at its bound.
@@ -457,12 +461,16 @@ def _compile_screened(base, lays: list[ReplicaLayout], strategies, *, jobs, prog
     for i in ranked[:SEARCHED_LAYOUTS]:
         if not settled(options[i]):
             search(i)
-    while True:             # each round plans one more layout in full: it ends
+    # The fastest sets the window the choice keeps a less stale layout in, and planning a layout
+    # in full can leave it up to GAIN slower (the rule within it): so both the fastest and the
+    # kept are planned in full, until neither changes. Each round settles one more layout: it ends.
+    while True:
         listed = [options[i] for i in range(len(lays))]
-        kept = choice(listed)[0]
-        if kept is None or settled(listed[kept]):
+        kept, fastest = choice(listed)
+        todo = [i for i in (fastest, kept) if i is not None and not settled(listed[i])]
+        if not todo:
             return listed
-        search(kept)
+        search(todo[0])
 
 
 def why(options: list[ReplicaOption], chosen: int | None) -> str:
