@@ -819,7 +819,8 @@ def problem_from_doc(doc: dict, graph, prof, *, schedule: str | None = None, mic
 def _replicas_lines(rep: dict) -> list[str]:
     lines = ["", f"## replicas: pipeline length x replicas on {rep['gpus']} GPUs", "",
              "| pipeline GPUs | replicas | rank order | fits | strategy | samples/s (all replicas) | "
-             "staleness (updates) | step ms | all-reduce ms | moved per step: pipeline / all-reduce (across hosts) | max GPU mem | time s | note |",
+             "staleness (updates) | step ms | all-reduce ms | moved per step: pipeline / all-reduce (across hosts) | "
+             "max GPU mem | time s | note |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, o in enumerate(rep["options"]):
         mark = " (chosen)" if i == rep.get("chosen") else ""
