@@ -437,12 +437,18 @@ def _compile_screened(base, lays: list[ReplicaLayout], strategies, *, jobs, prog
         if progress:
             progress(opt)
 
+    return _plan_in_full(options, reach, margin, search)
+
+
+def _plan_in_full(options: dict[int, ReplicaOption], reach: float, margin: str, search) -> list[ReplicaOption]:
+    """:func:`_compile_screened`'s second part: which screened layouts ``search(i)`` plans again
+    with every strategy (it replaces ``options[i]``). Returns the options in layout order."""
     # A layout no fast strategy found a plan for may still fit with a searching one (tight
     # memory: GPT-2 tiny on 24 GPUs of 4.6 MB, where only Mixed-pipe fits a 2-GPU pipeline, 5.6 %
     # faster than the best 3-GPU one): each whose bound reaches the best so far is planned in
     # full, highest bound first.
     unfit = sorted((i for i, o in options.items() if o.planned == "screened" and not o.feasible),
-                   key=lambda i: (-options[i].bound, lays[i].pipeline_gpus))
+                   key=lambda i: (-options[i].bound, options[i].layout.pipeline_gpus))
     for i in unfit:
         top = max((o.throughput for o in options.values() if o.feasible), default=0.0)
         if options[i].bound * (1 + 1e-9) >= top * reach:
@@ -465,7 +471,7 @@ def _compile_screened(base, lays: list[ReplicaLayout], strategies, *, jobs, prog
     # in full can leave it up to GAIN slower (the rule within it): so both the fastest and the
     # kept are planned in full, until neither changes. Each round settles one more layout: it ends.
     while True:
-        listed = [options[i] for i in range(len(lays))]
+        listed = [options[i] for i in range(len(options))]
         kept, fastest = choice(listed)
         todo = [i for i in (fastest, kept) if i is not None and not settled(listed[i])]
         if not todo:
