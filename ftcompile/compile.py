@@ -307,8 +307,8 @@ def fresher_within_gain(rows: list, throughput, stale, tie=lambda r: 0.0):
     :data:`~ftcompile.inflight.GAIN` of its throughput: then the least stale of those, the fastest
     of them, the lowest ``tie``. More staleness must buy that much throughput, as more
     micro-batches in flight must (:func:`~ftcompile.inflight.tune_in_flight`). Used by
-    :func:`choose` (the strategies' rows of one pipeline) and
-    :func:`~ftcompile.replicas.compile_replicated` (the (P, R) layouts).
+    :func:`choose` (the strategies' rows of one pipeline), :func:`~ftcompile.replicas.choice`
+    (the (P, R) layouts) and :func:`~ftcompile.freeze.plan_phase` (a freeze phase's (P, R, M)).
     """
     from .inflight import GAIN
 

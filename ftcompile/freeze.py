@@ -618,9 +618,9 @@ def plan_phase(graph: OpGraph, layer_paths: Sequence[str], frozen: int, cluster,
     # unless one with less stale weights is within inflight.GAIN of it (async, pipedream).
     from .compile import fresher_within_gain
 
-    order = {id(f): i for i, f in enumerate(fitting)}
-    kept, _ = fresher_within_gain(fitting, lambda f: f[0], lambda f: f[1], tie=lambda f: order[id(f)])
-    return kept[2](frozen, tried)
+    kept, _ = fresher_within_gain(list(range(len(fitting))), lambda i: fitting[i][0], lambda i: fitting[i][1],
+                                  tie=lambda i: i)
+    return fitting[kept][2](frozen, tried)
 
 
 def _pipeline_candidates(G: int, S: int, counts, *, pipeline_gpus: int | None, replicas: int | None,
