@@ -550,7 +550,8 @@ def _size_warnings(graph, gpus: int, max_stages: int | None, replicas: int | Non
         out.append(f"{len(layouts)} layouts (pipeline GPUs x replicas) of {gpus} GPUs: planned shortest pipeline "
                    f"first without the searching strategies ({', '.join(SEARCHING_STRATEGIES)}), skipping a layout "
                    f"whose throughput bound is below the best found before it; the searching strategies then run "
-                   f"on the {SEARCHED_LAYOUTS} best (--replicas R plans one layout with every strategy)")
+                   f"on the layouts those found no plan for (where the bound reaches the best), on the "
+                   f"{SEARCHED_LAYOUTS} best and on the one kept (--replicas R plans one layout with every strategy)")
     return out
 
 
